@@ -1,0 +1,105 @@
+"""`Format`: one GGUF tensor type, its block geometry and its numpy codec.
+
+A format works on blocks: `block_elems` weights stored in `block_bytes` bytes. Arrays of
+quantized data are uint8 with the blocks laid end to end along the last axis, as GGUF
+stores a row; the leading axes are rows. `dequantize` and `quantize` keep the leading
+axes and convert the last one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+DequantFn = Callable[[np.ndarray], np.ndarray]
+QuantFn = Callable[[np.ndarray, "np.ndarray | None"], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    type_id: int  # the ggml type id, as in GGUF tensor infos
+    block_elems: int
+    block_bytes: int
+    # (n_blocks, block_bytes) uint8 -> (n_blocks, block_elems) float32
+    dequantize_blocks: DequantFn = field(repr=False)
+    # (n_blocks, block_elems) float32, importance of the same shape or None -> blocks
+    quantize_blocks: QuantFn = field(repr=False)
+    # named lookup tables (grids, value tables) as numpy arrays; the kernels upload these
+    tables: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.block_bytes / self.block_elems
+
+    def row_bytes(self, n_elems: int) -> int:
+        """Bytes of a row of `n_elems` weights; ValueError if not whole blocks."""
+        if n_elems % self.block_elems:
+            raise ValueError(
+                f"{self.name}: a row of {n_elems} weights is not a whole number of "
+                f"{self.block_elems}-weight blocks")
+        return n_elems // self.block_elems * self.block_bytes
+
+    def check_bytes(self, data: np.ndarray) -> np.ndarray:
+        """Validate quantized data: uint8 (or raw bytes), whole blocks along the last axis."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data = np.frombuffer(data, dtype=np.uint8)
+        if not isinstance(data, np.ndarray):
+            raise ValueError(f"{self.name}: quantized data must be a uint8 numpy array, "
+                             f"got {type(data).__name__}")
+        if data.dtype != np.uint8:
+            raise ValueError(f"{self.name}: quantized data must be uint8 bytes, got dtype "
+                             f"{data.dtype}; view it with .view(np.uint8) if it holds raw blocks")
+        if data.ndim == 0 or data.shape[-1] % self.block_bytes:
+            n = data.shape[-1] if data.ndim else 0
+            raise ValueError(
+                f"{self.name}: {n} bytes per row is not a whole number of blocks; expected a "
+                f"multiple of {self.block_bytes} bytes ({self.block_elems} weights a block)")
+        return data
+
+    def dequantize(self, data: np.ndarray) -> np.ndarray:
+        """Quantized bytes (..., k * block_bytes) -> float32 (..., k * block_elems)."""
+        data = self.check_bytes(data)
+        lead = data.shape[:-1]
+        blocks = np.ascontiguousarray(data).reshape(-1, self.block_bytes)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf scales propagate
+            out = self.dequantize_blocks(blocks)
+        return out.reshape(*lead, data.shape[-1] // self.block_bytes * self.block_elems)
+
+    def quantize(self, x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+        """Float array (..., k * block_elems) -> quantized bytes (..., k * block_bytes).
+
+        `importance`, where the format uses it, weighs each weight's squared error; it is
+        broadcast against `x` (one value per column, as an importance matrix gives, or one
+        per weight)."""
+        x = np.asarray(x)
+        if x.dtype.kind != "f":
+            raise ValueError(f"{self.name}: quantize takes floating-point weights, got dtype {x.dtype}")
+        if x.ndim == 0 or x.shape[-1] % self.block_elems:
+            n = x.shape[-1] if x.ndim else 0
+            raise ValueError(
+                f"{self.name}: rows of {n} weights cannot be quantized; expected a multiple "
+                f"of {self.block_elems} weights ({self.block_bytes} bytes a block)")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if not np.isfinite(x).all():
+            raise ValueError(f"{self.name}: the weights hold NaN or Inf; quantize only finite values")
+        lead = x.shape[:-1]
+        blocks = x.reshape(-1, self.block_elems)
+        w = None
+        if importance is not None:
+            w = np.broadcast_to(np.asarray(importance, dtype=np.float32), x.shape)
+            w = np.ascontiguousarray(w).reshape(-1, self.block_elems)
+        out = self.quantize_blocks(blocks, w)
+        assert out.dtype == np.uint8 and out.shape == (blocks.shape[0], self.block_bytes)
+        return out.reshape(*lead, x.shape[-1] // self.block_elems * self.block_bytes)
+
+
+def fp16_to_f32(two_bytes: np.ndarray) -> np.ndarray:
+    """(n, 2) little-endian fp16 bytes -> (n, 1) float32."""
+    return np.ascontiguousarray(two_bytes).view(np.float16).astype(np.float32)
+
+
+def f32_to_fp16_bytes(x: np.ndarray) -> np.ndarray:
+    """(n, 1) float32 -> (n, 2) fp16 bytes, rounded to nearest even."""
+    return np.ascontiguousarray(x, dtype=np.float32).astype(np.float16).view(np.uint8)

@@ -1,0 +1,195 @@
+"""IQ3_XXS and IQ3_S: 256 weights a block, groups of four magnitudes from a 3-bit grid.
+
+IQ3_XXS, 98 bytes (3.0625 bpw):
+  0-1    d fp16
+  2-65   64 grid indices, one byte each, into a 256-entry grid (four magnitudes each)
+  66-97  8 little-endian uint32 words, one per 32 weights: four 7-bit sign indices
+         (bits 0-27, one per 8 weights, into KSIGNS) and a 4-bit scale s (bits 28-31)
+  w = d * (0.5 + s) * 0.5 * grid * sign; grid bytes are 4(2l+1) with 62 (not 60) on top.
+IQ3_S, 110 bytes (3.4375 bpw):
+  0-1 d fp16 | 2-65 grid index low 8 bits | 66-73 qh: bit 8 of index i is bit i%8 of
+  byte i/8 | 74-105 one sign bit per weight | 106-109 a 4-bit scale per 32 weights
+  (low nibble first)
+  w = d * (1 + 2s) * grid * sign; grid values exactly 1, 3, ..., 15.
+Blocks are only 2-byte aligned: the uint32 words are assembled from bytes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .format import Format, f32_to_fp16_bytes, fp16_to_f32
+from .iq3_tables import IQ3_S_GRID_LEVELS, IQ3_XXS_GRID_LEVELS
+
+QK_K = 256
+
+XXS_LEVELS = np.array([4, 12, 20, 28, 36, 44, 52, 62], dtype=np.uint8)
+S_LEVELS = np.array([1, 3, 5, 7, 9, 11, 13, 15], dtype=np.uint8)
+
+
+def _grid(levels_text: tuple[str, ...], levels: np.ndarray) -> np.ndarray:
+    idx = np.array([[int(c) for c in e] for e in "".join(levels_text).split()], dtype=np.uint8)
+    return levels[idx]
+
+
+# (256, 4) and (512, 4) grid magnitudes, as the bytes llama.cpp's uint32 grids hold.
+XXS_GRID = _grid(IQ3_XXS_GRID_LEVELS, XXS_LEVELS)
+S_GRID = _grid(IQ3_S_GRID_LEVELS, S_LEVELS)
+
+
+def _parity(i: np.ndarray) -> np.ndarray:
+    return (np.unpackbits(np.asarray(i, dtype=np.uint8)[..., None], axis=-1).sum(-1) & 1).astype(np.int64)
+
+
+# ksigns_iq2xs: 7 sign bits and their parity as the 8th, so every group of 8 has an even
+# number of minus signs.
+KSIGNS = (np.arange(128) | (_parity(np.arange(128)) << 7)).astype(np.uint8)
+_BITS = np.arange(8, dtype=np.uint8)
+# KSIGNS expanded to +-1.0 per weight: (128, 8)
+_KSIGNS_F32 = np.where((KSIGNS[:, None] >> _BITS) & 1, np.float32(-1), np.float32(1))
+_XXS_GRID_F32 = XXS_GRID.astype(np.float32)
+_S_GRID_F32 = S_GRID.astype(np.float32)
+
+
+# --- dequantization ---------------------------------------------------------------------
+
+def _xxs_dequant(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d = fp16_to_f32(b[:, :2])                                          # (n, 1)
+    words = np.ascontiguousarray(b[:, 66:98]).view("<u4")              # (n, 8)
+    db = d * (np.float32(0.5) + (words >> 28).astype(np.float32)) * np.float32(0.5)
+    sidx = (words[:, :, None] >> np.array([0, 7, 14, 21], dtype=np.uint32)) & 0x7F
+    signs = _KSIGNS_F32[sidx]                                          # (n, 8, 4, 8)
+    grid = _XXS_GRID_F32[b[:, 2:66]].reshape(n, 8, 4, 8)
+    return (db[:, :, None, None] * grid * signs).reshape(n, QK_K)
+
+
+def _s_dequant(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    d = fp16_to_f32(b[:, :2])
+    sc = b[:, 106:110]
+    s = np.stack([sc & 0x0F, sc >> 4], axis=-1).reshape(n, 8)
+    db = d * (1 + 2 * s).astype(np.float32)                            # (n, 8)
+    qh = (b[:, 66:74, None] >> _BITS) & 1                              # (n, 8, 8)
+    idx = b[:, 2:66].astype(np.uint16) | (qh.reshape(n, 64).astype(np.uint16) << 8)
+    grid = _S_GRID_F32[idx].reshape(n, 8, 4, 8)
+    sbits = (b[:, 74:106, None] >> _BITS) & 1                          # (n, 32, 8)
+    signs = np.where(sbits, np.float32(-1), np.float32(1)).reshape(n, 8, 4, 8)
+    return (db[:, :, None, None] * grid * signs).reshape(n, QK_K)
+
+
+# --- quantization -----------------------------------------------------------------------
+# A simple search, vectorised over blocks: per 32 weights try a few scales, each with the
+# nearest grid entry per group of four; keep the scale of least error; store one fp16 d per
+# block and a 4-bit multiplier per 32 weights; then pick the grid entries again for the
+# scale actually stored, so that every group ends on its nearest grid entry.
+
+_SCALE_TRIES = np.linspace(0.75, 1.1, 8, dtype=np.float32)  # amax / (scale * top level)
+_CHUNK = 512  # blocks per step: bounds the (groups x grid) cost matrices to ~64 MiB
+
+
+def _nearest(t: np.ndarray, w: np.ndarray, scale: np.ndarray, grid: np.ndarray):
+    """Grid entry minimising sum w (t - scale*g)^2 for each group of four.
+
+    t, w: (..., 4); scale broadcastable to t[..., 0]. Returns (index, error)."""
+    g = grid.astype(np.float32)
+    cross = (w * t) @ g.T                         # (..., G)
+    quad = w @ (g * g).T                          # (..., G)
+    s = scale[..., None]
+    cost = s * s * quad - 2 * s * cross
+    idx = cost.argmin(axis=-1)
+    err = np.take_along_axis(cost, idx[..., None], -1)[..., 0] + (w * t * t).sum(-1)
+    return idx, err
+
+
+def _signs_and_targets(x: np.ndarray, w: np.ndarray, even_groups: bool):
+    """Sign bits (True = minus) and the magnitudes to fit.
+
+    With `even_groups` (IQ3_XXS) every 8 weights must have an even number of minus signs:
+    where the count is odd, the least important weight (smallest w*x^2) keeps the wrong
+    sign, and its target magnitude becomes -|x| so the grid search favours small values."""
+    neg = x < 0
+    t = np.abs(x)
+    if even_groups:
+        n = x.shape[0]
+        neg8 = neg.reshape(n, -1, 8)
+        odd = neg8.sum(-1) % 2 == 1
+        least = (w * x * x).reshape(n, -1, 8).argmin(-1)
+        flip = np.zeros_like(neg8)
+        np.put_along_axis(flip, least[..., None], odd[..., None], axis=-1)
+        flip = flip.reshape(x.shape)
+        neg = neg ^ flip
+        t = np.where(flip, -t, t)
+    return neg, t
+
+
+def _iq3_search(x: np.ndarray, w: np.ndarray, grid: np.ndarray, dmul: float, even_groups: bool):
+    """Returns d (n,), multipliers s (n, 8), grid indices (n, 64), minus-sign bits (n, 256).
+
+    The stored scale of sub-block b is db = d * (1 + 2 s_b) / dmul; dmul is 4 for IQ3_XXS
+    (db = d * (0.5 + s) * 0.5) and 1 for IQ3_S."""
+    n = x.shape[0]
+    neg, t = _signs_and_targets(x, w, even_groups)
+    t4 = t.reshape(n, 8, 8, 4)
+    w4 = w.reshape(n, 8, 8, 4)
+    top = np.float32(grid.max())
+    amax = np.abs(t).reshape(n, 8, 32).max(-1)                        # (n, 8)
+    best_err = np.full((n, 8), np.inf, dtype=np.float32)
+    best_scale = np.zeros((n, 8), dtype=np.float32)
+    for c in _SCALE_TRIES:
+        scale = amax / (top * c)
+        _, err = _nearest(t4, w4, np.broadcast_to(scale[..., None], (n, 8, 8)), grid)
+        err = err.sum(-1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_scale = np.where(better, scale, best_scale)
+    # One d per block: the largest sub-block scale takes the largest multiplier, 31.
+    d = np.minimum(best_scale.max(-1) * np.float32(dmul / 31), np.float32(65504))
+    d16 = d.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.where(d16[:, None] > 0,
+                     np.rint((best_scale * dmul / d16[:, None] - 1) / 2), 0)
+    s = np.clip(s, 0, 15).astype(np.uint8)
+    if dmul == 4:
+        db = d16[:, None] * (np.float32(0.5) + s.astype(np.float32)) * np.float32(0.5)
+    else:
+        db = d16[:, None] * (1 + 2 * s).astype(np.float32)
+    idx, _ = _nearest(t4, w4, np.broadcast_to(db[..., None], (n, 8, 8)), grid)
+    return d, s, idx.reshape(n, 64), neg
+
+
+def _chunked(fn):
+    def quantize(x: np.ndarray, w):
+        if w is None:
+            w = np.ones_like(x)
+        parts = [fn(x[i:i + _CHUNK], w[i:i + _CHUNK]) for i in range(0, x.shape[0], _CHUNK)]
+        return np.concatenate(parts, axis=0) if parts else np.zeros((0, fn.block_bytes), np.uint8)
+    return quantize
+
+
+def _xxs_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    d, s, idx, neg = _iq3_search(x, w, XXS_GRID, 4.0, even_groups=True)
+    bits = neg.reshape(n, 8, 4, 8)[..., :7].astype(np.uint32)          # 7 stored bits a group
+    sidx = (bits << np.arange(7, dtype=np.uint32)).sum(-1)              # (n, 8, 4)
+    words = (sidx << np.array([0, 7, 14, 21], dtype=np.uint32)).sum(-1) | (s.astype(np.uint32) << 28)
+    return np.concatenate([f32_to_fp16_bytes(d[:, None]), idx.astype(np.uint8),
+                           words.astype("<u4").view(np.uint8)], axis=-1)
+
+
+def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    d, s, idx, neg = _iq3_search(x, w, S_GRID, 1.0, even_groups=False)
+    qh = np.packbits((idx >> 8).astype(np.uint8).reshape(n, 8, 8), axis=-1, bitorder="little")
+    signs = np.packbits(neg.reshape(n, 32, 8), axis=-1, bitorder="little")
+    scales = s[:, 0::2] | (s[:, 1::2] << 4)
+    return np.concatenate([f32_to_fp16_bytes(d[:, None]), (idx & 0xFF).astype(np.uint8),
+                           qh.reshape(n, 8), signs.reshape(n, 32), scales], axis=-1)
+
+
+_xxs_quant.block_bytes = 98
+_s_quant.block_bytes = 110
+
+IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, _chunked(_xxs_quant),
+                 tables={"grid": XXS_GRID, "ksigns": KSIGNS})
+IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, _chunked(_s_quant),
+               tables={"grid": S_GRID})

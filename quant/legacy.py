@@ -1,0 +1,92 @@
+"""The legacy 32-weight formats: Q8_0, Q4_0, Q4_1.
+
+Layouts (little-endian, 2-byte aligned):
+  Q8_0  34 B: d fp16 | 32 x int8 q                 w = d * q
+  Q4_0  18 B: d fp16 | 16 B nibbles                w = d * (q - 8)
+  Q4_1  20 B: d fp16 | m fp16 | 16 B nibbles       w = d * q + m
+Nibbles: byte i holds weight i in its low half and weight i + 16 in its high half.
+The quantizers follow ggml's reference ones (quantize_row_q*_ref), so that their bytes
+equal gguf-py's.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .format import Format, f32_to_fp16_bytes, fp16_to_f32
+
+QK = 32
+
+
+def unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    """(n, 16) bytes -> (n, 32) uint8 values 0..15 in weight order."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """(n, 32) values 0..15 -> (n, 16) bytes."""
+    q = q.astype(np.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _reciprocal(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def round_away(x: np.ndarray) -> np.ndarray:
+    """C's roundf: halves away from zero. Not floor(|x| + 0.5): in float32 that sum rounds
+    up for |x| just below one half."""
+    a = np.abs(x)
+    whole = np.floor(a)
+    return np.sign(x) * (whole + (a - whole >= np.float32(0.5)))
+
+
+# --- Q8_0 -------------------------------------------------------------------------------
+
+def _q8_0_dequant(b: np.ndarray) -> np.ndarray:
+    d = fp16_to_f32(b[:, :2])
+    return b[:, 2:].view(np.int8).astype(np.float32) * d
+
+
+def _q8_0_quant(x: np.ndarray, w) -> np.ndarray:
+    d = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
+    q = round_away(x * _reciprocal(d)).astype(np.int8)
+    return np.concatenate([f32_to_fp16_bytes(d), q.view(np.uint8)], axis=-1)
+
+
+# --- Q4_0 -------------------------------------------------------------------------------
+
+def _q4_0_dequant(b: np.ndarray) -> np.ndarray:
+    d = fp16_to_f32(b[:, :2])
+    q = unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+    return d * q.astype(np.float32)
+
+
+def _q4_0_quant(x: np.ndarray, w) -> np.ndarray:
+    # The weight of largest magnitude, with its sign, maps to -8: the asymmetric end.
+    imax = np.abs(x).argmax(axis=-1)[:, None]
+    d = np.take_along_axis(x, imax, axis=-1) / np.float32(-8)
+    q = np.trunc(x * _reciprocal(d) + np.float32(8.5)).clip(0, 15)
+    return np.concatenate([f32_to_fp16_bytes(d), pack_nibbles(q)], axis=-1)
+
+
+# --- Q4_1 -------------------------------------------------------------------------------
+
+def _q4_1_dequant(b: np.ndarray) -> np.ndarray:
+    d = fp16_to_f32(b[:, :2])
+    m = fp16_to_f32(b[:, 2:4])
+    q = unpack_nibbles(b[:, 4:]).astype(np.float32)
+    return (d * q) + m
+
+
+def _q4_1_quant(x: np.ndarray, w) -> np.ndarray:
+    lo = x.min(axis=-1, keepdims=True)
+    hi = x.max(axis=-1, keepdims=True)
+    d = (hi - lo) / np.float32(15)
+    q = np.trunc((x - lo) * _reciprocal(d) + np.float32(0.5)).clip(0, 15)
+    return np.concatenate([f32_to_fp16_bytes(d), f32_to_fp16_bytes(lo), pack_nibbles(q)], axis=-1)
+
+
+Q8_0 = Format("Q8_0", 8, QK, 34, _q8_0_dequant, _q8_0_quant)
+Q4_0 = Format("Q4_0", 2, QK, 18, _q4_0_dequant, _q4_0_quant)
+Q4_1 = Format("Q4_1", 3, QK, 20, _q4_1_dequant, _q4_1_quant)

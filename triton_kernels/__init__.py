@@ -1,0 +1,10 @@
+"""Strata's Triton kernels, each with a torch implementation beside it.
+
+Not OpenAI's package of the same import name: `__strata__` marks this one, and `strata`
+refuses to start when `import triton_kernels` finds another.
+"""
+__strata__ = True
+
+from .dequant import dequantize, dequantize_torch  # noqa: E402
+
+__all__ = ["dequantize", "dequantize_torch"]

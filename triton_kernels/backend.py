@@ -1,0 +1,19 @@
+"""Where a kernel runs: the one place that decides.
+
+CUDA tensors run the Triton kernel. CPU tensors run the op's torch implementation, unless
+the Triton interpreter is on (TRITON_INTERPRET=1, as the tests set it), in which case the
+Triton kernel itself runs on the CPU, slowly, so that CI checks the kernel's code.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or interpreter_on()

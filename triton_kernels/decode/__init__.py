@@ -1,0 +1,58 @@
+"""Per-format `@triton.jit` decode functions.
+
+A decode function turns weights of quantized blocks into float32 values:
+
+    decode(q_ptr, tab_ptr, blk, j, mask) -> float32 tensor shaped like `blk`
+
+`q_ptr` points at the uint8 blocks, `blk` holds block indices (int64), `j` the weight's
+position inside its block (int32), `mask` which lanes are live; `tab_ptr` points at the
+format's lookup table (uint8, from `table()`), unused by formats without one. Any tile
+shape works, so the dequant, qmatmul, MoE and PLE-gather kernels share these functions.
+Each function repeats the numpy codec's float operations in the same order, so that the
+results are bit-exact with quant/ (on a GPU, when launched with enable_fp_fusion=False).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import quant
+
+from .floats import decode_bf16, decode_f16, decode_f32
+from .iq3 import decode_iq3_s, decode_iq3_xxs
+from .iq4 import decode_iq4_nl
+from .legacy import decode_q4_0, decode_q4_1, decode_q8_0
+
+DECODERS = {
+    "F32": decode_f32, "F16": decode_f16, "BF16": decode_bf16,
+    "Q8_0": decode_q8_0, "Q4_0": decode_q4_0, "Q4_1": decode_q4_1,
+    "IQ4_NL": decode_iq4_nl, "IQ3_XXS": decode_iq3_xxs, "IQ3_S": decode_iq3_s,
+}
+
+
+def _table_bytes(fmt: quant.Format) -> np.ndarray:
+    """The format's tables as one uint8 array, laid out as its decode function expects."""
+    if fmt.name == "IQ3_XXS":  # grid bytes (256 x 4), then ksigns (128)
+        return np.concatenate([fmt.tables["grid"].reshape(-1), fmt.tables["ksigns"]])
+    if fmt.name == "IQ3_S":    # grid bytes (512 x 4)
+        return fmt.tables["grid"].reshape(-1)
+    if fmt.name == "IQ4_NL":   # the 16 int8 values
+        return fmt.tables["kvalues"].view(np.uint8)
+    return np.zeros(1, dtype=np.uint8)
+
+
+_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def table(fmt: quant.Format, device: torch.device) -> torch.Tensor:
+    key = (fmt.name, str(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.from_numpy(_table_bytes(fmt).copy()).to(device)
+    return _TABLES[key]
+
+
+def decoder(fmt: quant.Format):
+    try:
+        return DECODERS[fmt.name]
+    except KeyError:
+        raise ValueError(f"{fmt.name}: no Triton decode function for this format yet") from None

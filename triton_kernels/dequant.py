@@ -1,0 +1,208 @@
+"""Dequantization: GGUF blocks -> float tensors.
+
+    dequantize(q, fmt, dtype=torch.float32) -> Tensor
+
+`q` is a uint8 tensor of whole blocks along its last axis (1-D, or row-major 2-D with one
+tensor row per row); the result has the same leading axes and `k * block_elems` values
+per row. One generic Triton kernel serves every format: the format's decode function
+(triton_kernels.decode) is a constexpr argument. `dequantize_torch` is the same
+computation in vectorised torch, the CPU fast path.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import quant
+
+from .backend import use_triton
+from .decode import decoder, table
+
+OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, tab_ptr, out_ptr, n_elements,
+                    DECODE: tl.constexpr, QK: tl.constexpr, BLOCK: tl.constexpr,
+                    OUT_BF16: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # flat weight index; rows are whole blocks
+    mask = offs < n_elements
+    blk = offs // QK
+    j = (offs % QK).to(tl.int32)
+    v = DECODE(q_ptr, tab_ptr, blk, j, mask)
+    if OUT_BF16:
+        # Round to nearest even by hand and store the bits: the interpreter holds bf16 as
+        # raw uint16, so a bf16 cast there is not to be trusted.
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
+        tl.store(out_ptr + offs, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def check_blocks(q: torch.Tensor, fmt: quant.Format) -> None:
+    """ValueError naming the format and the expected size, for anything but whole blocks."""
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"{fmt.name}: expected a uint8 torch tensor of blocks, got {type(q).__name__}")
+    if q.dtype != torch.uint8:
+        raise ValueError(f"{fmt.name}: quantized data must be a uint8 tensor, got {q.dtype}; "
+                         f"use .view(torch.uint8) on raw blocks")
+    if q.dim() == 0 or q.shape[-1] % fmt.block_bytes:
+        n = q.shape[-1] if q.dim() else 0
+        raise ValueError(f"{fmt.name}: {n} bytes per row is not a whole number of blocks; "
+                         f"expected a multiple of {fmt.block_bytes} bytes "
+                         f"({fmt.block_elems} weights a block)")
+
+
+def _out_shape(q: torch.Tensor, fmt: quant.Format) -> tuple[int, ...]:
+    return (*q.shape[:-1], q.shape[-1] // fmt.block_bytes * fmt.block_elems)
+
+
+def dequantize(q: torch.Tensor, fmt: str | int | quant.Format,
+               dtype: torch.dtype = torch.float32, block: int = 1024) -> torch.Tensor:
+    fmt = quant.get(fmt)
+    check_blocks(q, fmt)
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"{fmt.name}: dequantize writes float32, float16 or bfloat16, not {dtype}")
+    if not use_triton(q):
+        return dequantize_torch(q, fmt, dtype)
+    q = q.contiguous()
+    out = torch.empty(_out_shape(q, fmt), dtype=dtype, device=q.device)
+    n = out.numel()
+    if n:
+        grid = (triton.cdiv(n, block),)
+        dst = out.view(torch.int16) if dtype == torch.bfloat16 else out
+        # No FMA contraction: Q4_1's d*q+m must round twice, as numpy does.
+        _dequant_kernel[grid](q, table(fmt, q.device), dst, n, DECODE=decoder(fmt),
+                              QK=fmt.block_elems, BLOCK=block,
+                              OUT_BF16=dtype == torch.bfloat16, enable_fp_fusion=False)
+    return out
+
+
+# --- torch implementation ---------------------------------------------------------------
+
+_CHUNK_BLOCKS = 8192  # per step of the torch path: keeps its temporaries in cache
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """(n, 2) fp16 bytes -> (n, 1) float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+class _Tables:
+    """Torch copies of the format tables, per device, built once."""
+    _cache: dict = {}
+
+    @classmethod
+    def get(cls, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, str(device))
+        if key not in cls._cache:
+            cls._cache[key] = _build_table(name).to(device)
+        return cls._cache[key]
+
+
+def _signed_grid(grid, sign_bits_per_entry: int = 4) -> torch.Tensor:
+    """Grid entries with every sign pattern folded in: row gi*16 + signs -> 4 values.
+    Folding the sign into the table is exact: (db*g)*-1 == db*(-g)."""
+    g = torch.from_numpy(grid.astype("float32"))                        # (G, 4)
+    pat = torch.arange(16)[:, None] >> torch.arange(4)                  # (16, 4)
+    sign = torch.where(pat & 1 == 1, -1.0, 1.0)
+    return (g[:, None, :] * sign[None]).reshape(-1, 4)
+
+
+def _build_table(name: str) -> torch.Tensor:
+    from quant import iq3, iq4
+    if name == "iq3_xxs_signed":
+        return _signed_grid(iq3.XXS_GRID)
+    if name == "iq3_s_signed":
+        return _signed_grid(iq3.S_GRID)
+    if name == "ksigns":
+        return torch.from_numpy(iq3.KSIGNS.astype("int64"))
+    if name == "iq4_nl":
+        return torch.from_numpy(iq4.KVALUES.astype("float32"))
+    raise KeyError(name)
+
+
+def _deq_f32(b, dev):
+    return b.contiguous().view(torch.float32).clone()
+
+
+def _deq_f16(b, dev):
+    return b.contiguous().view(torch.float16).float()
+
+
+def _deq_bf16(b, dev):
+    return (b.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
+def _deq_q8_0(b, dev):
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+
+
+def _deq_q4_0(b, dev):
+    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+
+
+def _deq_q4_1(b, dev):
+    return (_f16(b[:, :2]) * _nibbles(b[:, 4:]).float()) + _f16(b[:, 2:4])
+
+
+def _deq_iq4_nl(b, dev):
+    return _f16(b[:, :2]) * _Tables.get("iq4_nl", dev)[_nibbles(b[:, 2:]).long()]
+
+
+def _deq_iq3_xxs(b, dev):
+    n = b.shape[0]
+    d = _f16(b[:, :2])                                                   # (n, 1)
+    words = b[:, 66:98].contiguous().view(torch.int32).long() & 0xFFFFFFFF  # (n, 8)
+    db = d * (0.5 + (words >> 28).float()) * 0.5                         # (n, 8)
+    shifts = torch.tensor([0, 7, 14, 21], device=dev)
+    ks = _Tables.get("ksigns", dev)[(words[:, :, None] >> shifts) & 0x7F]   # (n, 8, 4)
+    # each grid entry covers 4 weights: its sign nibble is half of the group's ksigns byte
+    nib = torch.stack([ks & 0x0F, ks >> 4], dim=-1).reshape(n, 64)
+    vals = _Tables.get("iq3_xxs_signed", dev)[b[:, 2:66].long() * 16 + nib]  # (n, 64, 4)
+    return (db[:, :, None] * vals.reshape(n, 8, 32)).reshape(n, 256)
+
+
+def _deq_iq3_s(b, dev):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    sc = b[:, 106:110].long()
+    s = torch.stack([sc & 0x0F, sc >> 4], dim=-1).reshape(n, 8)
+    db = d * (1 + 2 * s).float()                                         # (n, 8)
+    bits = torch.arange(8, device=dev)
+    qh = (b[:, 66:74, None].long() >> bits) & 1                          # (n, 8, 8)
+    gi = b[:, 2:66].long() | (qh.reshape(n, 64) << 8)
+    sb = b[:, 74:106].long()
+    nib = torch.stack([sb & 0x0F, sb >> 4], dim=-1).reshape(n, 64)
+    vals = _Tables.get("iq3_s_signed", dev)[gi * 16 + nib]               # (n, 64, 4)
+    return (db[:, :, None] * vals.reshape(n, 8, 32)).reshape(n, 256)
+
+
+_TORCH = {
+    "F32": _deq_f32, "F16": _deq_f16, "BF16": _deq_bf16, "Q8_0": _deq_q8_0,
+    "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "IQ4_NL": _deq_iq4_nl,
+    "IQ3_XXS": _deq_iq3_xxs, "IQ3_S": _deq_iq3_s,
+}
+
+
+def dequantize_torch(q: torch.Tensor, fmt: str | int | quant.Format,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    fmt = quant.get(fmt)
+    check_blocks(q, fmt)
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"{fmt.name}: dequantize writes float32, float16 or bfloat16, not {dtype}")
+    fn = _TORCH[fmt.name]
+    blocks = q.reshape(-1, fmt.block_bytes)
+    out = torch.empty((blocks.shape[0], fmt.block_elems), dtype=dtype, device=q.device)
+    for i in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+        part = blocks[i:i + _CHUNK_BLOCKS]
+        out[i:i + _CHUNK_BLOCKS] = fn(part, q.device)  # .to(dtype) rounds to nearest even
+    return out.reshape(_out_shape(q, fmt))
