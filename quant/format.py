@@ -28,6 +28,8 @@ class Format:
     quantize_blocks: QuantFn = field(repr=False)
     # named lookup tables (grids, value tables) as numpy arrays; the kernels upload these
     tables: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
+    # byte offsets of the fp16 scale fields inside a block (d, and Q4_1's m)
+    scale_offsets: tuple[int, ...] = ()
 
     @property
     def bits_per_weight(self) -> float:

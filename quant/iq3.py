@@ -52,11 +52,25 @@ _S_GRID_F32 = S_GRID.astype(np.float32)
 
 # --- dequantization ---------------------------------------------------------------------
 
-def _xxs_dequant(b: np.ndarray) -> np.ndarray:
-    n = b.shape[0]
+def xxs_sub_scales(b: np.ndarray) -> np.ndarray:
+    """(n, 98) IQ3_XXS blocks -> (n, 8) float32 scales db, one per 32 weights."""
     d = fp16_to_f32(b[:, :2])                                          # (n, 1)
     words = np.ascontiguousarray(b[:, 66:98]).view("<u4")              # (n, 8)
-    db = d * (np.float32(0.5) + (words >> 28).astype(np.float32)) * np.float32(0.5)
+    return d * (np.float32(0.5) + (words >> 28).astype(np.float32)) * np.float32(0.5)
+
+
+def s_sub_scales(b: np.ndarray) -> np.ndarray:
+    """(n, 110) IQ3_S blocks -> (n, 8) float32 scales db, one per 32 weights."""
+    d = fp16_to_f32(b[:, :2])
+    sc = b[:, 106:110]
+    s = np.stack([sc & 0x0F, sc >> 4], axis=-1).reshape(b.shape[0], 8)
+    return d * (1 + 2 * s).astype(np.float32)
+
+
+def _xxs_dequant(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    db = xxs_sub_scales(b)
+    words = np.ascontiguousarray(b[:, 66:98]).view("<u4")              # (n, 8)
     sidx = (words[:, :, None] >> np.array([0, 7, 14, 21], dtype=np.uint32)) & 0x7F
     signs = _KSIGNS_F32[sidx]                                          # (n, 8, 4, 8)
     grid = _XXS_GRID_F32[b[:, 2:66]].reshape(n, 8, 4, 8)
@@ -65,10 +79,7 @@ def _xxs_dequant(b: np.ndarray) -> np.ndarray:
 
 def _s_dequant(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
-    d = fp16_to_f32(b[:, :2])
-    sc = b[:, 106:110]
-    s = np.stack([sc & 0x0F, sc >> 4], axis=-1).reshape(n, 8)
-    db = d * (1 + 2 * s).astype(np.float32)                            # (n, 8)
+    db = s_sub_scales(b)                                               # (n, 8)
     qh = (b[:, 66:74, None] >> _BITS) & 1                              # (n, 8, 8)
     idx = b[:, 2:66].astype(np.uint16) | (qh.reshape(n, 64).astype(np.uint16) << 8)
     grid = _S_GRID_F32[idx].reshape(n, 8, 4, 8)
@@ -157,12 +168,13 @@ def _iq3_search(x: np.ndarray, w: np.ndarray, grid: np.ndarray, dmul: float, eve
     return d, s, idx.reshape(n, 64), neg
 
 
-def _chunked(fn):
+def _chunked(fn, block_bytes: int):
+    """Run `fn` over chunks of blocks; no importance means every weight counts the same."""
     def quantize(x: np.ndarray, w):
         if w is None:
             w = np.ones_like(x)
         parts = [fn(x[i:i + _CHUNK], w[i:i + _CHUNK]) for i in range(0, x.shape[0], _CHUNK)]
-        return np.concatenate(parts, axis=0) if parts else np.zeros((0, fn.block_bytes), np.uint8)
+        return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
     return quantize
 
 
@@ -186,10 +198,7 @@ def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
                            qh.reshape(n, 8), signs.reshape(n, 32), scales], axis=-1)
 
 
-_xxs_quant.block_bytes = 98
-_s_quant.block_bytes = 110
-
-IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, _chunked(_xxs_quant),
-                 tables={"grid": XXS_GRID, "ksigns": KSIGNS})
-IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, _chunked(_s_quant),
-               tables={"grid": S_GRID})
+IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, _chunked(_xxs_quant, 98),
+                 tables={"grid": XXS_GRID, "ksigns": KSIGNS}, scale_offsets=(0,))
+IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, _chunked(_s_quant, 110),
+               tables={"grid": S_GRID}, scale_offsets=(0,))

@@ -39,4 +39,5 @@ def _quant(x: np.ndarray, w) -> np.ndarray:
     return np.concatenate([f32_to_fp16_bytes(d), pack_nibbles(q)], axis=-1)
 
 
-IQ4_NL = Format("IQ4_NL", 20, QK, 18, _dequant, _quant, tables={"kvalues": KVALUES})
+IQ4_NL = Format("IQ4_NL", 20, QK, 18, _dequant, _quant, tables={"kvalues": KVALUES},
+                scale_offsets=(0,))

@@ -87,6 +87,6 @@ def _q4_1_quant(x: np.ndarray, w) -> np.ndarray:
     return np.concatenate([f32_to_fp16_bytes(d), f32_to_fp16_bytes(lo), pack_nibbles(q)], axis=-1)
 
 
-Q8_0 = Format("Q8_0", 8, QK, 34, _q8_0_dequant, _q8_0_quant)
-Q4_0 = Format("Q4_0", 2, QK, 18, _q4_0_dequant, _q4_0_quant)
-Q4_1 = Format("Q4_1", 3, QK, 20, _q4_1_dequant, _q4_1_quant)
+Q8_0 = Format("Q8_0", 8, QK, 34, _q8_0_dequant, _q8_0_quant, scale_offsets=(0,))
+Q4_0 = Format("Q4_0", 2, QK, 18, _q4_0_dequant, _q4_0_quant, scale_offsets=(0,))
+Q4_1 = Format("Q4_1", 3, QK, 20, _q4_1_dequant, _q4_1_quant, scale_offsets=(0, 2))

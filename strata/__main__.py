@@ -1,0 +1,3 @@
+from strata.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,14 @@
+import os
+
+# The Triton kernels run through the interpreter on the CPU: this must be set before
+# anything imports triton.
+os.environ["TRITON_INTERPRET"] = "1"
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# 200 examples per property; CI (CI=true) also derandomises, as Hypothesis' own ci profile.
+settings.register_profile("strata", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("strata-ci", parent=settings.get_profile("strata"), derandomize=True,
+                          database=None, print_blob=True)
+settings.load_profile("strata-ci" if os.environ.get("CI") else "strata")

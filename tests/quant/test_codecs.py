@@ -1,0 +1,97 @@
+"""numpy codecs == gguf-py, bit for bit, for any blocks; the registry; bad input."""
+import gguf
+import numpy as np
+import pytest
+from hypothesis import example, given, strategies as st
+
+import quant
+from tests.blocks import blocks, exhaustive_blocks, same_bits, special_f16, with_scale
+
+FORMATS = list(quant.FORMATS.values())
+
+
+def gguf_dequant(raw: np.ndarray, fmt: quant.Format) -> np.ndarray:
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(fmt.type_id))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_dequantize_equals_gguf_py(fmt):
+    @given(blocks(fmt, max_blocks=4))
+    @example(with_scale(fmt, 0x00, 0.0))
+    @example(with_scale(fmt, 0xFF, -65504.0))
+    @example(with_scale(fmt, 0xA5, 2.0 ** -24))       # smallest subnormal
+    @example(with_scale(fmt, 0x5A, -(2.0 ** -14)))    # smallest normal, negative
+    def prop(raw):
+        assert same_bits(fmt.dequantize(raw), gguf_dequant(raw, fmt))
+    prop()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_dequantize_every_code_equals_gguf_py(fmt):
+    raw = exhaustive_blocks(fmt)
+    assert same_bits(fmt.dequantize(raw), gguf_dequant(raw, fmt))
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.scale_offsets], ids=lambda f: f.name)
+def test_nan_and_inf_scales_propagate_as_ieee(fmt):
+    """Defined behaviour: the block formula is evaluated in IEEE arithmetic, as gguf-py and
+    llama.cpp do. A NaN scale makes the whole block NaN; an infinite one gives +-Inf, or NaN
+    where the code's factor is zero."""
+    @given(blocks(fmt, max_blocks=2, scales=special_f16))
+    def prop(raw):
+        ours = fmt.dequantize(raw)
+        assert same_bits(ours, gguf_dequant(raw, fmt))
+        d = raw[:, :2].copy().view(np.float16)[:, 0]
+        assert np.isnan(ours[np.isnan(d)]).all()
+        assert not np.isfinite(ours[np.isinf(d)]).any()
+    prop()
+
+
+# gguf-py quantizes these formats; ours follow the same reference algorithms.
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_quantize_equals_gguf_py(name):
+    fmt = quant.get(name)
+    elems = st.floats(-1e4, 1e4, width=32, allow_subnormal=True)
+
+    @given(st.integers(1, 3).flatmap(lambda n: st.lists(elems, min_size=n * 32, max_size=n * 32)))
+    @example([0.0] * 32)
+    @example([0.5, -0.5] * 16)
+    def prop(values):
+        x = np.array(values, dtype=np.float32).reshape(-1, 32)
+        theirs = gguf.quants.quantize(x, gguf.GGMLQuantizationType(fmt.type_id))
+        assert np.array_equal(fmt.quantize(x), theirs.view(np.uint8).reshape(x.shape[0], -1))
+    prop()
+
+
+def test_registry_by_name_and_type_id():
+    for fmt in FORMATS:
+        assert quant.get(fmt.name) is fmt
+        assert quant.get(fmt.name.lower()) is fmt
+        assert quant.get(fmt.type_id) is fmt
+    with pytest.raises(ValueError, match="unknown quantization format 'Q3_Z'.*IQ3_XXS \\(18\\)"):
+        quant.get("Q3_Z")
+    with pytest.raises(ValueError, match="unknown quantization format 99"):
+        quant.get(99)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_bad_input_names_the_format_and_the_expected_size(fmt):
+    with pytest.raises(ValueError, match=f"{fmt.name}: {fmt.block_bytes + 1} bytes per row .* "
+                                         f"multiple of {fmt.block_bytes} bytes"):
+        fmt.dequantize(np.zeros(fmt.block_bytes + 1, dtype=np.uint8))
+    with pytest.raises(ValueError, match=f"{fmt.name}: quantized data must be uint8 bytes, got dtype float32"):
+        fmt.dequantize(np.zeros(fmt.block_bytes, dtype=np.float32))
+    if fmt.block_elems > 1:
+        with pytest.raises(ValueError, match=f"{fmt.name}: rows of {fmt.block_elems + 1} weights .* "
+                                             f"multiple of {fmt.block_elems} weights"):
+            fmt.quantize(np.zeros(fmt.block_elems + 1, dtype=np.float32))
+    with pytest.raises(ValueError, match=f"{fmt.name}: the weights hold NaN or Inf"):
+        fmt.quantize(np.full(fmt.block_elems, np.inf, dtype=np.float32))
+
+
+def test_leading_axes_are_kept():
+    fmt = quant.get("Q4_0")
+    raw = exhaustive_blocks(fmt)[:12].reshape(3, 4 * 18)
+    out = fmt.dequantize(raw)
+    assert out.shape == (3, 128)
+    assert same_bits(out.reshape(-1, 32), fmt.dequantize(raw.reshape(12, 18)))
