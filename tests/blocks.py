@@ -12,10 +12,10 @@ special_f16 = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 
 
 @st.composite
-def blocks(draw, fmt: quant.Format, max_blocks: int = 3, scales=finite_f16) -> np.ndarray:
+def blocks(draw, fmt: quant.Format, max_blocks: int = 3, scales=finite_f16, min_blocks: int = 1) -> np.ndarray:
     """(n, block_bytes) uint8: every byte drawn freely, then the fp16 scale fields set from
     `scales` (float formats keep their raw bytes: every bit pattern, NaN and Inf included)."""
-    n = draw(st.integers(1, max_blocks))
+    n = draw(st.integers(min_blocks, max_blocks))
     raw = draw(st.binary(min_size=n * fmt.block_bytes, max_size=n * fmt.block_bytes))
     arr = np.frombuffer(raw, dtype=np.uint8).reshape(n, fmt.block_bytes).copy()
     for off in fmt.scale_offsets:

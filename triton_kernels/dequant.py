@@ -174,7 +174,8 @@ def _deq_iq3_xxs(b, out):
     n, dev = b.shape[0], b.device
     d = _f16(b[:, :2])                                                   # (n, 1)
     # int32 words: the arithmetic shift's sign bits never reach the masked fields
-    words = b[:, 66:98].contiguous().view(torch.int32)                   # (n, 8)
+    # a copy: a view at a byte offset that is not a multiple of 4 cannot be read as int32
+    words = torch.empty((n, 32), dtype=torch.uint8, device=dev).copy_(b[:, 66:98]).view(torch.int32)
     db = d * (0.5 + ((words >> 28) & 0x0F).float()) * 0.5                # (n, 8)
     sidx = torch.stack([(words >> s) & 0x7F for s in (0, 7, 14, 21)], dim=-1)  # (n, 8, 4)
     ks = _lookup(_Tables.get("ksigns", dev), sidx)

@@ -1,0 +1,111 @@
+"""Triton dequant kernel (interpreter) == torch implementation == numpy reference, bit for bit."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings, strategies as st
+
+import quant
+from tests.blocks import blocks, exhaustive_blocks, same_bits, special_f16, with_scale
+from triton_kernels import dequantize, dequantize_torch
+from triton_kernels.backend import interpreter_on
+
+FORMATS = list(quant.FORMATS.values())
+# output dtypes and 2-D layouts reuse the decode path checked at 200 examples above
+settings_small = settings(max_examples=25)
+
+
+def test_the_interpreter_is_on():
+    assert interpreter_on()  # else dequantize() on CPU tensors would test the torch path
+
+
+def both(raw: np.ndarray, fmt, dtype=torch.float32):
+    q = torch.from_numpy(raw)
+    return dequantize(q, fmt, dtype), dequantize_torch(q, fmt, dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_kernel_and_torch_equal_reference(fmt):
+    @given(blocks(fmt, max_blocks=3))
+    @example(with_scale(fmt, 0x00, 0.0))
+    @example(with_scale(fmt, 0xFF, 65504.0))
+    @example(with_scale(fmt, 0x81, -(2.0 ** -24)))
+    def prop(raw):
+        ref = fmt.dequantize(raw)
+        kernel, torch_ = both(raw, fmt)
+        assert same_bits(kernel.numpy(), ref)
+        assert same_bits(torch_.numpy(), ref)
+    prop()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_every_code(fmt):
+    raw = exhaustive_blocks(fmt)
+    ref = fmt.dequantize(raw)
+    kernel, torch_ = both(raw, fmt)
+    assert same_bits(kernel.numpy(), ref)
+    assert same_bits(torch_.numpy(), ref)
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.scale_offsets], ids=lambda f: f.name)
+def test_nan_and_inf_scales(fmt):
+    @given(blocks(fmt, max_blocks=2, scales=special_f16))
+    def prop(raw):
+        ref = fmt.dequantize(raw)
+        kernel, torch_ = both(raw, fmt)
+        assert same_bits(kernel.numpy(), ref) and same_bits(torch_.numpy(), ref)
+    prop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_half_outputs_round_the_reference_to_nearest_even(fmt, dtype):
+    @given(blocks(fmt, max_blocks=2))
+    @settings_small
+    def prop(raw):
+        want = torch.from_numpy(fmt.dequantize(raw)).to(dtype)
+        kernel, torch_ = both(raw, fmt, dtype)
+        assert kernel.dtype == torch_.dtype == dtype and kernel.shape == want.shape
+        # widening to float32 is exact, so equal float32 bits mean equal 16-bit patterns
+        assert same_bits(kernel.float().numpy(), want.float().numpy())
+        assert same_bits(torch_.float().numpy(), want.float().numpy())
+    prop()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_two_dimensional_rows(fmt):
+    @given(st.integers(1, 3), st.integers(1, 3), st.data())
+    @settings_small
+    def prop(rows, per_row, data):
+        flat = data.draw(blocks(fmt, min_blocks=rows * per_row, max_blocks=rows * per_row))
+        q = flat.reshape(rows, per_row * fmt.block_bytes)
+        ref = fmt.dequantize(q)
+        kernel, torch_ = both(q, fmt)
+        assert kernel.shape == (rows, per_row * fmt.block_elems)
+        assert same_bits(kernel.numpy(), ref) and same_bits(torch_.numpy(), ref)
+    prop()
+
+
+def test_many_programs_and_a_ragged_tail():
+    # more weights than one program's BLOCK, not a multiple of it
+    fmt = quant.get("IQ3_S")
+    raw = exhaustive_blocks(fmt)[:9]
+    q = torch.from_numpy(raw)
+    assert same_bits(dequantize(q, fmt, block=512).numpy(), fmt.dequantize(raw))
+
+
+def test_empty_input():
+    out = dequantize(torch.zeros((0, 98), dtype=torch.uint8), "IQ3_XXS")
+    assert out.shape == (0, 256)
+
+
+@pytest.mark.parametrize("fn", [dequantize, dequantize_torch])
+def test_bad_input_raises_value_error_naming_the_format(fn):
+    q = torch.zeros(99, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"IQ3_XXS: 99 bytes per row .* multiple of 98 bytes \(256 weights a block\)"):
+        fn(q, "IQ3_XXS")
+    with pytest.raises(ValueError, match="Q4_0: quantized data must be a uint8 tensor, got torch.float32"):
+        fn(torch.zeros(18), "Q4_0")
+    with pytest.raises(ValueError, match="unknown quantization format 'IQ3_XL'"):
+        fn(torch.zeros(98, dtype=torch.uint8), "IQ3_XL")
+    with pytest.raises(ValueError, match="Q8_0: dequantize writes float32, float16 or bfloat16, not torch.int32"):
+        fn(torch.zeros(34, dtype=torch.uint8), "Q8_0", torch.int32)
