@@ -7,10 +7,10 @@ import sys
 
 def _formats(text: str) -> list[str]:
     import quant
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    for n in names:
-        quant.get(n)  # ValueError naming the known formats
-    return [quant.get(n).name for n in names]
+    try:
+        return [quant.get(t.strip()).name for t in text.split(",") if t.strip()]
+    except ValueError as e:  # argparse prints an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,45 @@
+"""`strata bench dequant` measures every path on the same blocks and reports the ratio."""
+import json
+
+import numpy as np
+
+import quant
+from strata.bench.dequant import random_blocks
+from strata.cli import main
+
+
+def test_bench_dequant_json(capsys):
+    assert main(["bench", "dequant", "--formats", "IQ3_XXS,q4_0", "--mib", "0.25",
+                 "--repeats", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {(r["format"], r["path"]): r for r in result["rows"]}
+    assert set(rows) == {(f, p) for f in ("IQ3_XXS", "Q4_0") for p in ("torch (cpu)", "gguf-py (numpy)")}
+    for (fmt, path), r in rows.items():
+        assert r["mvalues_per_s"] > 0 and r["gb_per_s"] > 0
+        # the ratio is the peer's time over ours on the same blocks
+        peer = rows[(fmt, "gguf-py (numpy)")]
+        assert abs(r["vs_peer"] - peer["ms"] / r["ms"]) < 1e-9 * max(1.0, r["vs_peer"])
+
+
+def test_bench_dequant_table(capsys):
+    assert main(["bench", "dequant", "--formats", "F16", "--mib", "0.1", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cells = lambda line: [c.strip() for c in line.split("|")[1:-1]]  # noqa: E731
+    assert cells(lines[0]) == ["format", "path", "MiB", "ms", "Mvalues/s", "GB/s in", "x gguf-py"]
+    assert [cells(l)[:2] for l in lines[2:]] == [["F16", "gguf-py (numpy)"], ["F16", "torch (cpu)"]]
+
+
+def test_unknown_format_flag_is_refused(capsys):
+    try:
+        main(["bench", "dequant", "--formats", "IQ9"])
+    except SystemExit as e:
+        assert e.code == 2
+    assert "unknown quantization format 'IQ9'" in capsys.readouterr().err
+
+
+def test_bench_blocks_have_finite_scales():
+    rng = np.random.default_rng(0)
+    for fmt in quant.FORMATS.values():
+        raw = random_blocks(fmt, 64, rng)
+        assert raw.shape == (64, fmt.block_bytes)
+        assert np.isfinite(fmt.dequantize(raw)).all()
