@@ -1,0 +1,4 @@
+"""GGUF files: read (zero-copy, through the `gguf` package) and write."""
+from .reader import GGUFError, GGUFFile, open_gguf
+
+__all__ = ["GGUFError", "GGUFFile", "open_gguf"]

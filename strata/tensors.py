@@ -1,0 +1,40 @@
+"""Quantized tensors: raw GGUF blocks, their format and their logical shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import quant
+
+
+@dataclass
+class QTensor:
+    """A weight as stored: `data` is uint8 (rows, row_bytes), blocks end to end along each
+    row; `shape` is the logical shape in torch order (rows first: GGUF's ne reversed), so
+    a linear layer's weight is (out_features, in_features)."""
+    name: str
+    fmt: quant.Format
+    shape: tuple[int, ...]
+    data: np.ndarray  # uint8, zero-copy view of the file where it came from one
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def numpy(self) -> np.ndarray:
+        """Dequantized, float32, in the logical shape (numpy reference codec)."""
+        return self.fmt.dequantize(self.data).reshape(self.shape)
+
+    def blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The raw blocks as a uint8 torch tensor (rows, row_bytes); zero-copy on the CPU."""
+        t = torch.from_numpy(np.ascontiguousarray(self.data))
+        return t if str(device) == "cpu" else t.to(device)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+        from triton_kernels import dequantize
+        return dequantize(self.blocks(device), self.fmt, dtype).reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return f"QTensor({self.name!r}, {self.fmt.name}, shape={self.shape}, {self.nbytes / 2**20:.2f} MiB)"
