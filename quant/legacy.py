@@ -87,6 +87,16 @@ def _q4_1_quant(x: np.ndarray, w) -> np.ndarray:
     return np.concatenate([f32_to_fp16_bytes(d), f32_to_fp16_bytes(lo), pack_nibbles(q)], axis=-1)
 
 
+def q4_fields(blocks: np.ndarray):
+    """Split Q4_0 (18 B) or Q4_1 (20 B) blocks (n, bytes) into float32 d (n,), m (n,) (zeros
+    for Q4_0, whose codes are centred on 8 instead) and codes (n, 32) uint8, so that
+    w = d * q + m (Q4_1) or w = d * (q - 8) (Q4_0). For repacking into other layouts."""
+    d = fp16_to_f32(blocks[:, :2])[:, 0]
+    if blocks.shape[1] == 20:
+        return d, fp16_to_f32(blocks[:, 2:4])[:, 0], unpack_nibbles(blocks[:, 4:])
+    return d, np.zeros_like(d), unpack_nibbles(blocks[:, 2:])
+
+
 Q8_0 = Format("Q8_0", 8, QK, 34, _q8_0_dequant, _q8_0_quant, scale_offsets=(0,))
 Q4_0 = Format("Q4_0", 2, QK, 18, _q4_0_dequant, _q4_0_quant, scale_offsets=(0,))
 Q4_1 = Format("Q4_1", 3, QK, 20, _q4_1_dequant, _q4_1_quant, scale_offsets=(0, 2))

@@ -13,9 +13,41 @@ def _formats(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="smollm2",
+                   help="a known model (smollm2: pulled on first use) or a .gguf path")
+    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
+                   help="compute dtype on the CPU (bf16: fast; f32: exact weights)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n-predict", "-n", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0: off")
+    p.add_argument("--top-p", type=float, default=0.95, help="1.0: off")
+    p.add_argument("--min-p", type=float, default=0.05, help="0.0: off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+
+    pull = sub.add_parser("pull", help="fetch a known model into the cache")
+    pull.add_argument("name", choices=("smollm2",))
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as is")
+    _model_args(gen)
+    _sampling_args(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat (one line a turn; /reset, /exit)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _model_args(chat)
+    _sampling_args(chat)
 
     bench = sub.add_parser("bench", help="measure kernels and paths against their peers")
     bsub = bench.add_subparsers(dest="what", required=True)
@@ -30,16 +62,34 @@ def build_parser() -> argparse.ArgumentParser:
     dq.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     dq.add_argument("--no-peer", action="store_true", help="skip gguf-py (it is slow on large sizes)")
     dq.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+    bm = bsub.add_parser("model", help="llama-bench's pp/tg tests, optionally against llama.cpp")
+    bm.add_argument("--model", "-m", default="smollm2")
+    bm.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    bm.add_argument("--threads", "-t", type=int, default=2)
+    bm.add_argument("--n-prompt", "-p", type=int, default=512)
+    bm.add_argument("--n-gen", "-n", type=int, default=128)
+    bm.add_argument("--repeats", "-r", type=int, default=3)
+    bm.add_argument("--peer", choices=("llama.cpp",), default=None,
+                    help="also run the same GGUF through llama-cpp-python, in the same run")
+    bm.add_argument("--json", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from strata import commands
+    from strata.hub import HubError
+    if getattr(args, "dtype", None):
+        args.dtype = commands.DTYPES[args.dtype] if args.command == "bench" else args.dtype
     try:
-        if args.command == "bench" and args.what == "dequant":
-            from strata.bench.dequant import run
-            return run(args)
-    except ValueError as e:  # bad input named by the code that found it
+        if args.command == "bench":
+            from strata.bench import dequant, model
+            return {"dequant": dequant.run, "model": model.run}[args.what](args)
+        return {"pull": commands.pull, "generate": commands.generate_cmd,
+                "chat": commands.chat_cmd}[args.command](args)
+    except (ValueError, HubError) as e:  # bad input or file, named by the code that found it
         print(f"strata: {e}", file=sys.stderr)
         return 2
-    return 1
+    except KeyboardInterrupt:
+        return 130

@@ -6,5 +6,6 @@ refuses to start when `import triton_kernels` finds another.
 __strata__ = True
 
 from .dequant import dequantize, dequantize_torch  # noqa: E402
+from .qmatmul import qmatmul, qmatmul_torch  # noqa: E402
 
-__all__ = ["dequantize", "dequantize_torch"]
+__all__ = ["dequantize", "dequantize_torch", "qmatmul", "qmatmul_torch"]

@@ -1,0 +1,110 @@
+"""`strata bench model`: llama-bench's tests, pp512 (prefill) and tg128 (decode).
+
+pp: a fresh context takes `-p` tokens in one batch. tg: from an empty context, `-n`
+tokens decoded one at a time. Both report tok/s as mean +- stddev over `--repeats` runs.
+`--peer llama.cpp` runs the same GGUF through llama-cpp-python in the same process, after
+Strata (so Strata's peak RSS is read before the peer loads), and prints the ratio.
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from strata.bench.report import emit, machine, markdown
+
+
+def _tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
+    # fixed, ordinary-looking ids (skip the first 1000: specials and bytes)
+    return np.random.default_rng(seed).integers(1000, vocab, n).tolist()
+
+
+def _stats(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def bench_strata(path, args) -> dict:
+    from strata.models import load_model
+    t = time.perf_counter()
+    model = load_model(path, dtype=args.dtype)
+    load_s = time.perf_counter() - t
+    vocab = model.cfg.vocab_size
+    model(_tokens(16, vocab), model.new_cache())  # warm-up
+    pp, tg = [], []
+    for r in range(args.repeats):
+        toks = _tokens(args.n_prompt, vocab, r)
+        cache = model.new_cache(args.n_prompt)
+        t = time.perf_counter()
+        model(toks, cache, last_only=True)
+        pp.append(args.n_prompt / (time.perf_counter() - t))
+    for r in range(args.repeats):
+        toks = _tokens(args.n_gen, vocab, 100 + r)
+        cache = model.new_cache(args.n_gen)
+        t = time.perf_counter()
+        for tok in toks:
+            model([tok], cache, last_only=True)
+        tg.append(args.n_gen / (time.perf_counter() - t))
+    return {"engine": "strata", "pp": pp, "tg": tg, "load_s": load_s, "peak_rss_mib": _peak_rss_mib(),
+            "vocab": vocab, "dtype": str(args.dtype).replace("torch.", "")}
+
+
+def bench_llama_cpp(path, args, vocab: int) -> dict:
+    from llama_cpp import Llama
+    llm = Llama(str(path), n_ctx=max(args.n_prompt, args.n_gen) + 16, n_batch=max(args.n_prompt, 32),
+                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    llm.eval(_tokens(16, vocab))
+    pp, tg = [], []
+    for r in range(args.repeats):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(_tokens(args.n_prompt, vocab, r))
+        pp.append(args.n_prompt / (time.perf_counter() - t))
+    for r in range(args.repeats):
+        llm.reset()
+        t = time.perf_counter()
+        for tok in _tokens(args.n_gen, vocab, 100 + r):
+            llm.eval([tok])
+        tg.append(args.n_gen / (time.perf_counter() - t))
+    return {"engine": "llama.cpp (llama-cpp-python)", "pp": pp, "tg": tg}
+
+
+def run(args) -> int:
+    from strata.hub import resolve_model
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    ours = bench_strata(path, args)
+    peer = None
+    if args.peer == "llama.cpp":
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise ValueError("--peer llama.cpp: llama-cpp-python is not importable here; build it as "
+                             "the README says, or drop --peer") from None
+        peer = bench_llama_cpp(path, args, ours["vocab"])
+    rows = []
+    for res in filter(None, (ours, peer)):
+        for test, key, n in ((f"pp{args.n_prompt}", "pp", args.n_prompt), (f"tg{args.n_gen}", "tg", args.n_gen)):
+            mean, sd = _stats(res[key])
+            row = {"engine": res["engine"], "model": path.name, "threads": args.threads, "test": test,
+                   "tok_s": mean, "stddev": sd, "runs": res[key]}
+            if peer and res is ours:
+                row["vs_peer"] = mean / _stats(peer[key])[0]
+            rows.append(row)
+    result = {"bench": "model", "machine": machine(), "model": str(path), "dtype": ours["dtype"],
+              "peak_rss_mib": ours["peak_rss_mib"], "load_s": ours["load_s"], "rows": rows}
+    for r in rows:
+        r["t/s"] = f"{r['tok_s']:.2f} ± {r['stddev']:.2f}"
+    cols = [("engine", "engine"), ("model", "model"), ("threads", "threads"), ("test", "test"), ("t/s", "t/s")]
+    if peer:
+        cols.append(("vs_peer", "x llama.cpp"))
+    table = markdown(rows, cols) + (f"\n\nStrata: {ours['dtype']}, load {ours['load_s']:.1f} s, "
+                                    f"peak RSS {ours['peak_rss_mib']:.0f} MiB")
+    emit(result, table, args.json)
+    return 0

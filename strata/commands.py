@@ -1,0 +1,83 @@
+"""The text front ends: `strata pull`, `strata generate`, `strata chat`."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from strata.hub import resolve_model
+from strata.runtime import SamplingParams, generate
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "f32": torch.float32, "float32": torch.float32}
+
+
+def pull(args) -> int:
+    path = resolve_model(args.name)
+    print(path)
+    return 0
+
+
+def load(args):
+    """Model and tokenizer for `--model`, with the plan line on stderr."""
+    from strata.gguf import open_gguf
+    from strata.models import load_model
+    from strata.tokenizer import Tokenizer
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = open_gguf(resolve_model(args.model))
+    model = load_model(g, dtype=DTYPES[args.dtype])
+    print(f"strata: {model.plan_line()}", file=sys.stderr)
+    return model, Tokenizer.from_gguf(g)
+
+
+def sampling(args) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.n_predict,
+                          stop=list(args.stop or []))
+
+
+def _print(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def generate_cmd(args) -> int:
+    model, tok = load(args)
+    prompt = args.prompt
+    if not args.raw and tok.chat_template:
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = tok.encode(prompt)
+    res = generate(model, tok, ids, sampling(args), on_text=_print)
+    print()
+    print(f"strata: {res.prompt_tokens} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
+          f"{len(res.tokens)} generated at {res.decode_tok_s:.1f} tok/s ({res.finish_reason})",
+          file=sys.stderr)
+    return 0
+
+
+def chat_cmd(args) -> int:
+    """Interactive chat: one line per turn; /reset clears the history, /exit or EOF quits."""
+    model, tok = load(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    params = sampling(args)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            _print("> ")
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.encode(tok.apply_chat_template(history))
+        res = generate(model, tok, ids, params, on_text=_print)
+        print()
+        history.append({"role": "assistant", "content": res.text})
+    return 0

@@ -1,0 +1,190 @@
+"""Writing GGUF v3 files from metadata and quantized tensors, through gguf-py's GGUFWriter.
+
+Metadata types follow the Python value unless given as `(value, GGUFValueType)`:
+
+    str -> STRING, bool -> BOOL, float -> FLOAT32,
+    int -> UINT32, or INT64 when negative, or UINT64 when at least 2**32,
+    numpy scalars and 1-D arrays -> their own dtype,
+    list/tuple -> ARRAY of one of the above (ints typed by the list's range).
+
+For an array the override names the element type: `([1, 2], GGUFValueType.INT32)`.
+llama.cpp checks the type of each key it reads, so give the type it expects where the
+default differs (`GGUFFile.typed_metadata()` keeps the types a file was written with).
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from strata.tensors import QTensor
+
+from .reader import MAX_DIMS
+
+MAX_NAME_BYTES = 63  # GGML_MAX_NAME less the terminating NUL
+
+_BY_DTYPE = {
+    np.dtype(np.uint8): GGUFValueType.UINT8, np.dtype(np.int8): GGUFValueType.INT8,
+    np.dtype(np.uint16): GGUFValueType.UINT16, np.dtype(np.int16): GGUFValueType.INT16,
+    np.dtype(np.uint32): GGUFValueType.UINT32, np.dtype(np.int32): GGUFValueType.INT32,
+    np.dtype(np.uint64): GGUFValueType.UINT64, np.dtype(np.int64): GGUFValueType.INT64,
+    np.dtype(np.float32): GGUFValueType.FLOAT32, np.dtype(np.float64): GGUFValueType.FLOAT64,
+    np.dtype(np.bool_): GGUFValueType.BOOL,
+}
+_INTS = {t for t in _BY_DTYPE.values() if t.name[:3] in ("UIN", "INT")}
+_FLOATS = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+
+
+def _int_type(lo: int, hi: int) -> GGUFValueType:
+    if lo >= 0 and hi < 2**32:
+        return GGUFValueType.UINT32
+    if lo < 0:
+        return GGUFValueType.INT64
+    return GGUFValueType.UINT64
+
+
+def _scalar_type(v: Any) -> GGUFValueType | None:
+    if isinstance(v, np.generic):
+        return _BY_DTYPE.get(v.dtype)
+    if isinstance(v, bool):  # before int: bool is an int
+        return GGUFValueType.BOOL
+    if isinstance(v, int):
+        return _int_type(v, v)
+    if isinstance(v, float):
+        return GGUFValueType.FLOAT32
+    if isinstance(v, str):
+        return GGUFValueType.STRING
+    return None
+
+
+def _fits(v: Any, t: GGUFValueType) -> bool:
+    if t == GGUFValueType.STRING:
+        return isinstance(v, str)
+    if t == GGUFValueType.BOOL:
+        return isinstance(v, (bool, np.bool_))
+    ok = (int, np.integer) if t in _INTS else (int, float, np.integer, np.floating)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, ok):
+        return False
+    try:  # the range check gguf-py would otherwise fail on mid-write
+        struct.pack("<" + GGUFWriter._simple_value_packing[t], v.item() if isinstance(v, np.generic) else v)
+    except (struct.error, OverflowError):
+        return False
+    return True
+
+
+def _typed(where: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueType | None]:
+    """(value, type, element type for arrays) for GGUFWriter.add_key_value."""
+    vtype = None
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], GGUFValueType):
+        value, vtype = value
+        if vtype == GGUFValueType.ARRAY:
+            raise ValueError(f"{where}: give an array's element type, not ARRAY")
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise ValueError(f"{where}: numpy arrays must be 1-D, got shape {value.shape}")
+        vtype = _BY_DTYPE.get(value.dtype) if vtype is None else vtype
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        if not items:
+            raise ValueError(f"{where}: empty arrays cannot be written (gguf-py refuses them); "
+                             f"leave the key out")
+        if vtype is None:
+            types = {_scalar_type(v) for v in items}
+            if types <= _INTS and not any(isinstance(v, np.generic) for v in items):
+                vtype = _int_type(min(items), max(items))
+            elif len(types) == 1 and None not in types:
+                vtype = types.pop()
+            else:
+                kinds = sorted({type(v).__name__ for v in items})
+                raise ValueError(f"{where}: array items must be all str, all bool, all int or all "
+                                 f"float, got {', '.join(kinds)}; nested lists are not supported")
+        bad = next((v for v in items if not _fits(v, vtype)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: array item {bad!r} is not a valid {vtype.name}")
+        if vtype in _INTS:
+            items = [int(v) for v in items]
+        return items, GGUFValueType.ARRAY, vtype
+    vtype = _scalar_type(value) if vtype is None else vtype  # UINT8 is 0: test for None
+    if vtype is None:
+        raise ValueError(f"{where}: cannot store a {type(value).__name__} in GGUF metadata; use "
+                         f"str, int, float, bool or a list of one of them")
+    if not _fits(value, vtype):
+        raise ValueError(f"{where}: {value!r} is not a valid {vtype.name}")
+    if isinstance(value, np.generic):
+        value = value.item()
+    return (int(value) if vtype in _INTS else value), vtype, None
+
+
+def _check_tensor(where: str, name: str, t: QTensor) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The data as contiguous uint8 and its shape in bytes (torch order), as add_tensor takes."""
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"{where}: tensor name {name!r} is longer than {MAX_NAME_BYTES} bytes")
+    shape = tuple(int(n) for n in t.shape)
+    if not 1 <= len(shape) <= MAX_DIMS or min(shape) < 1:
+        raise ValueError(f"{where}: tensor {name!r} has shape {shape}; GGUF takes 1 to "
+                         f"{MAX_DIMS} dimensions, each at least 1")
+    try:
+        row_bytes = t.fmt.row_bytes(shape[-1])
+    except ValueError as e:
+        raise ValueError(f"{where}: tensor {name!r}: {e}") from None
+    data = np.asarray(t.data)
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    if data.dtype != np.uint8 or data.nbytes != rows * row_bytes:
+        raise ValueError(f"{where}: tensor {name!r} ({t.fmt.name}, shape {shape}) needs "
+                         f"{rows * row_bytes} bytes of uint8 blocks, got {data.nbytes} bytes of "
+                         f"{data.dtype}")
+    return np.ascontiguousarray(data).reshape(rows, row_bytes), (*shape[:-1], row_bytes)
+
+
+def write_gguf(path: str | os.PathLike, arch: str, metadata: Mapping[str, Any],
+               tensors: Iterable[QTensor] | Mapping[str, QTensor]) -> Path:
+    """Write a GGUF v3 file: `general.architecture` = `arch`, then `metadata` in order,
+    then the tensors' raw blocks in order (a mapping's keys name its tensors). The file
+    appears complete or not at all: it is written beside `path` and renamed into place."""
+    path = Path(path)
+    where = f"write_gguf({path})"
+    if not isinstance(arch, str) or not arch:
+        raise ValueError(f"{where}: arch must be a non-empty string, got {arch!r}")
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else [(t.name, t) for t in tensors]
+
+    tmp = path.with_name(path.name + ".partial")
+    w = GGUFWriter(tmp, arch)
+    for key, value in metadata.items():
+        at = f"{where}: metadata key {key!r}"
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{where}: metadata key {key!r} must be a non-empty string")
+        value, vtype, sub = _typed(at, value)
+        if key == "general.architecture":
+            if value != arch:
+                raise ValueError(f"{at} is {value!r} but arch is {arch!r}; drop the key or make "
+                                 f"them agree")
+            continue  # GGUFWriter writes it first, from arch
+        if key == "general.alignment":
+            if vtype != GGUFValueType.UINT32 or value < 1 or value & (value - 1):
+                raise ValueError(f"{at} must be a UINT32 power of two, got {value!r} ({vtype.name})")
+            w.add_custom_alignment(value)  # also pads the tensor data to it
+            continue
+        w.add_key_value(key, value, vtype, sub)
+    seen = set()
+    for name, t in items:
+        if name in seen:
+            raise ValueError(f"{where}: tensor {name!r} is given twice")
+        seen.add(name)
+        data, byte_shape = _check_tensor(where, name, t)
+        w.add_tensor(name, data, raw_shape=byte_shape, raw_dtype=GGMLQuantizationType(t.fmt.type_id))
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

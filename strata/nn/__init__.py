@@ -1,0 +1,7 @@
+"""Model building blocks; the matmuls go through triton_kernels."""
+from .attention import Attention, KVCache
+from .linear import QuantLinear
+from .norm import RMSNorm
+from .rope import Rope
+
+__all__ = ["Attention", "KVCache", "QuantLinear", "RMSNorm", "Rope"]

@@ -1,0 +1,67 @@
+"""Grouped-query attention with a KV cache."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .linear import QuantLinear
+from .rope import Rope
+
+
+class KVCache:
+    """Keys and values of one sequence for every layer: (layers, kv_heads, max_len, head_dim),
+    grown in steps as the sequence does."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
+                 device="cpu", capacity: int = 256):
+        self.n_layers, self.shape = n_layers, (n_kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k = torch.empty(n_layers, n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0  # tokens held
+
+    def reserve(self, n: int) -> None:
+        if n <= self.k.shape[2]:
+            return
+        cap = max(n, 2 * self.k.shape[2])
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.empty(self.n_layers, *self.shape[:1], cap, self.shape[1], dtype=self.dtype, device=self.device)
+            new[:, :, :old.shape[2]] = old
+            setattr(self, name, new)
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, n)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, layer: int, qkv: QuantLinear, n_heads: int, n_kv_heads: int, head_dim: int,
+                 rope: Rope, wo: QuantLinear):
+        """`qkv` is the fused Q, K, V projection (rows: n_heads, then n_kv_heads twice)."""
+        super().__init__()
+        self.layer, self.qkv, self.wo = layer, qkv, wo
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rope = n_heads, n_kv_heads, head_dim, rope
+        self.splits = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
+
+    def forward(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """x: (S, dim) for positions start..start+S-1; appends to the cache."""
+        S = x.shape[0]
+        q, k, v = self.qkv(x).split(self.splits, dim=-1)
+        q = q.reshape(S, self.n_heads, self.head_dim).transpose(0, 1)
+        k = k.reshape(S, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        v = v.reshape(S, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        pos = torch.arange(start, start + S)
+        q, k = self.rope(q, pos), self.rope(k, pos)
+        end = start + S
+        cache.k[self.layer, :, start:end] = k.to(cache.dtype)
+        cache.v[self.layer, :, start:end] = v.to(cache.dtype)
+        keys = cache.k[self.layer, :, :end].float()
+        vals = cache.v[self.layer, :, :end].float()
+        if start == 0:
+            out = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, enable_gqa=True)
+        elif S == 1:
+            out = F.scaled_dot_product_attention(q, keys, vals, enable_gqa=True)
+        else:  # a chunk after a cached prefix: query i sees keys up to start + i
+            mask = torch.ones(S, end, dtype=torch.bool).tril(diagonal=start)
+            out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
+        return self.wo(out.transpose(0, 1).reshape(S, self.n_heads * self.head_dim))

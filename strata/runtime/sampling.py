@@ -1,0 +1,60 @@
+"""Sampling the next token: greedy, or temperature with top-k, top-p and min-p."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40          # 0: off
+    top_p: float = 0.95      # 1.0: off
+    min_p: float = 0.05      # 0.0: off
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+
+
+class Sampler:
+    """Filters in llama.cpp's order: top-k, top-p, min-p, then temperature, then a draw."""
+
+    def __init__(self, params: SamplingParams):
+        self.p = params
+        self.gen = torch.Generator()
+        if params.seed is not None:
+            self.gen.manual_seed(params.seed)
+        else:
+            self.gen.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        logits = logits.float().reshape(-1)
+        p = self.p
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        vals, idx = torch.sort(logits, descending=True)
+        if p.top_k:
+            vals, idx = vals[:p.top_k], idx[:p.top_k]
+        probs = torch.softmax(vals, dim=-1)
+        if p.top_p < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (at least one token)
+            keep = int(torch.searchsorted(torch.cumsum(probs, 0), torch.tensor(p.top_p))) + 1
+            vals, idx, probs = vals[:keep], idx[:keep], probs[:keep]
+        if p.min_p > 0:
+            keep = probs >= p.min_p * probs[0]
+            vals, idx = vals[keep], idx[keep]
+        probs = torch.softmax(vals / p.temperature, dim=-1)
+        return int(idx[torch.multinomial(probs, 1, generator=self.gen)])

@@ -1,0 +1,228 @@
+"""Quantized matmul: x @ W.T with W held as GGUF blocks, dequantized inside the kernel.
+
+    qmatmul(x, q, fmt, *, n=None, path=None, tiles=None) -> Tensor
+
+`x` is (..., K) float32, float16 or bfloat16; `q` is the weight W (N, K) as stored in a
+GGUF file: uint8, (N, K // block_elems * block_bytes), or the same bytes flat (1-D), with
+`n` (the row count) checked when given and inferred from K when not. The result is
+(..., N) in x's dtype, accumulated in float32.
+
+Two Triton kernels share the per-format decode functions (triton_kernels.decode):
+
+- GEMV ("gemv", the default for M <= GEMV_MAX_M rows, i.e. token-by-token decoding): a
+  program owns BLOCK_N outputs of up to BLOCK_M rows of x. Each [BLOCK_N, BLOCK_K] weight
+  tile is decoded once and multiplied with every row, reduced with tl.sum. The work is
+  bound by reading the weight bytes, and tensor cores would idle at M this small.
+- GEMM ("gemm", prefill): [BLOCK_M, BLOCK_K] tiles of x times decoded [BLOCK_K, BLOCK_N]
+  tiles of W.T through tl.dot, float32 accumulator. The dot inputs are x's own dtype on
+  CUDA (fp16 or bf16 tensor cores; float32 x goes through tf32) and float32 under the
+  interpreter, which holds bf16 as raw uint16 and so cannot multiply it. With fp16 x the
+  decoded weights are rounded to fp16 too, which assumes |w| < 65504 (true of real models).
+
+Neither splits K: a GEMV over a weight with few rows (N / BLOCK_N programs) leaves part
+of a large GPU idle; a split-K variant would add programs along K and an fp32 reduction.
+
+Neither kernel is bit-exact with the torch path (different summation orders, FMA
+contraction left on); tests/triton_kernels/test_qmatmul.py states the error bound.
+
+`qmatmul_torch` is the CPU path: dequantize_torch to float32, then one float32 torch
+matmul for every x dtype (CPU half-precision matmuls are slower and less accurate), cast
+back to x's dtype. It dequantizes the whole weight on every call; callers that reuse a
+weight may cache dequantize_torch(q, fmt) themselves.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+import quant
+
+from .backend import use_triton
+from .decode import decoder, table
+from .dequant import check_blocks, dequantize_torch
+
+X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Above this many rows of x the weight tile is reused enough for tensor cores to pay off.
+GEMV_MAX_M = 16
+# GEMV: 16 rows x 256 weights = 4096 decoded values a tile (32 per thread at 4 warps);
+# 256 weights are whole blocks of every format, read as contiguous runs along each row,
+# and BLOCK_N=16 gives N/16 programs, enough to cover a GPU for N of a few thousand.
+# BLOCK_M caps the rows one program multiplies with a tile (unrolled, so kept small).
+GEMV_TILES = (16, 16, 256)
+# GEMM: 64x64 outputs, K in steps of 64 (two 32-weight blocks, a quarter of a 256-weight
+# one): a usual tensor-core tile at 4 warps; each decoded weight tile serves 64 rows.
+GEMM_TILES = (64, 64, 64)
+# tensor-core inputs on CUDA: half x keeps its type (the weights are rounded to it), float32
+# x runs as tf32, which keeps float32's range
+_CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_om,
+                 DECODE: tl.constexpr, QK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: N * row bytes may pass 2^31
+    n_mask = offs_n < N
+    rows = tl.arange(0, BLOCK_M)
+    blocks_per_row = K // QK
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        blk = offs_n[:, None] * blocks_per_row + (offs_k // QK)[None, :]
+        j = tl.broadcast_to((offs_k % QK)[None, :], (BLOCK_N, BLOCK_K))
+        # masked lanes read zero bytes, which decode to 0.0 in every format
+        w = DECODE(q_ptr, tab_ptr, blk, j, n_mask[:, None] & k_mask[None, :])
+        for r in tl.static_range(BLOCK_M):
+            # rows past M reread row M-1 (always in bounds) and are not stored
+            m = tl.minimum(pid_m * BLOCK_M + r, M - 1)
+            xr = tl.load(x_ptr + m.to(tl.int64) * stride_xm + offs_k * stride_xk,
+                         mask=k_mask, other=0.0).to(tl.float32)
+            part = tl.sum(w * xr[None, :], axis=1)
+            # row r of the accumulator: a select, so that all rows stay in one tensor
+            acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+    offs_m = pid_m * BLOCK_M + rows
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_om,
+                 DECODE: tl.constexpr, QK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    # pid_m varies fastest: programs that run together share one weight column tile, so
+    # its blocks are read from DRAM once and from L2 after
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    blocks_per_row = K // QK
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        # decoded as [BLOCK_N, BLOCK_K], K fastest: each row's bytes are contiguous there;
+        # the transpose for the dot happens in registers/shared memory, not in the loads
+        blk = offs_n[:, None] * blocks_per_row + (offs_k // QK)[None, :]
+        j = tl.broadcast_to((offs_k % QK)[None, :], (BLOCK_N, BLOCK_K))
+        w = DECODE(q_ptr, tab_ptr, blk, j, n_mask[:, None] & k_mask[None, :])
+        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc,
+                     input_precision=INPUT_PRECISION)
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _check(x: torch.Tensor, q: torch.Tensor, fmt: quant.Format, n: int | None):
+    """Validate the operands; returns (x as (M, K), N, K). ValueError names the format."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{fmt.name}: x must be a torch tensor, got {type(x).__name__}")
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"{fmt.name}: x must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{fmt.name}: x must have shape (..., K), got a scalar")
+    K = x.shape[-1]
+    if K % fmt.block_elems:
+        raise ValueError(f"{fmt.name}: x has K={K}, not a multiple of the "
+                         f"{fmt.block_elems}-weight block")
+    check_blocks(q, fmt)
+    if x.device != q.device:
+        raise ValueError(f"{fmt.name}: x is on {x.device} but the weight is on {q.device}")
+    row_bytes = K // fmt.block_elems * fmt.block_bytes
+    if q.dim() == 2:
+        per_row = q.shape[1] // fmt.block_bytes * fmt.block_elems
+        if per_row != K:
+            raise ValueError(f"{fmt.name}: weight has {q.shape[1]} bytes per row = {per_row} "
+                             f"weights, but x has K={K}")
+        if n is not None and n != q.shape[0]:
+            raise ValueError(f"{fmt.name}: n={n}, but the weight has {q.shape[0]} rows")
+        N = q.shape[0]
+    elif q.dim() == 1:
+        if n is None:
+            if row_bytes == 0 or q.shape[0] % row_bytes:
+                raise ValueError(f"{fmt.name}: weight has {q.shape[0]} bytes, not whole rows "
+                                 f"of K={K} weights ({row_bytes} bytes a row)")
+            N = q.shape[0] // row_bytes if row_bytes else 0
+        else:
+            if n < 0 or n * row_bytes != q.shape[0]:
+                raise ValueError(f"{fmt.name}: weight has {q.shape[0]} bytes, but n={n} rows "
+                                 f"of K={K} weights take {max(n, 0) * row_bytes}")
+            N = n
+    else:
+        raise ValueError(f"{fmt.name}: weight must be (N, row bytes) or flat 1-D blocks, "
+                         f"got shape {tuple(q.shape)}")
+    return x.reshape(math.prod(x.shape[:-1]), K), N, K
+
+
+def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
+            n: int | None = None, path: str | None = None,
+            tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x @ W.T for W (N, K) stored as `fmt` blocks in `q`; result (..., N) in x's dtype.
+
+    path: "gemv" or "gemm" forces a kernel; None takes GEMV for at most GEMV_MAX_M rows.
+    tiles: (BLOCK_M, BLOCK_N, BLOCK_K) powers of two instead of the path's defaults
+    (GEMM needs each >= 16 for tl.dot). CPU tensors without the interpreter ignore both
+    and run qmatmul_torch.
+    """
+    fmt = quant.get(fmt)
+    if path not in (None, "gemv", "gemm"):
+        raise ValueError(f"{fmt.name}: path must be 'gemv', 'gemm' or None, got {path!r}")
+    x2, N, K = _check(x, q, fmt, n)
+    if not use_triton(x):
+        return qmatmul_torch(x, q, fmt, n=n)
+    M = x2.shape[0]
+    if path is None:
+        path = "gemv" if M <= GEMV_MAX_M else "gemm"
+    if tiles is None:
+        tiles = GEMV_TILES if path == "gemv" else GEMM_TILES
+    block_m, block_n, block_k = tiles
+    for t in (block_m, block_n, block_k):
+        if t < 1 or t & (t - 1) or (path == "gemm" and t < 16):
+            raise ValueError(f"{fmt.name}: tiles must be powers of two"
+                             f"{' >= 16 for gemm' if path == 'gemm' else ''}, got {tiles}")
+    out_dtype = x.dtype
+    if x2.dtype == torch.bfloat16 and not x2.is_cuda:
+        # the interpreter holds bf16 as raw uint16: widen (exact), round the result after
+        x2 = x2.float()
+    out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    if M and N:
+        if K == 0:
+            out.zero_()
+        else:
+            q = q.contiguous()
+            args = (x2, q, table(fmt, q.device), out, M, N, K, x2.stride(0), x2.stride(1), out.stride(0))
+            if path == "gemv":
+                block_m = min(block_m, triton.next_power_of_2(M))
+                grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+                _gemv_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,
+                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            else:
+                if x2.is_cuda:
+                    dot_dtype = _CUDA_DOT_DTYPES[x2.dtype]
+                    precision = "tf32"  # Triton's CUDA default; it only changes float32 dots
+                else:
+                    dot_dtype, precision = tl.float32, "ieee"
+                grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+                _gemm_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,
+                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision)
+    return out.to(out_dtype).reshape(*x.shape[:-1], N)
+
+
+def qmatmul_torch(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
+                  n: int | None = None) -> torch.Tensor:
+    """The same product in torch: dequantize to float32, float32 matmul, cast to x's dtype."""
+    fmt = quant.get(fmt)
+    x2, N, K = _check(x, q, fmt, n)
+    w = dequantize_torch(q.reshape(N, K // fmt.block_elems * fmt.block_bytes), fmt)
+    return (x2.float() @ w.T).to(x.dtype).reshape(*x.shape[:-1], N)
