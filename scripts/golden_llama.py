@@ -1,10 +1,15 @@
-"""Golden data for the `llama` model from llama.cpp (through llama-cpp-python).
+"""Golden data for the `llama` model, from llama.cpp and from transformers.
 
     python scripts/golden_llama.py [--model PATH] [--out tests/data/smollm2_golden.json]
 
-For three prompts of 100+ tokens: the prompt's token ids, llama.cpp's top-16 logits at
-every position, and its greedy 64-token continuation. llama-cpp-python is used here only;
-Strata never imports it at run time.
+For three prompts of 100+ tokens:
+- llama.cpp (llama-cpp-python 0.3.36, CPU): the prompt's token ids, the top-16 logits at
+  every position, the greedy 64-token continuation and the top-16 at each of its steps;
+- transformers (the math reference, fp32, the GGUF dequantized by transformers' own
+  loader): its logits at llama.cpp's top-16 ids at every position, and its own greedy
+  continuation.
+Both peers are used here only; Strata never imports them at run time. transformers
+needs `pip install transformers accelerate`.
 """
 from __future__ import annotations
 
@@ -43,6 +48,25 @@ PROMPTS[2] = PROMPTS[2].replace("<|im_start|>user\n", "<|im_start|>user\nI am le
     "example. ", 1)
 
 
+def add_transformers(model_path: str, out: dict, n_cont: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    hf.eval()
+    out["reference"] = "transformers fp32 (LlamaForCausalLM from the GGUF)"
+    with torch.no_grad():
+        for p in out["prompts"]:
+            logits = hf(torch.tensor([p["ids"]])).logits[0]
+            p["hf_at_top_ids"] = np.round(torch.gather(logits, 1, torch.tensor(p["top_ids"])).numpy(), 5).tolist()
+            p["hf_argmax"] = logits.argmax(-1).tolist()
+            seq = list(p["ids"])  # plain argmax, end-of-turn tokens included, as for llama.cpp
+            for _ in range(n_cont):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+            p["hf_greedy"] = seq[len(p["ids"]):]
+
+
 def main() -> None:
     from llama_cpp import Llama
 
@@ -65,18 +89,22 @@ def main() -> None:
         scores = np.array(llm.scores[:len(ids)], dtype=np.float32)
         top = np.argsort(-scores, axis=-1, kind="stable")[:, :16]
         vals = np.take_along_axis(scores, top, -1)
-        cont = []
+        cont, cont_top, cont_logits = [], [], []
         last = scores[-1]
         for _ in range(args.continue_tokens):
-            tok = int(np.argmax(last))
+            order = np.argsort(-last, kind="stable")[:16]
+            cont_top.append(order.tolist())
+            cont_logits.append(np.round(last[order], 4).tolist())
+            tok = int(order[0])
             cont.append(tok)
             llm.eval([tok])
             last = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
         out["prompts"].append({
             "text": text, "ids": [int(i) for i in ids],
             "top_ids": top.tolist(), "top_logits": np.round(vals, 4).tolist(),
-            "greedy": cont,
+            "greedy": cont, "greedy_top_ids": cont_top, "greedy_top_logits": cont_logits,
         })
+    add_transformers(args.model, out, args.continue_tokens)
     Path(args.out).write_text(json.dumps(out))
     print(f"wrote {args.out}: " + ", ".join(f"{len(p['ids'])} tokens" for p in out["prompts"]))
 

@@ -1,0 +1,400 @@
+"""The tokenizer and chat template of a GGUF model, giving the same token ids as llama.cpp.
+
+Byte-level BPE (`tokenizer.ggml.model = "gpt2"`) runs in HuggingFace's `tokenizers`, built
+from the GGUF's tokens and merges with the pre-tokenizer regexes llama.cpp picks for the
+file's `tokenizer.ggml.pre` (src/llama-vocab.cpp, `llm_tokenizer_bpe`). Special tokens are
+split out of the text here, in Python, by llama.cpp's own rule (`tokenizer_st_partition`:
+the longest token first, wherever it is in the text), which is not the leftmost-longest
+match of `tokenizers`' added tokens.
+"""
+from __future__ import annotations
+
+import codecs
+import functools
+import os
+import re
+from datetime import datetime
+from typing import Any, Iterable
+
+from strata.gguf.reader import GGUFError, GGUFFile
+
+
+class TokenizerError(GGUFError):
+    """A GGUF tokenizer Strata cannot build; the message names the file and the key."""
+
+
+# llama.cpp's `tokenizer.ggml.pre` names and the regexes it splits text with, applied in
+# order, each to the pieces the previous one left (llama-vocab.cpp, llm_tokenizer_bpe).
+# \p{L}, \p{N}, \s and \S are read by llama.cpp's Unicode table (see _classes), not the
+# regex engine's. A name is listed only once its ids have been checked against llama.cpp.
+PRE_TOKENIZERS: dict[str, list[str]] = {
+    # LLAMA_VOCAB_PRE_TYPE_SMOLLM: every digit alone, then GPT-2's regex.
+    "smollm": [
+        r"\p{N}",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    ],
+}
+
+# tokenizer.ggml.token_type values (gguf-py's TokenType).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Token texts llama.cpp treats as ending generation whatever their type, and marks as
+# control tokens (llama-vocab.cpp, the special_eog_ids list).
+EOG_TEXTS = frozenset([
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+])
+
+_UNK_TEXT = "\x00strata-unk\x00"
+
+# HuggingFace's ChatML template, for GGUFs that carry none.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's byte-to-unicode table, inverted: vocab texts spell each byte as one printable char.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class Tokenizer:
+    def __init__(self, tokens: list[str], token_types: list[int], merges: list[str], *,
+                 pre: str, bos_id: int | None, eos_id: int | None, add_bos: bool,
+                 chat_template: str | None, eot_id: int | None = None, source: str = "<tokenizer>"):
+        from tokenizers import Regex, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.source = source
+        if pre not in PRE_TOKENIZERS:
+            raise TokenizerError(
+                f"{source}: tokenizer.ggml.pre = {pre!r} is not supported (supported: "
+                f"{', '.join(sorted(PRE_TOKENIZERS))}); add its regexes from llama.cpp's "
+                "src/llama-vocab.cpp to strata.tokenizer.PRE_TOKENIZERS and check them")
+        if len(token_types) != len(tokens):
+            raise TokenizerError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} "
+                                 f"entries for {len(tokens)} tokens; the file is damaged")
+        types = [int(t) for t in token_types]
+        for i, text in enumerate(tokens):
+            if text in EOG_TEXTS:
+                types[i] = CONTROL
+        self._types = types
+        self.vocab_size = len(tokens)
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        eot = {i for i, text in enumerate(tokens) if text in EOG_TEXTS}
+        eot |= {i for i in (eos_id, eot_id) if i is not None}
+        self.eot_ids = frozenset(eot)
+
+        # The bytes each id stands for: byte-level texts for ordinary tokens, the text itself
+        # (UTF-8) for control and user-defined ones, as llama.cpp's token_to_piece.
+        dec = _byte_decoder()
+        self._pieces: list[bytes] = []
+        for text, t in zip(tokens, types):
+            if t in (CONTROL, USER_DEFINED, UNKNOWN):
+                self._pieces.append(text.encode())
+            elif t == UNUSED:
+                self._pieces.append(b"")
+            else:
+                self._pieces.append(b"".join(bytes([dec[c]]) if c in dec else c.encode() for c in text))
+
+        # Ids llama.cpp matches verbatim in text before BPE, longest text first; ties keep id
+        # order. Control and unknown ones only with parse_special.
+        special = [i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED, UNKNOWN) and tokens[i]]
+        special.sort(key=lambda i: -len(tokens[i].encode()))
+        self._special = [(tokens[i], i, types[i] != USER_DEFINED) for i in special]
+
+        # A character with no token (SmolLM2 lacks some control bytes, and 0xF1/0xF2) still
+        # stands between its neighbours during merges in llama.cpp, and is dropped after.
+        # `tokenizers` drops it before merging, so it maps here to an id past the vocabulary,
+        # filtered out of encode's result; its text is no byte-level string.
+        vocab = {text: i for i, text in enumerate(tokens)}
+        self._unk = len(tokens)
+        vocab[_UNK_TEXT] = self._unk
+        pairs = []
+        for m in merges:
+            # llama.cpp splits at the first space after the first character.
+            cut = m.find(" ", 1)
+            if cut < 0:
+                raise TokenizerError(f"{source}: tokenizer.ggml.merges entry {m!r} has no space")
+            pairs.append((m[:cut], m[cut + 1:]))
+        try:
+            model = models.BPE(vocab=vocab, merges=pairs, unk_token=_UNK_TEXT)
+        except Exception as e:
+            raise TokenizerError(f"{source}: tokenizer.ggml.tokens and tokenizer.ggml.merges "
+                                 f"do not form a BPE vocabulary: {e}") from e
+        hf = HFTokenizer(model)
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_with_classes(r)), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        self._hf = hf
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile | str | os.PathLike) -> Tokenizer:
+        g = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
+        model = g.require("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise TokenizerError(f"{g.path}: tokenizer.ggml.model = {model!r} is not supported; "
+                                 "Strata reads only byte-level BPE tokenizers ('gpt2')")
+        tokens = g.require("tokenizer.ggml.tokens")
+        types = g.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        return cls(tokens, types, g.require("tokenizer.ggml.merges"),
+                   pre=g.get("tokenizer.ggml.pre", "default"),
+                   bos_id=g.get("tokenizer.ggml.bos_token_id"),
+                   eos_id=g.get("tokenizer.ggml.eos_token_id"),
+                   eot_id=g.get("tokenizer.ggml.eot_token_id"),
+                   # absent, llama.cpp adds no BOS for the pre-types supported here
+                   add_bos=bool(g.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=g.get("tokenizer.chat_template"),
+                   source=str(g.path))
+
+    # -- encoding ---------------------------------------------------------------------------
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        # llama.cpp's tokenizer_st_partition: each special token in turn, longest first,
+        # cuts every remaining text fragment at each of its occurrences.
+        parts: list[str | int] = [text] if text else []
+        for s, sid, is_control in self._special:
+            if is_control and not parse_special:
+                continue
+            if not any(isinstance(p, str) and s in p for p in parts):
+                continue
+            out: list[str | int] = []
+            for p in parts:
+                if isinstance(p, int) or s not in p:
+                    out.append(p)
+                    continue
+                pieces = p.split(s)
+                for k, piece in enumerate(pieces):
+                    if k:
+                        out.append(sid)
+                    if piece:
+                        out.append(piece)
+            parts = out
+        return parts
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; add_bos None follows the GGUF's tokenizer.ggml.add_bos_token."""
+        parts = self._partition(text, parse_special)
+        raw = [p for p in parts if isinstance(p, str)]
+        encoded = iter(self._hf.encode_batch(raw, add_special_tokens=False)) if raw else iter(())
+        ids: list[int] = []
+        if (self.add_bos if add_bos is None else add_bos):
+            if self.bos_id is None:
+                raise TokenizerError(f"{self.source}: add_bos asked for, but "
+                                     "tokenizer.ggml.bos_token_id is missing")
+            ids.append(self.bos_id)
+        for p in parts:
+            if isinstance(p, str):
+                ids.extend(i for i in next(encoded).ids if i != self._unk)
+            else:
+                ids.append(p)
+        return ids
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def _check(self, token_id: int) -> int:
+        if not 0 <= token_id < self.vocab_size:
+            raise IndexError(f"{self.source}: token id {token_id} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})")
+        return token_id
+
+    def is_special(self, token_id: int) -> bool:
+        """Control and unknown tokens: the ones decode(skip_special=True) leaves out."""
+        return self._types[self._check(token_id)] in (CONTROL, UNKNOWN)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._pieces[self._check(token_id)]
+
+    def token_to_piece(self, token_id: int) -> str:
+        """The text of one token; a token holding part of a UTF-8 character shows U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return b"".join(self.token_bytes(i) for i in ids
+                        if not (skip_special and self.is_special(i))).decode("utf-8", errors="replace")
+
+    def stream(self, skip_special: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special)
+
+    # -- chat -------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The prompt text for `messages`, rendered as HuggingFace's apply_chat_template does."""
+        template = _compile(self.chat_template or CHATML_TEMPLATE)
+        bos = "" if self.bos_id is None else self.token_to_piece(self.bos_id)
+        eos = "" if self.eos_id is None else self.token_to_piece(self.eos_id)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos, eos_token=eos, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+
+class StreamDecoder:
+    """Text of ids fed one at a time, holding back bytes of a UTF-8 character not yet whole.
+
+    Joined, the pieces `feed` and `flush` return equal `Tokenizer.decode` of all the ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        if self._skip and self._tok.is_special(token_id):
+            return ""
+        return self._utf8.decode(self._tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """What is left at the end of the stream: U+FFFD for an unfinished character."""
+        return self._utf8.decode(b"", final=True)
+
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compile(source: str):
+    # HuggingFace's chat-template environment: sandboxed, trimmed blocks, loop controls,
+    # tojson without ASCII escapes, raise_exception and strftime_now helpers.
+    if source not in _TEMPLATES:
+        import json
+
+        import jinja2.ext
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
+
+
+# -- Unicode classes ---------------------------------------------------------------------------
+
+# llama.cpp's whitespace (unicode-data.cpp, unicode_set_whitespace): Unicode White_Space.
+_WHITESPACE = [(0x9, 0xD), (0x20, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680),
+               (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F),
+               (0x3000, 0x3000)]
+
+
+@functools.cache
+def _classes() -> dict[str, str]:
+    """Oniguruma class bodies for llama.cpp's letters (L), numbers (N) and whitespace (W).
+
+    llama.cpp classifies codepoints by a table of its own (an older Unicode than Oniguruma's
+    or Python's: a letter or digit added since splits differently), so the regexes spell
+    that table out as ranges.
+    """
+    ranges: dict[str, list[tuple[int, int]]] = {"L": [], "N": [], "O": []}
+    runs = [(c, int(gap, 16)) for c, gap in re.findall(r"([LNO])([0-9a-f]+)", _LLAMA_CPP_CLASSES)]
+    start = 0
+    for k, (cls, gap) in enumerate(runs):
+        start += gap
+        end = start + runs[k + 1][1] - 1 if k + 1 < len(runs) else 0x10FFFF
+        ranges[cls].append((start, end))
+    ranges["W"] = _WHITESPACE
+    return {c: "".join(rf"\x{{{a:x}}}-\x{{{b:x}}}" for a, b in rs) for c, rs in ranges.items() if c != "O"}
+
+
+def _with_classes(regex: str) -> str:
+    """`regex` with \\p{L}, \\p{N}, \\s and \\S replaced by llama.cpp's classes, in or out of [...]."""
+    cls = _classes()
+    names = {r"\p{L}": "L", r"\p{N}": "N", r"\s": "W"}
+    out, i, inside = [], 0, False
+    while i < len(regex):
+        for name, c in names.items():
+            if regex.startswith(name, i):
+                out.append(cls[c] if inside else f"[{cls[c]}]")
+                i += len(name)
+                break
+        else:
+            if regex.startswith(r"\S", i) and not inside:
+                out.append(f"[^{cls['W']}]")
+                i += 2
+                continue
+            if regex[i] == "\\":
+                if regex[i + 1] in "pPS":
+                    raise ValueError(f"pre-tokenizer regex {regex!r}: {regex[i:i + 5]!r} is not mapped "
+                                     "to llama.cpp's Unicode classes; add it to _with_classes")
+                out.append(regex[i:i + 2])
+                i += 2
+                continue
+            inside = {"[": True, "]": False}.get(regex[i], inside)
+            out.append(regex[i])
+            i += 1
+    return "".join(out)
+
+
+# llama.cpp's codepoint classes (unicode-data.cpp, unicode_ranges_flags, as vendored in
+# llama-cpp-python 0.3.36): runs of L letter, N number, O other, each a class letter and the
+# hex gap from the previous run's start. From scripts/golden_tokenizer.py --unicode-table.
+_LLAMA_CPP_CLASSES = (
+    "O0N30OaL7O1aL6O1aL2fO1N7O2L1O1N3L1O1N1O3L1O17L1O1fL1O1caL4OcLeO5L7O1L1O1L81O5L1O2L2O4L1O1L6O"
+    "1L1O3L1O1L1O14L1O53L1O8bL8Oa6L1O26L2O1L6O29L47O1bL4O4L2dO2bN15OaL4O2L1O63L1O1LfO2L7N2LaO3L2O"
+    "1L10O1L1O1eL1dO59LbO1NeLaO21L9O2L4O1L5O16L4O1L9O1L3O1L17O19L7ObL5O18L1O6L11O2aL3aO36L3O1L12O"
+    "1L7OaN4OaL1O10L4O8L2O2L2O16L1O7L1O1L3O4L3O1L10O1LdO2L1O3N4LaO2N2O6L2O1L8O6L4O2L2O16L1O7L1O2L"
+    "1O2L1O2L1fO4L1O1N7OaL2O3L10O9L1O3L1O16L1O7L1O2L1O5L3O1L12O1LfO2N4OaL9O1LbO8L2O2L2O16L1O7L1O2"
+    "L1O5L3O1L1eO2L1O3N4OaL1N1O6LbO1L1O6L3O3L1O4L3O2L1O1L1O2L3O2L3O3L3OcL16O1N15OdL12O8L1O3L1O17L"
+    "1O10L3O1L1aO3L2O1L2O2N4OaN8O7L1O1L4O8L1O3L1O17L1OaL1O5L3O1L1fO2L1O2N4OaL1O2L11O9L1O3L1O29L2O"
+    "1L10O1L5O3N1L7O3N4O13L1O6L5O12L3O18L1O9L1O1L2O7N1fOaL11O30L1O2LcO7N9OaL27O2L1O1L1O5L1O18L1O1"
+    "L1OaL1O2L9O1L2O5L1O1N9OaL2O4L20O1N1fO14LcO8L1O24L1bO5L73O2bL14N1OaL6O6L4O4L3O1L3O2L7O3L4OdLc"
+    "O1N1OaL6O26L1O1L5O1L2O2bL1O14dL1O4L2O7L1O1L1O4L2O29L1O4L2O21L1O4L2O7L1O1L1O4L2OfL1O39L1O4L2O"
+    "43NeO14L3O10L10O56L2O6L3O26cL2O11L1O1aL5O4bN3L3O8L7O12LdO13LeO12LeOdL1O3LfO34L23O1L4O1N3OaN6"
+    "OaN16OaL6O59L7O5L2O22L1O1L5O46LaO1fN27LaO1eL2O5LbO2cL4O1aN6ObL25O17L9O35N2bOaN6OaLdO1L5dO2fL"
+    "11O8N3OaL29O1eLdN2LaO2cL1aO24N1cOaL3N3LaO24L2O9L7O2bL2O3L29O4L1O6L1O2L3O1L5Oc0L40O116L2O6L2O"
+    "26L2O6L2O8L1O1L1O1L1O1L1O1fL2O35L1O7L1O1L3O3L1O7L3O4L2O6L4OdL5O3L1O7N73L1O1N2O6L5N1OaL6OdL65"
+    "O1L4O1L2OaL1O1L3O5L6O1L1O1L1O1L1O4L1ObL2O4L5O5L4O1N1L33N2O5N2d6O3cN4eO16N276O1eL46cOe5L6O4L3"
+    "O2N9O1L2O26L1O1L5O1L2O38L7O1L10O17L9O7L1O7L1O7L1O7L1O7L1O7L1O7L1O7L50O1L1d5N2O1N19O9L7O5N2L3"
+    "O2L4O56L6O3L1O5aL1O4L5O2bL1O5eN3O4LaO20L30O10N20OaN1eO8N1OfN20OaN27OfL140O19c0L40O568dL43O2e"
+    "L2O10dL3N10LaO2L14O2fL10O1fL2N46OaL27O9L2O67L2O40L5O2L1O1L1O5L18O10L1O3L1O4L1O17NdO6LaO34LeO"
+    "32N1cOaL18O6L3O1L1O2N1LaO1cLaO17L19O1dL7O2fL1cN1OaL6O5L1NaLaO5L1O29L17O3L1O8N4OaL6O17L3O1L3O"
+    "32L1O1L3O2L2O5L2O1L1O1L18O3L2ObL7O3LcO6L2O6L2O6L9O7L1O7L1O2bL1OeL6O73NdOaL6O2ba4LcO17L4O31L2"
+    "104O16eL2O6aL26O7LcO5L5O1L1OaL1OdL1O5L1O1L1O2L1O2L1O6cL21O16bL12O40L2O36L28OcL74O5L1O87N13Oa"
+    "L7O1aL6O1aLbO59L3O6L2O6L2O6L2O3L23OcL1O1aL1O13L1O2L1OfL2OeL22O7bNcO2dNcO39N11O2Lf4O1dL3O31N1"
+    "0O1bL4N20O4L9N14L1N8O1L5O26LaO1eL2O24L4O8N1O5L2aO9eN2OaL6O24L4O24L4O28L8O34LcObL1OfL1O7L1O2L"
+    "1ObL1OfL1O7L1O2L43O137L9O16LaO8L18O6L1O2aL1O9L45O6L2O1L1O2cL1O2L3O1L2O17N2L8O17N2L7O1fN8O9L3"
+    "0O13L1O2N5L5N16O6L4O1aL46O38N4L2N2O10N2L2eO1LfO4L1O3L1O1dNaO9L17N1dO2L1N1dO3L20O8L1O1cN6O5L1"
+    "0O36LaO16N2L8O13N5L8O12N17O7L50O49L37O33LdO33N7L6O24NcOaN126O1fL1O2aL6O2L4eN1dLaO1L8O16NbO4L"
+    "1bO12L2eN15O7L14O17LcO35N1aO1eL1O2L2O1LdO2dL20O19N7OaL9O24NfOaL4O1L2O1L8O23L3O1LcO30LeO4NbLa"
+    "O1L1O1N4O14LbO12L1O19L13O2L3fO7L1O1L1O4L1OfL1OaL7O2fN11OaLbO8L2O2L2O16L1O7L1O2L1O5L3O1L12O1L"
+    "cO5L9eO35L12O4N5OaL5O3L1eO30L14O2L1O1N8OaLa6O2fL29O4L24O30L14O1NbOaL26O2bLdO1N7OaL36O1bN15Oc"
+    "L4O7Lb9O2cL74N40O13LcO8L2O1L2O8L1O2L1O18LfO1L1O1NeOaL46O8L2O27L10O1L1O1L1cO1LaO28L7O1L15O1Lb"
+    "O2eL13O1L12O49L107O9L1O25L11O1NfO1dL5O1eL70O7L1O2L1O26L15O1N9OaL6O6L1O2L1O20LeO1N7OaL136O13L"
+    "fO1L1OdL1O22N1cOaL56O1NfO15L2bO39aN66O6fL11Oc4La4cO61LfO430L11O6Lfb9O247L21b9O239L7O1fN1OaL6"
+    "O4fN1OaL6O1eL12O30L10O4NcOaN1O7L1O15L5O13L2b0N40O17L69O4bL5O1L42OdL40O2L1O1L1cO17f8L8O4d6L2a"
+    "O9L22e7O4L1O7L1O2L1O123LfO1L1dO3L2O1LeO4L8O18cL904O6bL5OdL3O9L7OaN1626O14NcO14N6cO19L87O55L1"
+    "O47L1O2L2O1L2O2L2O4L1OcL1O1L1O7L1O41L1O4L2O8L1O7L1O1cL1O4L1O5L1O1L3O7L1O154L2O19L1O19L1O1fL1"
+    "O19L1O1fL1O19L1O1fL1O19L1O1fL1O19L1O8N2O32L700O1fL6O6L105O3eL92O2dLaO7N2OaL4O1L141O1eL12O2cN"
+    "4OaL1d6O1cN4OaL2e6O7L1O4L1O2L1OfL1Oc5N2O9L30O44L7O1N4OaN317O3bN1O3N1O4N4cO2dN1OfLc2O4L1O1bL1"
+    "O2L1O1L2O1L1OaL1O4L1O1L1O1L6O1L4O1L1O1L1O1L1O3L1O2L1O1L2O1L1O1L1O1L1O1L1O1L1O2L1O1L2O4L1O7L1"
+    "O4L1O4L1O1L1OaL1O11L5O3L1O5L1O11N244OdNae3OaL406Oa6e0L20O103aL6OdeL2O1682LeO1d31LfO26eL9a2O2"
+    "1eL5e2O134bL5O1060"
+)
