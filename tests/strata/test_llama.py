@@ -28,8 +28,6 @@ import numpy as np
 import pytest
 import torch
 
-from strata.gguf import open_gguf
-from strata.hub import pull_smollm2
 from strata.models import load_model
 
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_golden.json").read_text())
@@ -45,15 +43,10 @@ def dev_llama(p) -> np.ndarray:
     return np.abs(centered(np.array(p["top_logits"])) - centered(np.array(p["hf_at_top_ids"])))
 
 
-@pytest.fixture(scope="module")
-def gguf_file():
-    return open_gguf(pull_smollm2(quiet=True))
-
-
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def run(request, gguf_file):
+def run(request, smollm2_gguf, smollm2_bf16):
     """(dtype, logits per prompt, greedy continuation per prompt)."""
-    model = load_model(gguf_file, dtype=request.param)
+    model = smollm2_bf16 if request.param == torch.bfloat16 else load_model(smollm2_gguf, dtype=request.param)
     logits, greedy = [], []
     for p in PROMPTS:
         cache = model.new_cache(len(p["ids"]) + 64)
@@ -66,11 +59,9 @@ def run(request, gguf_file):
     return request.param, logits, greedy
 
 
-def test_tokenizer_gives_llama_cpp_ids(gguf_file):
-    from strata.tokenizer import Tokenizer
-    tok = Tokenizer.from_gguf(gguf_file)
+def test_tokenizer_gives_llama_cpp_ids(smollm2_tokenizer):
     for p in PROMPTS:
-        assert tok.encode(p["text"]) == p["ids"]
+        assert smollm2_tokenizer.encode(p["text"]) == p["ids"]
 
 
 def test_matches_the_reference(run):

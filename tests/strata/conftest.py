@@ -1,0 +1,22 @@
+import pytest
+
+from strata.gguf import open_gguf
+from strata.hub import pull_smollm2
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct Q4_1, pulled into the cache on first use (about 93 MB)."""
+    return open_gguf(pull_smollm2(quiet=True))
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(smollm2_gguf):
+    from strata.models import load_model
+    return load_model(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from strata.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(smollm2_gguf)

