@@ -49,6 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(chat)
     _sampling_args(chat)
 
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with slots and a conversation cache")
+    _model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--slots", "-np", type=int, default=4, help="requests decoded together")
+    srv.add_argument("--queue", type=int, default=64, help="requests that may wait for a slot (then 503)")
+    srv.add_argument("--conversation-cache-mib", type=float, default=512,
+                     help="memory for finished conversations' KV state, reused by prompts that extend them")
+    srv.add_argument("--ctx-size", "-c", type=int, default=None, help="tokens per request (default: the model's)")
+    srv.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
+
     bench = sub.add_parser("bench", help="measure kernels and paths against their peers")
     bsub = bench.add_subparsers(dest="what", required=True)
     dq = bsub.add_parser("dequant", help="dequantization throughput: torch path, Triton kernel, gguf-py")
@@ -73,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--peer", choices=("llama.cpp",), default=None,
                     help="also run the same GGUF through llama-cpp-python, in the same run")
     bm.add_argument("--json", action="store_true")
+
+    bs = bsub.add_parser("serve", help="aggregate tok/s of the serving engine per slot count")
+    bs.add_argument("--model", "-m", default="smollm2")
+    bs.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    bs.add_argument("--threads", "-t", type=int, default=2)
+    bs.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
+                    help="slot counts to compare, e.g. 1,4")
+    bs.add_argument("--requests", type=int, default=16)
+    bs.add_argument("--n-gen", "-n", type=int, default=64)
+    bs.add_argument("--json", action="store_true")
     return p
 
 
@@ -84,10 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = commands.DTYPES[args.dtype] if args.command == "bench" else args.dtype
     try:
         if args.command == "bench":
-            from strata.bench import dequant, model
-            return {"dequant": dequant.run, "model": model.run}[args.what](args)
+            from strata.bench import dequant, model, serve
+            return {"dequant": dequant.run, "model": model.run, "serve": serve.run}[args.what](args)
         return {"pull": commands.pull, "generate": commands.generate_cmd,
-                "chat": commands.chat_cmd}[args.command](args)
+                "chat": commands.chat_cmd, "serve": commands.serve_cmd}[args.command](args)
     except (ValueError, HubError) as e:  # bad input or file, named by the code that found it
         print(f"strata: {e}", file=sys.stderr)
         return 2

@@ -81,3 +81,19 @@ def chat_cmd(args) -> int:
         print()
         history.append({"role": "assistant", "content": res.text})
     return 0
+
+
+def serve_cmd(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from strata.server.app import create_app
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    resolve_model(args.model)  # fail now on a bad --model, not in the background
+    app = create_app(lambda: load(args), model_id=args.model if args.model == "smollm2" else
+                     resolve_model(args.model).stem, slots=args.slots, queue_size=args.queue,
+                     cache_mib=args.conversation_cache_mib, ctx_size=args.ctx_size,
+                     default_max_tokens=args.max_tokens)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -72,8 +72,8 @@ class Block(torch.nn.Module):
         self.down = lin(t("ffn_down"))
         self.ffn_dim = cfg.ffn_dim
 
-    def forward(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache, start)
+    def forward(self, x: torch.Tensor, segments: list[tuple[KVCache, int, int]]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), segments)
         gate, up = self.gate_up(self.ffn_norm(x)).split(self.ffn_dim, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -128,13 +128,29 @@ class Llama(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, tokens, cache: KVCache, start: int | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits (S, vocab) float32 for tokens at positions start.. (default: the cache's end)."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        start = cache.length if start is None else start
-        cache.reserve(start + tokens.numel())
-        x = self.embed(tokens)
+        if start is not None:
+            cache.truncate(start)
+        out = self.forward_batch([(tokens, cache)], last_only=last_only)
+        return out[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[tuple[list[int], KVCache]], last_only: bool = True) -> list[torch.Tensor]:
+        """Several sequences in one pass, each (tokens, cache) continuing at its cache's end.
+        The matmuls see all rows at once; a row's result does not depend on its neighbours
+        (each output row is its own dot products), so batching changes no value."""
+        toks = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t, _ in items]
+        segments = []
+        for t, (_, cache) in zip(toks, items):
+            cache.reserve(cache.length + t.numel())
+            segments.append((cache, cache.length, t.numel()))
+        x = self.embed(torch.cat(toks))
         for block in self.blocks:
-            x = block(x, cache, start)
-        cache.length = start + tokens.numel()
-        if last_only:
-            x = x[-1:]
-        return self.output(self.norm(x))
+            x = block(x, segments)
+        outs, row = [], 0
+        for cache, start, n in segments:
+            cache.length = start + n
+            outs.append(x[row + n - 1:row + n] if last_only else x[row:row + n])
+            row += n
+        logits = self.output(self.norm(torch.cat(outs)))
+        sizes = [o.shape[0] for o in outs]
+        return list(logits.split(sizes))

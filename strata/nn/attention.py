@@ -33,6 +33,18 @@ class KVCache:
     def truncate(self, n: int) -> None:
         self.length = min(self.length, n)
 
+    def copy(self, n: int | None = None) -> "KVCache":
+        """A new cache holding the first n tokens (default: all) of this one."""
+        n = self.length if n is None else min(n, self.length)
+        c = KVCache(self.n_layers, *self.shape, dtype=self.dtype, device=self.device, capacity=max(n, 16))
+        c.k[:, :, :n] = self.k[:, :, :n]
+        c.v[:, :, :n] = self.v[:, :, :n]
+        c.length = n
+        return c
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
 
 class Attention(torch.nn.Module):
     def __init__(self, layer: int, qkv: QuantLinear, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -42,17 +54,28 @@ class Attention(torch.nn.Module):
         self.layer, self.qkv, self.wo = layer, qkv, wo
         self.n_heads, self.n_kv_heads, self.head_dim, self.rope = n_heads, n_kv_heads, head_dim, rope
 
-    def forward(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """x: (S, dim) for positions start..start+S-1; appends to the cache."""
-        S = x.shape[0]
+    def forward(self, x: torch.Tensor, segments: list[tuple[KVCache, int, int]]) -> torch.Tensor:
+        """x: the rows of one or more sequences, concatenated; `segments` gives, in order,
+        each sequence's (cache, start position, row count). The projections run once over
+        all rows (batching many sequences costs little more than one); attention runs per
+        sequence, appending to its cache."""
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        qk, v = self.qkv(x).split([(H + Hkv) * D, Hkv * D], dim=-1)
-        # RoPE on Q and K heads together: one call instead of two
-        qk = self.rope(qk.reshape(S, H + Hkv, D).transpose(0, 1), torch.arange(start, start + S))
-        q, k = qk[:H], qk[H:]
+        qk_all, v_all = self.qkv(x).split([(H + Hkv) * D, Hkv * D], dim=-1)
+        outs, row = [], 0
+        for cache, start, S in segments:
+            qk, v = qk_all[row:row + S], v_all[row:row + S]
+            row += S
+            # RoPE on Q and K heads together: one call instead of two
+            qk = self.rope(qk.reshape(S, H + Hkv, D).transpose(0, 1), torch.arange(start, start + S))
+            outs.append(self._attend(qk[:H], qk[H:], v.reshape(S, Hkv, D).transpose(0, 1), cache, start))
+        return self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
+
+    def _attend(self, q, k, v, cache: KVCache, start: int) -> torch.Tensor:
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        S = q.shape[1]
         end = start + S
         cache.k[self.layer, :, start:end] = k
-        cache.v[self.layer, :, start:end] = v.reshape(S, Hkv, D).transpose(0, 1)
+        cache.v[self.layer, :, start:end] = v
         keys, vals = cache.k[self.layer, :, :end], cache.v[self.layer, :, :end]
         if S == 1:
             # decode: each KV head serves its group of query heads; three small ops beat
@@ -65,4 +88,4 @@ class Attention(torch.nn.Module):
         else:  # a chunk after a cached prefix: query i sees keys up to start + i
             mask = torch.ones(S, end, dtype=torch.bool).tril(diagonal=start)
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
-        return self.wo(out.transpose(0, 1).reshape(S, H * D))
+        return out.transpose(0, 1).reshape(S, H * D)

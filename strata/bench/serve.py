@@ -1,0 +1,53 @@
+"""`strata bench serve`: aggregate decode throughput of the serving engine per slot count.
+
+The same requests (distinct prompts, greedy, a fixed number of tokens each, all submitted
+at once) run through the engine with each slot count; tok/s is generated tokens over wall
+time, prompt processing included, as a client sees it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from strata.bench.report import emit, machine, markdown
+
+
+def run(args) -> int:
+    from strata.commands import DTYPES
+    from strata.gguf import open_gguf
+    from strata.hub import resolve_model
+    from strata.models import load_model
+    from strata.runtime.sampling import SamplingParams
+    from strata.server.engine import Engine, Request
+    from strata.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    g = open_gguf(resolve_model(args.model))
+    model, tok = load_model(g, dtype=args.dtype), Tokenizer.from_gguf(g)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Tell me about the number {i}."}]))
+               for i in range(args.requests)]
+    rows = []
+    for slots in args.slots:
+        engine = Engine(model, tok, slots=slots, queue_size=len(prompts), cache_mib=0)
+        done = threading.Semaphore(0)
+        reqs = []
+        t = time.perf_counter()
+        for p in prompts:
+            params = SamplingParams(temperature=0, max_tokens=args.n_gen)
+            reqs.append(engine.submit(Request(p, params, lambda ev: ev["type"] == "done" and done.release())))
+        for _ in prompts:
+            done.acquire()
+        wall = time.perf_counter() - t
+        engine.close()
+        n = sum(len(r.tokens) for r in reqs)
+        rows.append({"slots": slots, "requests": len(prompts), "generated": n, "wall_s": wall, "tok_s": n / wall})
+    base = rows[0]["tok_s"]
+    for r in rows:
+        r["vs_first"] = r["tok_s"] / base
+    result = {"bench": "serve", "machine": machine(), "dtype": str(args.dtype), "rows": rows}
+    table = markdown(rows, [("slots", "slots"), ("requests", "requests"), ("generated", "tokens"),
+                            ("wall_s", "wall s"), ("tok_s", "tok/s"), ("vs_first", f"x {rows[0]['slots']} slot(s)")])
+    emit(result, table, args.json)
+    return 0

@@ -1,0 +1,276 @@
+"""HTTP routes, as llama-server and the OpenAI API name them.
+
+POST /v1/chat/completions, /v1/completions (stream or not), /tokenize, /detokenize;
+GET /v1/models, /health (503 while loading), /metrics (Prometheus text). Errors are HTTP
+400 {"error": {"message", "type", "code"}}; a full queue is 503 with Retry-After.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from strata.runtime.sampling import SamplingParams
+from strata.server.engine import Engine, QueueFull, Request
+
+log = logging.getLogger("strata.server")
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, code: str = "invalid_request", status: int = 400, headers=None):
+        super().__init__(message)
+        self.message, self.code, self.status, self.headers = message, code, status, headers
+
+
+def error(message: str, code: str, status: int = 400, headers=None) -> JSONResponse:
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    temperature: float = Field(default=0.8, ge=0)
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    top_k: int = Field(default=40, ge=0)
+    min_p: float = Field(default=0.05, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+
+class ChatBody(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[int]
+
+
+class TokenizeBody(BaseModel):
+    content: str
+    add_special: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    tokens: list[int]
+
+
+class State:
+    def __init__(self):
+        self.engine: Engine | None = None
+        self.model_id = "strata"
+        self.started = time.time()
+        self.load_error: str | None = None
+
+
+def create_app(load, model_id: str, slots: int, queue_size: int, cache_mib: float,
+               ctx_size: int | None = None, default_max_tokens: int = 512) -> FastAPI:
+    """`load()` returns (model, tokenizer); it runs in the background so /health can say
+    503 while the model loads."""
+    app = FastAPI(title="strata")
+    st = State()
+    st.model_id = model_id
+
+    def _load():
+        try:
+            model, tok = load()
+            st.engine = Engine(model, tok, slots=slots, queue_size=queue_size, cache_mib=cache_mib,
+                               ctx_size=ctx_size)
+            log.info("model %s ready: %d slots", model_id, slots)
+        except Exception as e:
+            log.exception("loading failed")
+            st.load_error = str(e)
+
+    threading.Thread(target=_load, daemon=True).start()
+    app.state.strata = st
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, e: ApiError):
+        return error(e.message, e.code, e.status, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        parts = []
+        for err in e.errors():
+            where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return error("; ".join(parts) or "invalid request", "invalid_request")
+
+    def engine() -> Engine:
+        if st.engine is None:
+            raise ApiError(st.load_error or "the model is still loading", "loading", 503,
+                           {"Retry-After": "1"})
+        return st.engine
+
+    @app.get("/health")
+    async def health():
+        if st.engine is None:
+            return JSONResponse({"status": "error" if st.load_error else "loading"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": st.model_id, "object": "model", "owned_by": "strata",
+                                            "created": int(st.started)}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = []
+        if st.engine is not None:
+            e = st.engine
+            s = e.stats
+            tps = s["generated_tokens"] / s["decode_seconds"] if s["decode_seconds"] else 0.0
+            for name, kind, value, help_ in (
+                ("prompt_tokens_total", "counter", s["prompt_tokens"], "prompt tokens received"),
+                ("generated_tokens_total", "counter", s["generated_tokens"], "tokens generated"),
+                ("requests_total", "counter", s["requests"], "requests started"),
+                ("cached_prompt_tokens_total", "counter", s["cached_tokens"], "prompt tokens reused from the conversation cache"),
+                ("cache_hits_total", "counter", e.prefix.hits, "prompts that reused a cached prefix"),
+                ("cache_bytes", "gauge", e.prefix.nbytes, "bytes held by the conversation cache"),
+                ("decode_tokens_per_second", "gauge", round(tps, 3), "generated tokens per second of engine time"),
+                ("busy_slots", "gauge", e.busy_slots(), "slots with a request"),
+                ("queue_length", "gauge", e.waiting.qsize(), "requests waiting for a slot"),
+            ):
+                lines += [f"# HELP strata_{name} {help_}", f"# TYPE strata_{name} {kind}", f"strata_{name} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        return {"tokens": engine().tok.encode(body.content, add_bos=body.add_special)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        e = engine()
+        bad = [t for t in body.tokens if not 0 <= t < e.tok.vocab_size]
+        if bad:
+            raise ApiError(f"token ids out of range 0..{e.tok.vocab_size - 1}: {bad[:5]}")
+        return {"content": e.tok.decode(body.tokens)}
+
+    def params(body: _Sampling) -> SamplingParams:
+        if body.model not in (None, "", st.model_id):
+            raise ApiError(f"model {body.model!r} is not served here; this server serves {st.model_id!r}",
+                           "model_not_found")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        n = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                              min_p=body.min_p, seed=body.seed, stop=stop,
+                              max_tokens=default_max_tokens if n is None else n)
+
+    async def run(http: HTTPRequest, prompt: list[int], sp: SamplingParams, body: _Sampling, chat: bool):
+        e = engine()
+        if len(prompt) + sp.max_tokens > e.ctx_size:
+            raise ApiError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({sp.max_tokens}) exceeds "
+                           f"the context size ({e.ctx_size} tokens)", "context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        req = Request(prompt, sp, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        try:
+            e.submit(req)
+        except QueueFull as ex:
+            raise ApiError(f"server busy: {ex}; retry shortly", "queue_full", 503, {"Retry-After": "2"}) from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+
+        def usage():
+            return {"prompt_tokens": len(prompt), "completion_tokens": len(req.tokens),
+                    "total_tokens": len(prompt) + len(req.tokens),
+                    "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
+
+        if not body.stream:
+            try:
+                while True:
+                    ev = await events.get()
+                    if ev["type"] == "error":
+                        raise ApiError(ev["message"], "internal_error", 500)
+                    if ev["type"] == "done":
+                        break
+            except asyncio.CancelledError:
+                req.cancelled = True
+                raise
+            choice = ({"index": 0, "message": {"role": "assistant", "content": req.text},
+                       "finish_reason": req.finish_reason} if chat else
+                      {"index": 0, "text": req.text, "finish_reason": req.finish_reason, "logprobs": None})
+            return {"id": rid, "object": obj, "created": created, "model": st.model_id,
+                    "choices": [choice], "usage": usage()}
+
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": delta_text} if delta_text else {})
+                c = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                c = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            d = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                 "model": st.model_id, "choices": [c]}
+            return f"data: {json.dumps(d)}\n\n"
+
+        async def sse():
+            try:
+                if chat:
+                    yield chunk(None, None, first=True)
+                while True:
+                    if await http.is_disconnected():
+                        req.cancelled = True
+                        return
+                    try:
+                        ev = await asyncio.wait_for(events.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        continue
+                    if ev["type"] == "text":
+                        yield chunk(ev["text"], None)
+                    elif ev["type"] == "error":
+                        yield f"data: {json.dumps({'error': {'message': ev['message'], 'type': 'server_error', 'code': 'internal_error'}})}\n\n"
+                        return
+                    else:
+                        yield chunk(None, ev["finish_reason"])
+                        if include_usage:
+                            u = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
+                                 "model": st.model_id, "choices": [], "usage": usage()}
+                            yield f"data: {json.dumps(u)}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+            finally:  # the client went away, or the stream ended: free the slot at once
+                if req.finish_reason is None:
+                    req.cancelled = True
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, http: HTTPRequest):
+        sp = params(body)
+        e = engine()
+        for m in body.messages:
+            if not isinstance(m.get("content", ""), str) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise ApiError("each message needs a role (system, user, assistant) and text content",
+                               "invalid_messages")
+        prompt = e.tok.encode(e.tok.apply_chat_template(body.messages))
+        return await run(http, prompt, sp, body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, http: HTTPRequest):
+        sp = params(body)
+        e = engine()
+        prompt = e.tok.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompt:
+            raise ApiError("the prompt is empty", "empty_prompt")
+        if any(not 0 <= t < e.tok.vocab_size for t in prompt):
+            raise ApiError(f"prompt token ids must lie in 0..{e.tok.vocab_size - 1}", "invalid_prompt")
+        return await run(http, prompt, sp, body, chat=False)
+
+    return app

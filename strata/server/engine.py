@@ -1,0 +1,190 @@
+"""The serving engine: N slots decoding together (continuous batching) on one thread.
+
+Requests wait in a bounded queue. Between steps, waiting requests take free slots: each
+prefills (reusing the longest cached prefix of its prompt from the conversation cache),
+then every busy slot decodes one token in a single batched forward. A finished or
+cancelled request leaves at once, and its KV state goes to the conversation cache.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from strata.runtime.prefix_cache import PrefixCache
+from strata.runtime.sampling import Sampler, SamplingParams
+from strata.runtime.generate import _held_back
+
+log = logging.getLogger("strata.server")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[dict], None]          # called from the engine thread with events
+    id: int = 0
+    cancelled: bool = False
+    # filled in by the engine
+    tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    text: str = ""
+    sent: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class Slot:
+    index: int
+    req: Request | None = None
+    cache: object = None
+    sampler: Sampler | None = None
+    stream: object = None
+    logits: torch.Tensor | None = None
+
+
+class Engine:
+    def __init__(self, model, tokenizer, slots: int = 4, queue_size: int = 64,
+                 cache_mib: float = 512, ctx_size: int | None = None):
+        self.model, self.tok = model, tokenizer
+        self.ctx_size = ctx_size or model.cfg.context_length
+        self.slots = [Slot(i) for i in range(slots)]
+        self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
+        self.prefix = PrefixCache(int(cache_mib * 2**20))
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "requests": 0, "cached_tokens": 0,
+                      "decode_seconds": 0.0}
+        self._ids = 0
+        self._wake = threading.Event()
+        self._stop = False
+        self.timing = os.environ.get("STRATA_DECODE_TIMING", "0") not in ("", "0")
+        self.thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self.thread.start()
+
+    # --- called from the server -----------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        self._ids += 1
+        req.id = self._ids
+        try:
+            self.waiting.put_nowait(req)
+        except queue.Full:
+            raise QueueFull(f"{self.waiting.maxsize} requests are already waiting") from None
+        self._wake.set()
+        return req
+
+    def busy_slots(self) -> int:
+        return sum(s.req is not None for s in self.slots)
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    # --- the engine thread ----------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            self._admit()
+            active = [s for s in self.slots if s.req is not None]
+            if not active:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            self._step(active)
+
+    def _admit(self) -> None:
+        for slot in self.slots:
+            if slot.req is not None:
+                continue
+            try:
+                req = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if req.cancelled:
+                continue
+            try:
+                self._prefill(slot, req)
+            except Exception as e:  # a failed request must not take the engine down
+                log.exception("request %d failed in prefill", req.id)
+                req.emit({"type": "error", "message": str(e)})
+                slot.req = None
+
+    def _prefill(self, slot: Slot, req: Request) -> None:
+        t0 = time.perf_counter()
+        cache, reused = self.prefix.take(req.prompt)
+        if cache is None:
+            cache = self.model.new_cache(len(req.prompt) + req.params.max_tokens)
+        req.cached_tokens = reused
+        slot.req, slot.cache = req, cache
+        slot.sampler = Sampler(req.params)
+        slot.stream = self.tok.stream()
+        slot.logits = self.model(req.prompt[reused:], cache, last_only=True)[-1]
+        self.stats["prompt_tokens"] += len(req.prompt)
+        self.stats["cached_tokens"] += reused
+        self.stats["requests"] += 1
+        log.info("slot %d: request %d, %d prompt tokens, reused %d from the conversation cache, "
+                 "evaluated %d in %.0f ms", slot.index, req.id, len(req.prompt), reused,
+                 len(req.prompt) - reused, 1e3 * (time.perf_counter() - t0))
+
+    def _step(self, active: list[Slot]) -> None:
+        t0 = time.perf_counter()
+        going: list[Slot] = []
+        for slot in active:
+            req = slot.req
+            if req.cancelled:
+                self._finish(slot, "cancelled")
+                continue
+            if req.params.max_tokens == 0:
+                self._finish(slot, "length")
+                continue
+            tok = slot.sampler(slot.logits)
+            if tok in self.tok.eot_ids:
+                self._finish(slot, "stop")
+                continue
+            req.tokens.append(tok)
+            req.text += slot.stream.feed(tok)
+            hit = min((req.text.find(s) for s in req.params.stop if s in req.text), default=-1)
+            if hit >= 0:
+                req.text = req.text[:hit]
+                self._finish(slot, "stop")
+                continue
+            ready = len(req.text) - _held_back(req.text, req.params.stop)
+            if ready > req.sent:
+                req.emit({"type": "text", "text": req.text[req.sent:ready]})
+                req.sent = ready
+            if len(req.tokens) >= req.params.max_tokens or len(req.prompt) + len(req.tokens) >= self.ctx_size:
+                req.text += slot.stream.flush()
+                self._finish(slot, "length")
+                continue
+            going.append(slot)
+        t1 = time.perf_counter()
+        if going:
+            logits = self.model.forward_batch([([s.req.tokens[-1]], s.cache) for s in going])
+            for s, lg in zip(going, logits):
+                s.logits = lg[-1]
+        t2 = time.perf_counter()
+        self.stats["generated_tokens"] += len(going)
+        self.stats["decode_seconds"] += t2 - t0
+        if self.timing:
+            log.info("step: %d tokens, %.1f ms (sampling %.1f, compute %.1f; PLE gather 0, "
+                     "expert fetch 0: none in this model)", len(going), 1e3 * (t2 - t0),
+                     1e3 * (t1 - t0), 1e3 * (t2 - t1))
+
+    def _finish(self, slot: Slot, reason: str) -> None:
+        req = slot.req
+        req.finish_reason = reason
+        if req.sent < len(req.text):
+            req.emit({"type": "text", "text": req.text[req.sent:]})
+            req.sent = len(req.text)
+        req.emit({"type": "done", "finish_reason": reason})
+        # the state after prompt + all but the last sampled token is in the cache
+        seen = (req.prompt + req.tokens)[:slot.cache.length]
+        self.prefix.put(seen, slot.cache)
+        slot.req = slot.cache = slot.sampler = slot.stream = slot.logits = None
