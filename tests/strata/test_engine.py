@@ -1,0 +1,61 @@
+"""The serving engine in-process: queue bound, cancellation, step timing, the prefix cache."""
+import logging
+import threading
+
+import pytest
+
+from strata.runtime.prefix_cache import PrefixCache, common_prefix
+from strata.runtime.sampling import SamplingParams
+from strata.server.engine import Engine, QueueFull, Request
+
+
+def collect():
+    events, done = [], threading.Event()
+
+    def emit(ev):
+        events.append(ev)
+        if ev["type"] == "done":
+            done.set()
+    return events, done, emit
+
+
+def test_queue_bound_cancel_and_timing_log(smollm2_bf16, smollm2_tokenizer, caplog, monkeypatch):
+    monkeypatch.setenv("STRATA_DECODE_TIMING", "1")
+    caplog.set_level(logging.INFO, logger="strata.server")
+    engine = Engine(smollm2_bf16, smollm2_tokenizer, slots=1, queue_size=1, cache_mib=0)
+    try:
+        prompt = smollm2_tokenizer.encode("Once upon a time")
+        long_ev, long_done, long_emit = collect()
+        first = engine.submit(Request(prompt, SamplingParams(temperature=0, max_tokens=10_000), long_emit))
+        while engine.busy_slots() == 0:  # it holds the only slot
+            pass
+        engine.submit(Request(prompt, SamplingParams(temperature=0, max_tokens=4), collect()[2]))
+        with pytest.raises(QueueFull):
+            engine.submit(Request(prompt, SamplingParams(max_tokens=4), collect()[2]))
+        first.cancelled = True  # as when a client hangs up
+        assert long_done.wait(30) and long_ev[-1] == {"type": "done", "finish_reason": "cancelled"}
+    finally:
+        engine.close()
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
+    assert steps and "tokens" in steps[0] and "ms" in steps[0] and "compute" in steps[0]
+
+
+def test_prefix_cache_keeps_the_longest_prefix_within_budget(smollm2_bf16):
+    m = smollm2_bf16
+    a, b = list(range(1000, 1040)), list(range(2000, 2040))
+    ca, cb = m.new_cache(64), m.new_cache(64)
+    m(a, ca)
+    m(b, cb)
+    pc = PrefixCache(budget_bytes=ca.nbytes() + cb.nbytes())
+    pc.put(a, ca)
+    pc.put(b, cb)
+    got, n = pc.take(a[:30] + [7, 8])
+    assert n == 30 and got.length == 30 and pc.hits == 1
+    got, n = pc.take(a)  # a whole cached prompt still leaves one token to evaluate
+    assert n == len(a) - 1
+    assert pc.take([5, 6])[0] is None and pc.misses == 1
+    cc = m.new_cache(64)
+    m(list(range(3000, 3040)), cc)
+    pc.put(list(range(3000, 3040)), cc)  # over budget: the least recently used (b) goes
+    assert pc.take(b)[0] is None and pc.take(a)[1] == len(a) - 1
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
