@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from .floats import BF16, F16, F32
 from .format import Format
+from .iq1 import IQ1_M, IQ1_S
+from .iq2 import IQ2_S, IQ2_XS, IQ2_XXS
 from .iq3 import IQ3_S, IQ3_XXS
-from .iq4 import IQ4_NL
-from .legacy import Q4_0, Q4_1, Q8_0
+from .iq4 import IQ4_NL, IQ4_XS
+from .kquants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+from .legacy import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
-FORMATS: dict[str, Format] = {f.name: f for f in (F32, F16, BF16, Q8_0, Q4_0, Q4_1, IQ4_NL, IQ3_XXS, IQ3_S)}
+FORMATS: dict[str, Format] = {f.name: f for f in (F32, F16, BF16, Q8_0, Q4_0, Q4_1, IQ4_NL, IQ3_XXS, IQ3_S, IQ4_XS,
+                                                 IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M)}
+FORMATS.update({f.name: f for f in (Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)})
 _BY_ID: dict[int, Format] = {f.type_id: f for f in FORMATS.values()}
 
 

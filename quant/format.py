@@ -30,6 +30,10 @@ class Format:
     tables: Mapping[str, np.ndarray] = field(default_factory=dict, repr=False)
     # byte offsets of the fp16 scale fields inside a block (d, and Q4_1's m)
     scale_offsets: tuple[int, ...] = ()
+    # where the fp16 scale is no plain field (IQ1_M spreads its bits over four words):
+    # blocks (n, block_bytes) -> (n,) float16, and (blocks, (n,) float16) -> None, in place
+    read_scale: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
+    write_scale: Callable[[np.ndarray, np.ndarray], None] | None = field(default=None, repr=False)
 
     @property
     def bits_per_weight(self) -> float:
@@ -92,7 +96,8 @@ class Format:
         if importance is not None:
             w = np.broadcast_to(np.asarray(importance, dtype=np.float32), x.shape)
             w = np.ascontiguousarray(w).reshape(-1, self.block_elems)
-        out = self.quantize_blocks(blocks, w)
+        with np.errstate(over="ignore", invalid="ignore"):  # subnormal scales: see legacy._codes
+            out = self.quantize_blocks(blocks, w)
         assert out.dtype == np.uint8 and out.shape == (blocks.shape[0], self.block_bytes)
         return out.reshape(*lead, x.shape[-1] // self.block_elems * self.block_bytes)
 

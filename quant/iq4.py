@@ -41,3 +41,57 @@ def _quant(x: np.ndarray, w) -> np.ndarray:
 
 IQ4_NL = Format("IQ4_NL", 20, QK, 18, _dequant, _quant, tables={"kvalues": KVALUES},
                 scale_offsets=(0,))
+
+
+# --- IQ4_XS -----------------------------------------------------------------------------
+# 256 weights in 136 bytes (4.25 bpw), eight sub-blocks of 32 with a 6-bit scale each:
+#   0-1 d fp16 | 2-3 scales_h: bits 2i, 2i+1 are the top two bits of scale i | 4-7 scales_l:
+#   the low nibble of scale i is nibble i%2 of byte 4 + i/2 | 8-135 nibbles, 16 bytes a
+#   sub-block laid out as IQ4_NL's.
+#   w = (d * (ls - 32)) * KVALUES[q], ls the 6-bit scale.
+
+QK_K = 256
+
+
+def xs_sub_scales(b: np.ndarray) -> np.ndarray:
+    """(n, 136) IQ4_XS blocks -> (n, 8) float32 scales dl = d * (ls - 32)."""
+    d = fp16_to_f32(b[:, :2])
+    sh = np.ascontiguousarray(b[:, 2:4]).view("<u2")                     # (n, 1)
+    hi = ((sh >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+    lo = np.stack([b[:, 4:8] & 0x0F, b[:, 4:8] >> 4], axis=-1).reshape(-1, 8)
+    ls = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+    return d * ls.astype(np.float32)
+
+
+def _xs_dequant(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    dl = xs_sub_scales(b)                                                # (n, 8)
+    q = unpack_nibbles(b[:, 8:].reshape(n * 8, 16)).reshape(n, 8, 32)
+    return (dl[:, :, None] * KVALUES[q].astype(np.float32)).reshape(n, QK_K)
+
+
+def _xs_quant(x: np.ndarray, w) -> np.ndarray:
+    # Per 32 weights the IQ4_NL scale (the extreme weight maps to -127); one fp16 d a
+    # block so that the largest of those scales is 31 d; each sub-block scale rounded to a
+    # multiple of d; then every weight takes the value nearest to it under the stored scale.
+    n = x.shape[0]
+    xs = x.reshape(n, 8, 32)
+    imax = np.abs(xs).argmax(axis=-1)[..., None]
+    want = np.take_along_axis(xs, imax, axis=-1)[..., 0] / np.float32(-127)   # (n, 8)
+    d = np.minimum(np.abs(want).max(-1) / np.float32(31), np.float32(65504))
+    d16 = d.astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(d16[:, None] > 0, np.rint(want / d16[:, None]), 0)
+    ls = (np.clip(ls, -32, 31) + 32).astype(np.uint8)                   # stored 0..63
+    dl = d16[:, None] * (ls.astype(np.int8) - np.int8(32)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(dl[..., None] == 0, np.float32(0), xs / dl[..., None])
+    q = _nearest_code(r).reshape(n * 8, 32)
+    sh = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
+    sl = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)
+    return np.concatenate([f32_to_fp16_bytes(d[:, None]), sh[:, None].astype("<u2").view(np.uint8),
+                           sl, pack_nibbles(q).reshape(n, 128)], axis=-1)
+
+
+IQ4_XS = Format("IQ4_XS", 23, QK_K, 136, _xs_dequant, _xs_quant, tables={"kvalues": KVALUES},
+                scale_offsets=(0,))

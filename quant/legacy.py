@@ -1,10 +1,13 @@
-"""The legacy 32-weight formats: Q8_0, Q4_0, Q4_1.
+"""The legacy 32-weight formats: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1.
 
 Layouts (little-endian, 2-byte aligned):
-  Q8_0  34 B: d fp16 | 32 x int8 q                 w = d * q
-  Q4_0  18 B: d fp16 | 16 B nibbles                w = d * (q - 8)
-  Q4_1  20 B: d fp16 | m fp16 | 16 B nibbles       w = d * q + m
-Nibbles: byte i holds weight i in its low half and weight i + 16 in its high half.
+  Q8_0  34 B: d fp16 | 32 x int8 q                          w = d * q
+  Q4_0  18 B: d fp16 | 16 B nibbles                         w = d * (q - 8)
+  Q4_1  20 B: d fp16 | m fp16 | 16 B nibbles                w = d * q + m
+  Q5_0  22 B: d fp16 | qh u32 | 16 B nibbles                w = d * (q - 16)
+  Q5_1  24 B: d fp16 | m fp16 | qh u32 | 16 B nibbles       w = d * q + m
+Nibbles: byte i holds weight i in its low half and weight i + 16 in its high half. Q5's
+fifth bit of weight i is bit i of the little-endian u32 qh.
 The quantizers follow ggml's reference ones (quantize_row_q*_ref), so that their bytes
 equal gguf-py's.
 """
@@ -31,6 +34,13 @@ def pack_nibbles(q: np.ndarray) -> np.ndarray:
 def _reciprocal(d: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def _codes(q: np.ndarray, top: int) -> np.ndarray:
+    """Float codes -> uint8, cast first and clipped after, as ggml's reference does: with a
+    subnormal scale, 1/d overflows and 0 * inf gives NaN, whose cast must land alike."""
+    with np.errstate(invalid="ignore"):
+        return q.astype(np.uint8).clip(0, top)
 
 
 def round_away(x: np.ndarray) -> np.ndarray:
@@ -66,7 +76,7 @@ def _q4_0_quant(x: np.ndarray, w) -> np.ndarray:
     # The weight of largest magnitude, with its sign, maps to -8: the asymmetric end.
     imax = np.abs(x).argmax(axis=-1)[:, None]
     d = np.take_along_axis(x, imax, axis=-1) / np.float32(-8)
-    q = np.trunc(x * _reciprocal(d) + np.float32(8.5)).clip(0, 15)
+    q = _codes(np.trunc(x * _reciprocal(d) + np.float32(8.5)), 15)
     return np.concatenate([f32_to_fp16_bytes(d), pack_nibbles(q)], axis=-1)
 
 
@@ -83,8 +93,52 @@ def _q4_1_quant(x: np.ndarray, w) -> np.ndarray:
     lo = x.min(axis=-1, keepdims=True)
     hi = x.max(axis=-1, keepdims=True)
     d = (hi - lo) / np.float32(15)
-    q = np.trunc((x - lo) * _reciprocal(d) + np.float32(0.5)).clip(0, 15)
+    q = _codes(np.trunc((x - lo) * _reciprocal(d) + np.float32(0.5)), 15)
     return np.concatenate([f32_to_fp16_bytes(d), f32_to_fp16_bytes(lo), pack_nibbles(q)], axis=-1)
+
+
+# --- Q5_0, Q5_1 -------------------------------------------------------------------------
+
+def unpack_q5(qh_qs: np.ndarray) -> np.ndarray:
+    """(n, 20) bytes, qh (4) then nibbles (16) -> (n, 32) uint8 values 0..31."""
+    qh = np.unpackbits(qh_qs[:, :4], axis=-1, bitorder="little")
+    return unpack_nibbles(qh_qs[:, 4:]) | (qh << 4)
+
+
+def pack_q5(q: np.ndarray) -> np.ndarray:
+    """(n, 32) values 0..31 -> (n, 20) bytes: qh (4) then nibbles (16)."""
+    q = q.astype(np.uint8)
+    qh = np.packbits(q >> 4, axis=-1, bitorder="little")
+    return np.concatenate([qh, pack_nibbles(q & 0x0F)], axis=-1)
+
+
+def _q5_0_dequant(b: np.ndarray) -> np.ndarray:
+    d = fp16_to_f32(b[:, :2])
+    q = unpack_q5(b[:, 2:]).astype(np.int8) - np.int8(16)
+    return d * q.astype(np.float32)
+
+
+def _q5_0_quant(x: np.ndarray, w) -> np.ndarray:
+    # as Q4_0: the signed extreme maps to -16
+    imax = np.abs(x).argmax(axis=-1)[:, None]
+    d = np.take_along_axis(x, imax, axis=-1) / np.float32(-16)
+    q = _codes(np.trunc(x * _reciprocal(d) + np.float32(16.5)), 31)
+    return np.concatenate([f32_to_fp16_bytes(d), pack_q5(q)], axis=-1)
+
+
+def _q5_1_dequant(b: np.ndarray) -> np.ndarray:
+    d = fp16_to_f32(b[:, :2])
+    m = fp16_to_f32(b[:, 2:4])
+    q = unpack_q5(b[:, 4:]).astype(np.float32)
+    return (d * q) + m
+
+
+def _q5_1_quant(x: np.ndarray, w) -> np.ndarray:
+    lo = x.min(axis=-1, keepdims=True)
+    hi = x.max(axis=-1, keepdims=True)
+    d = (hi - lo) / np.float32(31)
+    q = _codes(np.trunc((x - lo) * _reciprocal(d) + np.float32(0.5)), 31)
+    return np.concatenate([f32_to_fp16_bytes(d), f32_to_fp16_bytes(lo), pack_q5(q)], axis=-1)
 
 
 def q4_fields(blocks: np.ndarray):
@@ -100,3 +154,5 @@ def q4_fields(blocks: np.ndarray):
 Q8_0 = Format("Q8_0", 8, QK, 34, _q8_0_dequant, _q8_0_quant, scale_offsets=(0,))
 Q4_0 = Format("Q4_0", 2, QK, 18, _q4_0_dequant, _q4_0_quant, scale_offsets=(0,))
 Q4_1 = Format("Q4_1", 3, QK, 20, _q4_1_dequant, _q4_1_quant, scale_offsets=(0, 2))
+Q5_0 = Format("Q5_0", 6, QK, 22, _q5_0_dequant, _q5_0_quant, scale_offsets=(0,))
+Q5_1 = Format("Q5_1", 7, QK, 24, _q5_1_dequant, _q5_1_quant, scale_offsets=(0, 2))

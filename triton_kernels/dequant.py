@@ -127,6 +127,16 @@ def _build_table(name: str) -> torch.Tensor:
         return torch.from_numpy(iq3.KSIGNS.astype("int32"))
     if name == "qh_bits":
         return (torch.arange(256)[:, None] >> torch.arange(8) & 1).to(torch.int32) << 8
+    if name in ("iq2_xxs", "iq2_xs", "iq2_s"):
+        from quant import iq2
+        return torch.from_numpy(getattr(iq2, name[4:].upper() + "_GRID").astype("float32"))
+    if name == "ksigns_f32":   # 7-bit sign index -> 8 factors +-1
+        return torch.from_numpy(iq3._KSIGNS_F32.copy())
+    if name == "sign_bits_f32":  # byte -> 8 factors +-1, bit i for weight i
+        return torch.where(torch.arange(256)[:, None] >> torch.arange(8) & 1 == 1, -1.0, 1.0)
+    if name == "iq1":
+        from quant import iq1
+        return torch.from_numpy(iq1.GRID.astype("float32"))
     if name == "iq4_nl":
         return torch.from_numpy(iq4.KVALUES.astype("float32"))
     raise KeyError(name)
@@ -170,6 +180,90 @@ def _deq_iq4_nl(b, out):
     torch.mul(_f16(b[:, :2]), _lookup(_Tables.get("iq4_nl", b.device), _nibbles(b[:, 2:]).to(torch.int32)), out=out)
 
 
+
+def _deq_iq4_xs(b, out):
+    n = b.shape[0]
+    d = _f16(b[:, :2])                                                   # (n, 1)
+    sh = b[:, 2:3].to(torch.int32) | (b[:, 3:4].to(torch.int32) << 8)
+    sl = b[:, 4:8].to(torch.int32)
+    lo = torch.stack([sl & 0x0F, sl >> 4], dim=-1).reshape(n, 8)
+    hi = (sh >> (2 * torch.arange(8, device=b.device, dtype=torch.int32))) & 3
+    dl = d * ((lo | (hi << 4)) - 32).float()                             # (n, 8)
+    q = _nibbles(b[:, 8:].reshape(n * 8, 16)).to(torch.int32)
+    vals = _lookup(_Tables.get("iq4_nl", b.device), q).view(n, 8, 32)
+    torch.mul(dl[:, :, None], vals, out=out.view(n, 8, 32))
+
+
+def _u32_words(b, n):
+    """(n, 4k) bytes -> (n, k) int32 little-endian words (copied: offsets need not be 4-aligned)."""
+    return torch.empty((n, b.shape[1]), dtype=torch.uint8, device=b.device).copy_(b).view(torch.int32)
+
+
+def _iq2_db(d, s):
+    return d * (0.5 + s.float()) * 0.25
+
+
+def _deq_iq2_xxs(b, out):
+    n, dev = b.shape[0], b.device
+    words = _u32_words(b[:, 2:66], n).view(n, 8, 2)
+    db = _iq2_db(_f16(b[:, :2]), (words[:, :, 1] >> 28) & 0x0F)            # (n, 8)
+    sidx = torch.stack([(words[:, :, 1] >> s) & 0x7F for s in (0, 7, 14, 21)], dim=-1)
+    signs = _lookup(_Tables.get("ksigns_f32", dev), sidx)                 # (n, 8, 4, 8)
+    gidx = b[:, 2:66].reshape(n, 8, 8)[:, :, :4].to(torch.int32)
+    grid = _lookup(_Tables.get("iq2_xxs", dev), gidx)                      # (n, 8, 4, 8)
+    torch.mul(db[:, :, None, None] * grid, signs, out=out.view(n, 8, 4, 8))
+
+
+def _deq_iq2_xs(b, out):
+    n, dev = b.shape[0], b.device
+    sc = b[:, 66:74].to(torch.int32)
+    db = _iq2_db(_f16(b[:, :2]), torch.stack([sc & 0x0F, sc >> 4], dim=-1).reshape(n, 16))
+    qs = b[:, 2:66:2].to(torch.int32) | (b[:, 3:66:2].to(torch.int32) << 8)   # (n, 32)
+    grid = _lookup(_Tables.get("iq2_xs", dev), qs & 511).view(n, 16, 16)
+    signs = _lookup(_Tables.get("ksigns_f32", dev), qs >> 9).view(n, 16, 16)
+    torch.mul(db[:, :, None] * grid, signs, out=out.view(n, 16, 16))
+
+
+def _deq_iq2_s(b, out):
+    n, dev = b.shape[0], b.device
+    sc = b[:, 74:82].to(torch.int32)
+    db = _iq2_db(_f16(b[:, :2]), torch.stack([sc & 0x0F, sc >> 4], dim=-1).reshape(n, 16))
+    qh = b[:, 66:74].to(torch.int32)
+    hi = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).reshape(n, 32)
+    idx = b[:, 2:34].to(torch.int32) | (hi << 8)
+    grid = _lookup(_Tables.get("iq2_s", dev), idx).view(n, 16, 16)
+    signs = _lookup(_Tables.get("sign_bits_f32", dev), b[:, 34:66].to(torch.int32)).view(n, 16, 16)
+    torch.mul(db[:, :, None] * grid, signs, out=out.view(n, 16, 16))
+
+
+def _iq1_delta(minus):
+    return torch.where(minus, -0.125, 0.125)
+
+
+def _deq_iq1_s(b, out):
+    n, dev = b.shape[0], b.device
+    qh = b[:, 34:50:2].to(torch.int32) | (b[:, 35:50:2].to(torch.int32) << 8)   # (n, 8)
+    dl = _f16(b[:, :2]) * (2 * ((qh >> 12) & 7) + 1).float()
+    hi = torch.stack([(qh >> s) & 7 for s in (0, 3, 6, 9)], dim=-1).reshape(n, 32)
+    grid = _lookup(_Tables.get("iq1", dev), b[:, 2:34].to(torch.int32) | (hi << 8)).view(n, 8, 32)
+    delta = _iq1_delta(qh & 0x8000 != 0)
+    torch.mul(dl[:, :, None], grid + delta[:, :, None], out=out.view(n, 8, 32))
+
+
+def _deq_iq1_m(b, out):
+    n, dev = b.shape[0], b.device
+    w = b[:, 48:56:2].to(torch.int32) | (b[:, 49:56:2].to(torch.int32) << 8)   # (n, 4)
+    bits = ((w >> 12) << torch.tensor([0, 4, 8, 12], dtype=torch.int32, device=dev)).sum(-1)
+    bits = bits - ((bits >> 15) << 16)                                       # as int16
+    d = bits.to(torch.int16).view(torch.float16).float()[:, None]            # (n, 1)
+    s = torch.stack([(w >> k) & 7 for k in (0, 3, 6, 9)], dim=-1).reshape(n, 16)
+    dl = d * (2 * s + 1).float()                                             # (n, 16)
+    nb = b[:, 32:48].to(torch.int32)
+    nib = torch.stack([nb & 0x0F, nb >> 4], dim=-1).reshape(n, 32)
+    grid = _lookup(_Tables.get("iq1", dev), b[:, :32].to(torch.int32) | ((nib & 7) << 8))
+    vals = (grid + _iq1_delta(nib & 8 != 0)[:, :, None]).view(n, 16, 16)
+    torch.mul(dl[:, :, None], vals, out=out.view(n, 16, 16))
+
 def _deq_iq3_xxs(b, out):
     n, dev = b.shape[0], b.device
     d = _f16(b[:, :2])                                                   # (n, 1)
@@ -201,10 +295,98 @@ def _deq_iq3_s(b, out):
     torch.mul(db[:, :, None], vals.view(n, 8, 32), out=out.view(n, 8, 32))
 
 
+def _shr(b: torch.Tensor, shifts: tuple, width: int) -> torch.Tensor:
+    """(n, k * width) bytes -> (n, k, len(shifts), width): each run of `width` bytes shifted
+    right by every amount; the caller masks the field."""
+    s = torch.tensor(shifts, dtype=torch.uint8, device=b.device).view(1, 1, -1, 1)
+    return b.reshape(b.shape[0], -1, 1, width) >> s
+
+
+def _q5_codes(b: torch.Tensor) -> torch.Tensor:
+    """(n, 20) qh (u32) then nibbles -> (n, 32) 5-bit codes, uint8."""
+    return _nibbles(b[:, 4:]) | ((_shr(b[:, :4], tuple(range(8)), 4) & 1).transpose(2, 3).reshape(-1, 32) << 4)
+
+
+def _deq_q5_0(b, out):
+    torch.mul(_f16(b[:, :2]), (_q5_codes(b[:, 2:]).to(torch.int8) - 16).float(), out=out)
+
+
+def _deq_q5_1(b, out):
+    torch.mul(_f16(b[:, :2]), _q5_codes(b[:, 4:]).float(), out=out)
+    out += _f16(b[:, 2:4])
+
+
+def _k_crumbs(b: torch.Tensor) -> torch.Tensor:
+    """(n, 64) -> (n, 256) 2-bit fields (quant/kquants.py: weight j in byte 32 (j // 128) + j % 32)."""
+    return (_shr(b, (0, 2, 4, 6), 32) & 3).reshape(-1, 256)
+
+
+def _k_bits(b: torch.Tensor) -> torch.Tensor:
+    """(n, 32) -> (n, 256) bits: weight j is bit j // 32 of byte j % 32."""
+    return (_shr(b, tuple(range(8)), 32) & 1).reshape(-1, 256)
+
+
+def _k_nibbles(b: torch.Tensor, width: int) -> torch.Tensor:
+    """(n, 128) -> (n, 256) nibbles, runs of `width` weights alternating low and high."""
+    return (_shr(b, (0, 4), width) & 0x0F).reshape(-1, 256)
+
+
+def _sub_scaled(dl, q, ml, out):
+    """out = dl * q (- ml), per sub-block: dl, ml (n, k), q and out (n, 256)."""
+    n, k = dl.shape
+    o = out.view(n, k, -1)
+    torch.mul(dl[:, :, None], q.view(n, k, -1), out=o)
+    if ml is not None:
+        o -= ml[:, :, None]
+
+
+def _deq_q2_k(b, out):
+    s = b[:, :16]
+    dl = _f16(b[:, 80:82]) * (s & 0x0F).float()
+    ml = _f16(b[:, 82:84]) * (s >> 4).float()
+    _sub_scaled(dl, _k_crumbs(b[:, 16:80]).float(), ml, out)
+
+
+def _deq_q3_k(b, out):
+    s = b[:, 96:108]
+    lo = (_shr(s[:, :8], (0, 4), 8) & 0x0F).reshape(-1, 16)
+    hi = (_shr(s[:, 8:], (0, 2, 4, 6), 4) & 0x03).reshape(-1, 16)
+    dl = _f16(b[:, 108:110]) * ((lo | (hi << 4)).to(torch.int8) - 32).float()
+    q = _k_crumbs(b[:, 32:96]).to(torch.int8) - ((_k_bits(b[:, :32]) ^ 1) << 2).to(torch.int8)
+    _sub_scaled(dl, q.float(), None, out)
+
+
+def _deq_k(b, q, out):
+    a, m_, c = b[:, 4:8], b[:, 8:12], b[:, 12:16]
+    sc = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], dim=-1)
+    m = torch.cat([m_ & 0x3F, (c >> 4) | ((m_ >> 2) & 0x30)], dim=-1)
+    dl = _f16(b[:, :2]) * sc.float()
+    ml = _f16(b[:, 2:4]) * m.float()
+    _sub_scaled(dl, q.float(), ml, out)
+
+
+def _deq_q4_k(b, out):
+    _deq_k(b, _k_nibbles(b[:, 16:144], 32), out)
+
+
+def _deq_q5_k(b, out):
+    _deq_k(b, _k_nibbles(b[:, 48:176], 32) | (_k_bits(b[:, 16:48]) << 4), out)
+
+
+def _deq_q6_k(b, out):
+    dl = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()
+    q = (_k_nibbles(b[:, :128], 64) | (_k_crumbs(b[:, 128:192]) << 4)).to(torch.int8) - 32
+    _sub_scaled(dl, q.float(), None, out)
+
+
 _TORCH = {
     "F32": _deq_f32, "F16": _deq_f16, "BF16": _deq_bf16, "Q8_0": _deq_q8_0,
-    "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "IQ4_NL": _deq_iq4_nl,
+    "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k,
+    "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k,
+    "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "IQ4_NL": _deq_iq4_nl, "IQ4_XS": _deq_iq4_xs,
     "IQ3_XXS": _deq_iq3_xxs, "IQ3_S": _deq_iq3_s,
+    "IQ2_XXS": _deq_iq2_xxs, "IQ2_XS": _deq_iq2_xs, "IQ2_S": _deq_iq2_s,
+    "IQ1_S": _deq_iq1_s, "IQ1_M": _deq_iq1_m,
 }
 
 

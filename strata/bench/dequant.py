@@ -28,6 +28,8 @@ def random_blocks(fmt: quant.Format, n_blocks: int, rng: np.random.Generator) ->
     for off in fmt.scale_offsets:
         d = (rng.standard_normal(n_blocks) * 0.01).astype(np.float16)
         raw[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    if fmt.write_scale is not None:  # a scale spread over bit fields (IQ1_M)
+        fmt.write_scale(raw, (rng.standard_normal(n_blocks) * 0.01).astype(np.float16))
     return raw
 
 
@@ -68,6 +70,9 @@ def check_on_device(fmt: quant.Format, rng: np.random.Generator, n_blocks: int) 
     for off in fmt.scale_offsets:  # finite scales of every magnitude fp16 has
         d = rng.integers(0, 0x7C00, n_blocks).astype(np.uint16) | (rng.integers(0, 2, n_blocks) << 15).astype(np.uint16)
         raw[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    if fmt.write_scale is not None:
+        d = rng.integers(0, 0x7C00, n_blocks).astype(np.uint16) | (rng.integers(0, 2, n_blocks) << 15).astype(np.uint16)
+        fmt.write_scale(raw, d.view(np.float16))
     ref = fmt.dequantize(raw)
     got = dequantize(torch.from_numpy(raw).cuda(), fmt).cpu().numpy()
     same = (got.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(got) & np.isnan(ref))

@@ -12,6 +12,8 @@ for float32 rounding inside the codecs.
            <= |d| + 8 u16(d) + SLACK.
   Q4_1     d = (max - min)/15, q = round((x - min)/d):
            <= d/2 + 15 u16(d) + u16(min) + SLACK.
+  Q5_0     as Q4_0 with -x_max/16: <= |d| + 16 u16(d) + SLACK.
+  Q5_1     as Q4_1 with (max - min)/31: <= d/2 + 31 u16(d) + u16(min) + SLACK.
   IQ4_NL   d = -x_max/127, nearest of the 16 values: half the widest gap (24/2) inside,
            up to 127 - 113 = 14 past the top: <= 14 |d| + 127 u16(d) + SLACK.
   IQ3_*    per group of four, with t the target (|x|, negated where IQ3_XXS keeps a wrong
@@ -19,9 +21,24 @@ for float32 rounding inside the codecs.
            nearest t/db, so ||t - db g|| <= db R + ||t - clip(t, 0, db top)||, where R is the
            grid's covering radius over [0, top]^4 (computed below on a lattice of step h:
            R <= R_lattice + h) and the second term is what lies outside the grid's box.
+  K-quants sub-block scales s_i (below) are coded against one super-scale: D = fp16(d),
+           d = max |s_i| / C, and codes c_i = round(s_i / D) clipped to the code range
+           (top C), so |D c_i - s_i| <= e(s) = d/2 + (C + 1) u16(d): half a step of
+           D <= d + u16(d), or the clipped excess C (d - D) <= C u16(d), or, where D
+           underflows to 0 (d <= 2^-25), |s_i| <= C d <= C u16(d). SLACK_K = 2^-20 amax +
+           2^-120 covers the float32 roundings (a few, each <= 2^-23 amax) and subnormals.
+  Q2_K, Q4_K, Q5_K  per sub-block of 16, 32, 32: lo = min(0, min x), hi = max x,
+           s = (hi - lo)/Q and t = -lo, Q = 3, 15, 31 codes, C = 15, 63, 63; dl and ml the
+           coded s and t. The codes cover [-ml, Q dl - ml]: inside, half a step
+           dl/2 <= (s + e(s))/2; below it at most t - ml <= e(t); above it at most
+           Q (s - dl) + (ml - t) <= Q e(s) + e(t):
+           <= (s + e(s))/2 + Q e(s) + e(t) + SLACK_K.
+  Q3_K, Q6_K  per sub-block of 16: s = -(signed extreme)/Qn, codes -Qn..Qn-1 (Qn = 4, 32),
+           C = 31, 127: |x| <= Qn |s|; inside, half a step; past the top code, at most
+           |dl| + Qn |dl - s|: <= |s| + (Qn + 1) e(s) + SLACK_K.
 
 A second round trip provably changes no value for F32, F16, BF16 (casts are idempotent),
-Q8_0, Q4_0 and IQ4_NL (the scale comes from the extreme weight, which decodes to exactly
+Q8_0, Q4_0, Q5_0 and IQ4_NL (the scale comes from the extreme weight, which decodes to exactly
 d16 times the extreme code, so the second pass finds d16 again and every code again);
 not for Q4_1 (d16*15 + m16 rounds) nor the IQ3 formats (a search).
 """
@@ -29,7 +46,7 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import quant
 from quant import iq3
@@ -62,13 +79,20 @@ def legacy_bound(name: str, x: np.ndarray) -> np.ndarray:
         lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
         d = (hi.astype(np.float64) - lo) / 15
         return d / 2 + 15 * u16(d) + u16(lo) + 2.0 ** -22 * (np.abs(lo) + np.abs(hi))
+    if name == "Q5_0":
+        d = amax / 16
+        return d + 16 * u16(d) + slack
+    if name == "Q5_1":
+        lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
+        d = (hi.astype(np.float64) - lo) / 31
+        return d / 2 + 31 * u16(d) + u16(lo) + 2.0 ** -22 * (np.abs(lo) + np.abs(hi))
     if name == "IQ4_NL":
         d = amax / 127
         return 14 * d + 127 * u16(d) + slack
     raise KeyError(name)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "IQ4_NL"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"])
 def test_legacy_round_trip_within_bound(name):
     fmt = quant.get(name)
 
@@ -129,7 +153,7 @@ def test_iq3_round_trip_within_grid_bound(name):
     prop()
 
 
-@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "IQ4_NL"])
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "IQ4_NL"])
 def test_second_round_trip_changes_nothing(name):
     fmt = quant.get(name)
     once = lambda x: fmt.dequantize(fmt.quantize(x))
@@ -140,3 +164,138 @@ def test_second_round_trip_changes_nothing(name):
         first = once(x)
         assert np.array_equal(once(first), first)  # -0 == 0: a zero scale may drop a sign
     prop()
+
+
+# name: (sub-block size, Q (asymmetric: codes 0..Q) or Qn (symmetric: -Qn..Qn-1), C, symmetric)
+KQUANTS = {"Q2_K": (16, 3, 15, False), "Q4_K": (32, 15, 63, False), "Q5_K": (32, 31, 63, False),
+           "Q3_K": (16, 4, 31, True), "Q6_K": (16, 32, 127, True)}
+
+
+def kquant_bound(name: str, x: np.ndarray) -> np.ndarray:
+    """Per-weight bound on |x - dequantize(quantize(x))| for the K-quants (docstring)."""
+    sub, qc, c, symmetric = KQUANTS[name]
+    xs = x.reshape(x.shape[0], -1, sub).astype(np.float64)
+
+    def e(s):  # error of coding the sub-block scales s (n, k) against their super-scale
+        d = np.abs(s).max(-1, keepdims=True) / c
+        return d / 2 + (c + 1) * u16(d)
+
+    if symmetric:
+        s = np.abs(xs).max(-1) / qc
+        bound = s + (qc + 1) * e(s)
+    else:
+        lo, hi = np.minimum(xs.min(-1), 0), xs.max(-1)
+        s, t = (hi - lo) / qc, -lo
+        bound = (s + e(s)) / 2 + qc * e(s) + e(t)
+    slack = 2.0 ** -20 * np.abs(xs).max((-2, -1))[:, None] + 2.0 ** -120
+    return np.repeat(bound + slack, sub, axis=1)
+
+
+@pytest.mark.parametrize("name", list(KQUANTS))
+def test_kquant_round_trip_within_bound(name):
+    fmt = quant.get(name)
+
+    @given(weights(256, max_blocks=2))
+    @example(np.zeros((1, 256), np.float32))
+    @example(np.full((1, 256), -0.5, np.float32))
+    @example(np.linspace(1, 9, 256, dtype=np.float32)[None])             # all positive
+    @example(np.r_[np.full(255, 1e-3), -40.0].astype(np.float32)[None])  # one spike
+    @example(np.r_[np.full(240, 1e-9), np.full(16, 3e3)].astype(np.float32)[None])  # fp16-subnormal codes
+    @example(np.full((1, 256), 1e-30, np.float32))                      # the scales underflow
+    def prop(x):
+        err = np.abs(fmt.dequantize(fmt.quantize(x)).astype(np.float64) - x)
+        assert (err <= kquant_bound(name, x)).all()
+    prop()
+
+
+# IQ4_XS: every weight takes the value nearest to x/dl under its stored sub-block scale
+# dl = d * (ls - 32). Inside the span of the 16 values that is within half the widest gap
+# (24/2 = 12) of x/dl; outside it, the nearest end. So, with r = x/dl,
+#   |x - w| <= |dl| (12 + dist(r, [-127, 113])) + 2^-22 (|x| + 127 |dl|)
+# (float32 division and product), and |x| where dl = 0.
+
+def test_iq4_xs_round_trip_within_bound():
+    from quant import iq4
+    fmt = quant.get("IQ4_XS")
+
+    @given(weights(256, max_blocks=2, bound=1e3))
+    @example(np.zeros((1, 256), np.float32))
+    @example(np.linspace(-3, 5, 256, dtype=np.float32)[None])
+    @example(np.r_[np.full(224, 1e-4), np.linspace(-40, 30, 32)].astype(np.float32)[None])
+    def prop(x):
+        q = fmt.quantize(x)
+        deq = fmt.dequantize(q).astype(np.float64)
+        dl = np.repeat(iq4.xs_sub_scales(q).astype(np.float64), 32, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = np.where(dl == 0, 0.0, x / dl)
+        outside = np.maximum(0, np.maximum(r - 113, -127 - r))
+        bound = np.where(dl == 0, np.abs(x),
+                         np.abs(dl) * (12 + outside) + 2.0 ** -22 * (np.abs(x) + 127 * np.abs(dl)))
+        assert (np.abs(x - deq) <= bound).all()
+    prop()
+
+
+# IQ2_* and IQ1_*: the quantizers end with every group of eight on its nearest grid entry
+# for the scale (and, for IQ1, the delta) actually stored, so a group's error is at most
+# the distance from its target to the nearest scaled grid entry, min_g ||t - db g||: the
+# covering radius of the grid, taken at this very point. (The IQ3 test bounds it a priori
+# by a lattice search over [0, top]^4; over [0, 43]^8 that search is out of reach, so
+# here the minimum is taken over the grid, which is the tighter bound.) t is x with the
+# stored signs taken off (IQ2), or x itself (IQ1, where db g becomes dl (g + delta)).
+# The search works in float32: each squared distance errs by at most 2^-20 of
+# db^2 ||g||^2 + ||t||^2, which the bound carries.
+
+def _iq_groups(name, q, x):
+    """(targets, scaled candidate grids): t (m, 8) and c (m, G, 8), one row per group."""
+    from quant import iq1, iq2
+    n = q.shape[0]
+    deq = quant.get(name).dequantize(q)
+    if name.startswith("IQ2"):
+        grid, sub_scales, per = {"IQ2_XXS": (iq2.XXS_GRID, iq2.xxs_sub_scales, 32),
+                                 "IQ2_XS": (iq2.XS_GRID, iq2.xs_sub_scales, 16),
+                                 "IQ2_S": (iq2.S_GRID, iq2.s_sub_scales, 16)}[name]
+        db = np.repeat(sub_scales(q).astype(np.float64), per // 8, axis=1).reshape(-1)
+        t = (x.astype(np.float64) * np.where(np.signbit(deq), -1.0, 1.0)).reshape(-1, 8)
+        return t, db[:, None, None] * grid.astype(np.float64)[None]
+    if name == "IQ1_S":
+        dl = np.repeat(iq1.s_sub_scales(q).astype(np.float64), 4, axis=1).reshape(-1)
+        qh = np.ascontiguousarray(q[:, 34:50]).view("<u2")
+        minus = np.repeat(qh >> 15, 4, axis=1).reshape(-1)
+    else:
+        dl = np.repeat(iq1.m_sub_scales(q).astype(np.float64), 2, axis=1).reshape(-1)
+        nib = np.stack([q[:, 32:48] & 0x0F, q[:, 32:48] >> 4], axis=-1).reshape(n * 32)
+        minus = nib >> 3
+    delta = np.where(minus == 1, -0.125, 0.125)
+    grid = iq1.GRID.astype(np.float64)[None] + delta[:, None, None]
+    return x.astype(np.float64).reshape(-1, 8), dl[:, None, None] * grid
+
+
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"])
+def test_grid_round_trip_within_nearest_entry_bound(name):
+    fmt = quant.get(name)
+
+    @given(weights(256, max_blocks=2, bound=1e3))
+    @settings(max_examples=50)
+    @example(np.zeros((1, 256), np.float32))
+    @example(np.full((1, 256), -0.5, np.float32))
+    @example(np.r_[np.full(255, 1e-3), 40.0].astype(np.float32)[None])
+    @example(np.linspace(-3, 5, 512, dtype=np.float32).reshape(2, 256))
+    def prop(x):
+        q = fmt.quantize(x)
+        err2 = ((x.astype(np.float64) - fmt.dequantize(q)).reshape(-1, 8) ** 2).sum(-1)
+        t, cand = _iq_groups(name, q, x)
+        best2 = ((t[:, None, :] - cand) ** 2).sum(-1).min(-1)
+        slack = 2.0 ** -20 * ((cand ** 2).sum(-1).max(-1) + (t ** 2).sum(-1))
+        assert (err2 <= best2 + slack).all()
+    prop()
+
+
+def test_grid_quantizers_fit_gaussian_weights():
+    """Not a bound: a guard on the searches, whose root mean square error over
+    unit-variance weights sits a little under these limits."""
+    x = np.random.default_rng(0).standard_normal((16, 256)).astype(np.float32)
+    limits = {"IQ4_XS": 0.1, "IQ2_XXS": 0.4, "IQ2_XS": 0.35, "IQ2_S": 0.3, "IQ1_S": 0.55, "IQ1_M": 0.5}
+    for name, limit in limits.items():
+        fmt = quant.get(name)
+        rms = np.sqrt(((fmt.dequantize(fmt.quantize(x)) - x) ** 2).mean())
+        assert rms < limit, (name, rms)

@@ -45,3 +45,43 @@ def test_block_geometry_matches_gguf():
     for fmt in quant.FORMATS.values():
         assert GGML_QUANT_SIZES[GGMLQuantizationType(fmt.type_id)] == (fmt.block_elems, fmt.block_bytes)
         assert GGMLQuantizationType(fmt.type_id).name == fmt.name
+
+
+def test_iq2_grids_are_eight_magnitudes_of_three_levels_and_equal_gguf_py():
+    from gguf.quants import IQ2_S as GG_IQ2_S, IQ2_XS as GG_IQ2_XS
+    from quant import iq2
+    for ours, theirs, size in ((iq2.XXS_GRID, IQ2_XXS, 256), (iq2.XS_GRID, GG_IQ2_XS, 512),
+                               (iq2.S_GRID, GG_IQ2_S, 1024)):
+        assert ours.shape == (size, 8) and ours.dtype == np.uint8
+        assert np.unique(ours).tolist() == [8, 25, 43]
+        assert len({tuple(r) for r in ours}) == size
+        theirs.init_grid()
+        assert np.array_equal(ours.astype(np.float32), theirs.grid.reshape(-1, 8))
+    assert iq2.IQ2_XXS.tables["ksigns"] is iq3.KSIGNS
+
+
+def test_iq1_grid_is_2048_ternary_entries_and_equals_gguf_py():
+    from gguf.quants import IQ1_M as GG_IQ1_M, IQ1_S as GG_IQ1_S
+    from quant import iq1
+    assert iq1.GRID.shape == (2048, 8) and iq1.GRID.dtype == np.int8
+    assert np.unique(iq1.GRID).tolist() == [-1, 0, 1]
+    assert len({tuple(r) for r in iq1.GRID}) == 2048
+    for theirs in (GG_IQ1_S, GG_IQ1_M):
+        theirs.init_grid()
+        assert np.array_equal(iq1.GRID.astype(np.float32), theirs.grid.reshape(-1, 8))
+        assert theirs.delta == iq1.DELTA == 0.125
+
+
+def test_iq4_xs_uses_the_iq4_nl_values():
+    assert quant.get("IQ4_XS").tables["kvalues"] is iq4.KVALUES
+
+
+def test_iq1_m_scale_bits_round_trip():
+    from quant import iq1
+    rng = np.random.default_rng(0)
+    b = rng.integers(0, 256, (64, 56), dtype=np.uint8)
+    d = rng.integers(0, 65536, 64, dtype=np.uint16).view(np.float16)
+    low = np.ascontiguousarray(b[:, 48:56]).view("<u2") & 0x0FFF
+    iq1.set_m_scale(b, d)
+    assert np.array_equal(iq1.m_scale_bits(b), d.view(np.uint16))
+    assert np.array_equal(np.ascontiguousarray(b[:, 48:56]).view("<u2") & 0x0FFF, low)

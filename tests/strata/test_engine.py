@@ -1,6 +1,7 @@
 """The serving engine in-process: queue bound, cancellation, step timing, the prefix cache."""
 import logging
 import threading
+import time
 
 import pytest
 
@@ -32,6 +33,8 @@ def test_queue_bound_cancel_and_timing_log(smollm2_bf16, smollm2_tokenizer, capl
         engine.submit(Request(prompt, SamplingParams(temperature=0, max_tokens=4), collect()[2]))
         with pytest.raises(QueueFull):
             engine.submit(Request(prompt, SamplingParams(max_tokens=4), collect()[2]))
+        while len(long_ev) < 3:  # decoding: some steps are done (and logged)
+            time.sleep(0.01)
         first.cancelled = True  # as when a client hangs up
         assert long_done.wait(30) and long_ev[-1] == {"type": "done", "finish_reason": "cancelled"}
     finally:

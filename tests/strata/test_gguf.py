@@ -219,7 +219,7 @@ def test_tensor_offset_past_end(tmp_path):
         open_gguf(corrupt(good, edit))
 
 
-@pytest.mark.parametrize("type_id, shown", [(99, "not a ggml type"), (12, "Q4_K")])
+@pytest.mark.parametrize("type_id, shown", [(99, "not a ggml type"), (34, "TQ1_0")])
 def test_unknown_tensor_type(tmp_path, type_id, shown):
     good = good_file(tmp_path / "g.gguf")
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import quant
-from tests.blocks import blocks, exhaustive_blocks, same_bits, special_f16, with_scale
+from tests.blocks import blocks, exhaustive_blocks, has_scales, same_bits, special_f16, with_scale
 from triton_kernels import dequantize, dequantize_torch
 from triton_kernels.backend import interpreter_on
 
@@ -46,7 +46,7 @@ def test_every_code(fmt):
     assert same_bits(torch_.numpy(), ref)
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.scale_offsets], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if has_scales(f)], ids=lambda f: f.name)
 def test_nan_and_inf_scales(fmt):
     @given(blocks(fmt, max_blocks=2, scales=special_f16))
     def prop(raw):

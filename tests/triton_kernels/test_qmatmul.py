@@ -15,7 +15,8 @@ K-tile after K-tile, torch's blocked matmul), errs by at most gamma_K * S with
 gamma_K = K*u / (1 - K*u) (Higham, Accuracy and Stability of Numerical Algorithms, 3.1):
 each product rounds once and each addition rounds a partial sum no larger than S. One u*S
 more covers Q4_1's d*q+m, which FMA contraction (enable_fp_fusion is on) may round once
-instead of twice, and one more the final rounding of the sum. K*u <= 768 * 2^-24, so
+instead of twice (Q5_1's too; the K-quants' (d*sc)*q - dmin*m round their d*sc*q exactly,
+at most 11 + 6 + 5 significant bits, so fusing changes nothing there), and one more the final rounding of the sum. K*u <= 768 * 2^-24, so
 gamma_K < 1.0001 * K*u: the factor 2 is margin on a proven bound, not a fitted constant.
 K * 2^-149 covers products that would underflow into float32 subnormals (none do at these
 ranges). A float16 result is the float32 one rounded to nearest: relative error 2^-11,
@@ -23,7 +24,8 @@ or 2^-25 absolute among the subnormals.
 
 Elementwise against S, not against |ref|: ref can cancel to nearly zero while the
 rounding errors of its terms do not. Ranges keep every float16 result finite: scales in
-[-1/8, 1/8], x in [-1, 1], so |y| <= 768 * 60 < 65504 (IQ3_XXS: 7.75 * 62 / 8 per weight).
+[-1/8, 1/8] (narrower for Q4_K, Q5_K, Q6_K: SCALE_BOUND), x in [-1, 1], so |w| <= 64 and
+|y| <= 768 * 64 < 65504 (IQ3_XXS: 7.75 * 62 / 8 per weight; Q5_K: 2016 / 32).
 
 On a GPU the GEMM rounds its inputs to fp16/bf16/tf32 for the tensor cores, a looser
 bound that these interpreter tests (float32 dot inputs) do not check.
@@ -37,7 +39,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import quant
-from tests.blocks import blocks
+from tests.blocks import blocks, has_scales
 from triton_kernels import qmatmul, qmatmul_torch
 from triton_kernels.backend import interpreter_on
 from triton_kernels.qmatmul import GEMV_MAX_M
@@ -45,6 +47,15 @@ from triton_kernels.qmatmul import GEMV_MAX_M
 FORMATS = list(quant.FORMATS.values())
 U = 2.0 ** -24
 moderate_scales = st.floats(-0.125, 0.125, width=16)  # exact fp16 endpoints
+# K-quants whose unit super-scale gives weights above 60: |w| <= bound * 1008 (Q4_K:
+# 63 * 15 + 63), 2016 (Q5_K: 63 * 31 + 63), 4096 (Q6_K: 128 * 32), so at most 64 here
+# and IQ4_XS: |w| <= bound * 32 * 127
+SCALE_BOUND = {"Q4_K": 2.0 ** -4, "Q5_K": 2.0 ** -5, "Q6_K": 2.0 ** -6, "IQ4_XS": 2.0 ** -6}
+
+
+def scales_for(fmt):
+    bound = SCALE_BOUND.get(fmt.name)
+    return moderate_scales if bound is None else st.floats(-bound, bound, width=16)
 
 
 def tiles(fmt) -> list:
@@ -87,9 +98,9 @@ def assert_close(y: torch.Tensor, ref, s, K, dtype, what: str):
 def weights(draw, fmt, n: int, blocks_per_row: int) -> np.ndarray:
     """(n, row bytes) uint8. Quantized formats: free bytes with moderate finite scales;
     float formats (whose free bytes include NaN and Inf): random weights, quantized."""
-    if fmt.scale_offsets:
+    if has_scales(fmt):
         flat = draw(blocks(fmt, min_blocks=n * blocks_per_row, max_blocks=n * blocks_per_row,
-                           scales=moderate_scales))
+                           scales=scales_for(fmt)))
         return flat.reshape(n, blocks_per_row * fmt.block_bytes)
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
     w = rng.uniform(-2.0, 2.0, (n, blocks_per_row)).astype(np.float32)
@@ -210,8 +221,8 @@ def test_bad_input_raises_value_error_naming_the_format(fn):
         fn(x.to("meta"), q, "Q4_0")
     with pytest.raises(ValueError, match=r"Q4_0: weight must be \(N, row bytes\) or flat 1-D blocks, got shape \(2, 2, 18\)"):
         fn(x, q.reshape(2, 2, 18), "Q4_0")
-    with pytest.raises(ValueError, match="unknown quantization format 'Q5_K'"):
-        fn(x, q, "Q5_K")
+    with pytest.raises(ValueError, match="unknown quantization format 'Q3_Z'"):
+        fn(x, q, "Q3_Z")
 
 
 def test_bad_path_and_tiles():

@@ -19,14 +19,21 @@ import torch
 import quant
 
 from .floats import decode_bf16, decode_f16, decode_f32
+from .iq1 import decode_iq1_m, decode_iq1_s
+from .iq2 import decode_iq2_s, decode_iq2_xs, decode_iq2_xxs
 from .iq3 import decode_iq3_s, decode_iq3_xxs
-from .iq4 import decode_iq4_nl
-from .legacy import decode_q4_0, decode_q4_1, decode_q8_0
+from .iq4 import decode_iq4_nl, decode_iq4_xs
+from .kquants import decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k
+from .legacy import decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0
 
 DECODERS = {
     "F32": decode_f32, "F16": decode_f16, "BF16": decode_bf16,
     "Q8_0": decode_q8_0, "Q4_0": decode_q4_0, "Q4_1": decode_q4_1,
-    "IQ4_NL": decode_iq4_nl, "IQ3_XXS": decode_iq3_xxs, "IQ3_S": decode_iq3_s,
+    "Q5_0": decode_q5_0, "Q5_1": decode_q5_1, "Q2_K": decode_q2_k, "Q3_K": decode_q3_k,
+    "Q4_K": decode_q4_k, "Q5_K": decode_q5_k, "Q6_K": decode_q6_k,
+    "IQ4_NL": decode_iq4_nl, "IQ4_XS": decode_iq4_xs, "IQ3_XXS": decode_iq3_xxs, "IQ3_S": decode_iq3_s,
+    "IQ2_XXS": decode_iq2_xxs, "IQ2_XS": decode_iq2_xs, "IQ2_S": decode_iq2_s,
+    "IQ1_S": decode_iq1_s, "IQ1_M": decode_iq1_m,
 }
 
 
@@ -34,9 +41,15 @@ def _table_bytes(fmt: quant.Format) -> np.ndarray:
     """The format's tables as one uint8 array, laid out as its decode function expects."""
     if fmt.name == "IQ3_XXS":  # grid bytes (256 x 4), then ksigns (128)
         return np.concatenate([fmt.tables["grid"].reshape(-1), fmt.tables["ksigns"]])
+    if fmt.name in ("IQ2_XXS", "IQ2_XS"):  # grid bytes (256 or 512 x 8), then ksigns (128)
+        return np.concatenate([fmt.tables["grid"].reshape(-1), fmt.tables["ksigns"]])
+    if fmt.name in ("IQ1_S", "IQ1_M"):  # grid values (2048 x 8 int8)
+        return fmt.tables["grid"].reshape(-1).view(np.uint8)
+    if fmt.name == "IQ2_S":    # grid bytes (1024 x 8)
+        return fmt.tables["grid"].reshape(-1)
     if fmt.name == "IQ3_S":    # grid bytes (512 x 4)
         return fmt.tables["grid"].reshape(-1)
-    if fmt.name == "IQ4_NL":   # the 16 int8 values
+    if fmt.name in ("IQ4_NL", "IQ4_XS"):  # the 16 int8 values
         return fmt.tables["kvalues"].view(np.uint8)
     return np.zeros(1, dtype=np.uint8)
 

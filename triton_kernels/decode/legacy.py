@@ -1,4 +1,4 @@
-"""Q8_0, Q4_0, Q4_1: 32 weights a block (layouts in quant/legacy.py)."""
+"""Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: 32 weights a block (layouts in quant/legacy.py)."""
 import triton
 import triton.language as tl
 
@@ -34,4 +34,28 @@ def decode_q4_1(q_ptr, tab_ptr, blk, j, mask):
     d = load_f16(q_ptr, base, mask)
     m = load_f16(q_ptr, base + 2, mask)
     q = _nibble(q_ptr, base + 4, j, mask).to(tl.float32)
+    return d * q + m  # exact only without FMA contraction (enable_fp_fusion=False)
+
+
+@triton.jit
+def _q5(q_ptr, off, j, mask):
+    """Weight j's 5-bit code: the fifth bit from the u32 at `off`, the nibble after it."""
+    hb = (tl.load(q_ptr + off + j // 8, mask=mask, other=0).to(tl.int32) >> (j % 8)) & 1
+    return _nibble(q_ptr, off + 4, j, mask).to(tl.int32) | (hb << 4)
+
+
+@triton.jit
+def decode_q5_0(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 22
+    d = load_f16(q_ptr, base, mask)
+    q = _q5(q_ptr, base + 2, j, mask) - 16
+    return d * q.to(tl.float32)
+
+
+@triton.jit
+def decode_q5_1(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 24
+    d = load_f16(q_ptr, base, mask)
+    m = load_f16(q_ptr, base + 2, mask)
+    q = _q5(q_ptr, base + 4, j, mask).to(tl.float32)
     return d * q + m  # exact only without FMA contraction (enable_fp_fusion=False)

@@ -1,0 +1,96 @@
+"""Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: 256 weights a block (layouts in quant/kquants.py)."""
+import triton
+import triton.language as tl
+
+from .common import load_f16
+
+
+@triton.jit
+def _byte(q_ptr, off, mask):
+    return tl.load(q_ptr + off, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _crumb(q_ptr, off, j, mask):
+    """Weight j's 2-bit field of a 64-byte array at `off` (Q2_K, Q3_K qs; Q6_K qh)."""
+    byte = _byte(q_ptr, off + (j // 128) * 32 + j % 32, mask)
+    return (byte >> (2 * ((j % 128) // 32))) & 3
+
+
+@triton.jit
+def _bit(q_ptr, off, j, mask):
+    """Weight j's bit of a 32-byte array at `off` (Q3_K hmask, Q5_K qh)."""
+    return (_byte(q_ptr, off + j % 32, mask) >> (j // 32)) & 1
+
+
+@triton.jit
+def _nibble(q_ptr, off, j, mask, WIDTH: tl.constexpr):
+    """Weight j's nibble of a 128-byte array at `off`: runs of WIDTH weights alternate
+    between the low and the high halves of the same WIDTH bytes."""
+    byte = _byte(q_ptr, off + (j // (2 * WIDTH)) * WIDTH + j % WIDTH, mask)
+    return tl.where((j // WIDTH) % 2 == 0, byte & 0x0F, byte >> 4)
+
+
+@triton.jit
+def decode_q2_k(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 84
+    d = load_f16(q_ptr, base + 80, mask)
+    dmin = load_f16(q_ptr, base + 82, mask)
+    s = _byte(q_ptr, base + j // 16, mask)
+    dl = d * (s & 0x0F).to(tl.float32)
+    ml = dmin * (s >> 4).to(tl.float32)
+    q = _crumb(q_ptr, base + 16, j, mask).to(tl.float32)
+    return dl * q - ml  # exact only without FMA contraction (enable_fp_fusion=False)
+
+
+@triton.jit
+def decode_q3_k(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 110
+    d = load_f16(q_ptr, base + 108, mask)
+    i = j // 16
+    lo = (_byte(q_ptr, base + 96 + i % 8, mask) >> (4 * (i // 8))) & 0x0F
+    hi = (_byte(q_ptr, base + 104 + i % 4, mask) >> (2 * (i // 4))) & 0x03
+    dl = d * ((lo | (hi << 4)) - 32).to(tl.float32)
+    q = _crumb(q_ptr, base + 32, j, mask) - ((_bit(q_ptr, base, j, mask) ^ 1) << 2)
+    return dl * q.to(tl.float32)
+
+
+@triton.jit
+def _k_scaled(q_ptr, base, j, q, mask):
+    """Q4_K/Q5_K: (d * sc) * q - (dmin * m) for weight j's sub-block j // 32."""
+    d = load_f16(q_ptr, base, mask)
+    dmin = load_f16(q_ptr, base + 2, mask)
+    i = j // 32
+    a = _byte(q_ptr, base + 4 + i % 4, mask)
+    b = _byte(q_ptr, base + 8 + i % 4, mask)
+    c = _byte(q_ptr, base + 12 + i % 4, mask)
+    low = i < 4
+    sc = tl.where(low, a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30))
+    m = tl.where(low, b & 0x3F, (c >> 4) | ((b >> 2) & 0x30))
+    dl = d * sc.to(tl.float32)
+    ml = dmin * m.to(tl.float32)
+    return dl * q.to(tl.float32) - ml  # exact only without FMA contraction
+
+
+@triton.jit
+def decode_q4_k(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 144
+    q = _nibble(q_ptr, base + 16, j, mask, 32)
+    return _k_scaled(q_ptr, base, j, q, mask)
+
+
+@triton.jit
+def decode_q5_k(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 176
+    q = _nibble(q_ptr, base + 48, j, mask, 32) | (_bit(q_ptr, base + 16, j, mask) << 4)
+    return _k_scaled(q_ptr, base, j, q, mask)
+
+
+@triton.jit
+def decode_q6_k(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 210
+    d = load_f16(q_ptr, base + 208, mask)
+    sc = tl.load(q_ptr + base + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+    dl = d * sc.to(tl.float32)
+    q = (_nibble(q_ptr, base, j, mask, 64) | (_crumb(q_ptr, base + 128, j, mask) << 4)) - 32
+    return dl * q.to(tl.float32)
