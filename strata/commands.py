@@ -84,16 +84,34 @@ def chat_cmd(args) -> int:
 
 
 def serve_cmd(args) -> int:
+    """The HTTP server runs on a thread of its own and the engine on the main thread (see
+    strata.server.engine on why); the model loads while /health already answers 503."""
     import logging
+    import threading
 
     import uvicorn
 
     from strata.server.app import create_app
+    from strata.server.engine import Engine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    resolve_model(args.model)  # fail now on a bad --model, not in the background
-    app = create_app(lambda: load(args), model_id=args.model if args.model == "smollm2" else
-                     resolve_model(args.model).stem, slots=args.slots, queue_size=args.queue,
-                     cache_mib=args.conversation_cache_mib, ctx_size=args.ctx_size,
-                     default_max_tokens=args.max_tokens)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    path = resolve_model(args.model)  # fail now on a bad --model
+    app = create_app(args.model if args.model == "smollm2" else path.stem, default_max_tokens=args.max_tokens)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
+    http = threading.Thread(target=server.run, name="strata-http", daemon=True)
+    http.start()
+    state = app.state.strata
+    try:
+        model, tok = load(args)
+        state.engine = Engine(model, tok, slots=args.slots, queue_size=args.queue,
+                              cache_mib=args.conversation_cache_mib, ctx_size=args.ctx_size, start_thread=False)
+    except Exception as e:
+        logging.getLogger("strata.server").exception("loading failed")
+        state.load_error = str(e)
+        http.join()
+        return 1
+    logging.getLogger("strata.server").info("ready: %s, %d slots", path.name, args.slots)
+    try:
+        state.engine.run()
+    except KeyboardInterrupt:
+        server.should_exit = True
     return 0

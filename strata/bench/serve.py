@@ -6,7 +6,6 @@ time, prompt processing included, as a client sees it.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
@@ -30,17 +29,12 @@ def run(args) -> int:
                for i in range(args.requests)]
     rows = []
     for slots in args.slots:
-        engine = Engine(model, tok, slots=slots, queue_size=len(prompts), cache_mib=0)
-        done = threading.Semaphore(0)
-        reqs = []
+        engine = Engine(model, tok, slots=slots, queue_size=len(prompts), cache_mib=0, start_thread=False)
         t = time.perf_counter()
-        for p in prompts:
-            params = SamplingParams(temperature=0, max_tokens=args.n_gen)
-            reqs.append(engine.submit(Request(p, params, lambda ev: ev["type"] == "done" and done.release())))
-        for _ in prompts:
-            done.acquire()
+        reqs = [engine.submit(Request(p, SamplingParams(temperature=0, max_tokens=args.n_gen), lambda ev: None))
+                for p in prompts]
+        engine.run(until_idle=True)  # on this (the main) thread, as `strata serve` runs it
         wall = time.perf_counter() - t
-        engine.close()
         n = sum(len(r.tokens) for r in reqs)
         rows.append({"slots": slots, "requests": len(prompts), "generated": n, "wall_s": wall, "tok_s": n / wall})
     base = rows[0]["tok_s"]

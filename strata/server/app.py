@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
 from typing import Any
@@ -77,25 +76,12 @@ class State:
         self.load_error: str | None = None
 
 
-def create_app(load, model_id: str, slots: int, queue_size: int, cache_mib: float,
-               ctx_size: int | None = None, default_max_tokens: int = 512) -> FastAPI:
-    """`load()` returns (model, tokenizer); it runs in the background so /health can say
-    503 while the model loads."""
+def create_app(model_id: str, default_max_tokens: int = 512) -> FastAPI:
+    """The routes; `app.state.strata.engine` is set once the model has loaded (until then
+    /health says 503), or `load_error` if it failed."""
     app = FastAPI(title="strata")
     st = State()
     st.model_id = model_id
-
-    def _load():
-        try:
-            model, tok = load()
-            st.engine = Engine(model, tok, slots=slots, queue_size=queue_size, cache_mib=cache_mib,
-                               ctx_size=ctx_size)
-            log.info("model %s ready: %d slots", model_id, slots)
-        except Exception as e:
-            log.exception("loading failed")
-            st.load_error = str(e)
-
-    threading.Thread(target=_load, daemon=True).start()
     app.state.strata = st
 
     @app.exception_handler(ApiError)
