@@ -60,14 +60,17 @@ class Attention(torch.nn.Module):
         all rows (batching many sequences costs little more than one); attention runs per
         sequence, appending to its cache."""
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        R = x.shape[0]
         qk_all, v_all = self.qkv(x).split([(H + Hkv) * D, Hkv * D], dim=-1)
+        # RoPE on every row's Q and K heads in one call (each row has its own position)
+        pos = torch.cat([torch.arange(start, start + S) for _, start, S in segments])
+        qk_all = self.rope(qk_all.reshape(R, H + Hkv, D).transpose(0, 1), pos)
+        v_all = v_all.reshape(R, Hkv, D).transpose(0, 1)
         outs, row = [], 0
         for cache, start, S in segments:
-            qk, v = qk_all[row:row + S], v_all[row:row + S]
+            qk, v = qk_all[:, row:row + S], v_all[:, row:row + S]
             row += S
-            # RoPE on Q and K heads together: one call instead of two
-            qk = self.rope(qk.reshape(S, H + Hkv, D).transpose(0, 1), torch.arange(start, start + S))
-            outs.append(self._attend(qk[:H], qk[H:], v.reshape(S, Hkv, D).transpose(0, 1), cache, start))
+            outs.append(self._attend(qk[:H], qk[H:], v, cache, start))
         return self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
 
     def _attend(self, q, k, v, cache: KVCache, start: int) -> torch.Tensor:
