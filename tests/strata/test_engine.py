@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from strata.runtime.prefix_cache import PrefixCache, common_prefix
 from strata.runtime.sampling import SamplingParams
@@ -62,3 +63,19 @@ def test_prefix_cache_keeps_the_longest_prefix_within_budget(smollm2_bf16):
     pc.put(list(range(3000, 3040)), cc)  # over budget: the least recently used (b) goes
     assert pc.take(b)[0] is None and pc.take(a)[1] == len(a) - 1
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_batched_forward_equals_one_sequence_at_a_time(smollm2_bf16):
+    """Every output row of a matmul is its own dot products, attention runs per sequence:
+    batching sequences changes no bit, prefill or decode."""
+    m = smollm2_bf16
+    seqs = [list(range(1000, 1030)), list(range(2000, 2017)), [7]]
+    alone = [m.new_cache() for _ in seqs]
+    together = [m.new_cache() for _ in seqs]
+    want = [m(s, c, last_only=True) for s, c in zip(seqs, alone)]
+    got = m.forward_batch(list(zip(seqs, together)))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    for step in range(3):
+        want = [m([5 + step + i], c, last_only=True) for i, c in enumerate(alone)]
+        got = m.forward_batch([([5 + step + i], c) for i, c in enumerate(together)])
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
