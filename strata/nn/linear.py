@@ -60,13 +60,19 @@ class QuantLinear(torch.nn.Module):
         rows = rows or [None] * len(parts)
         fmts = {p.fmt.name for p in parts}
         ins = {int(np.prod(p.shape[1:])) for p in parts}
-        if len(fmts) > 1 or len(ins) > 1:
-            raise ValueError(f"cannot fuse {[p.name for p in parts]}: formats {sorted(fmts)}, input sizes {sorted(ins)}")
+        if len(ins) > 1:
+            raise ValueError(f"cannot fuse {[p.name for p in parts]}: input sizes {sorted(ins)} differ")
         self.name = "+".join(p.name for p in parts)
         self.fmt, self.dtype = parts[0].fmt, dtype
         self.in_features = ins.pop()
         self.splits = [p.shape[0] for p in parts]
         self.out_features = sum(self.splits)
+        if len(fmts) > 1:
+            # mixed formats (llama-quantize's mixes do this): one matmul per part, joined
+            self.mode = "parts"
+            self.parts = torch.nn.ModuleList(
+                QuantLinear(p, dtype, device, rows=[r], budget=budget) for p, r in zip(parts, rows))
+            return
         blocks = np.concatenate([p.data.reshape(p.shape[0], -1)[r] if r is not None
                                  else p.data.reshape(p.shape[0], -1) for p, r in zip(parts, rows)])
         self.mode = "dense"
@@ -94,6 +100,8 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        if self.mode == "parts":
+            return torch.cat([p(x) for p in self.parts], dim=-1)
         if self.mode == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.dtype), self.packed, 32, self.scales)
         elif self.mode == "dense":
@@ -108,6 +116,8 @@ class QuantLinear(torch.nn.Module):
 
     def held_bytes(self) -> int:
         """Bytes this layer's weight occupies as held (packed, dense or raw blocks)."""
+        if self.mode == "parts":
+            return sum(p.held_bytes() for p in self.parts)
         ts = {"int4": ("packed", "scales"), "dense": ("weight",)}.get(self.mode, ("blocks",))
         return sum(getattr(self, t).numel() * getattr(self, t).element_size() for t in ts)
 

@@ -1,0 +1,51 @@
+"""QuantLinear: fused, mixed-format and int4-packed weights against x @ W.T in float64."""
+import numpy as np
+import pytest
+import torch
+
+import quant
+from strata.nn.linear import DenseBudget, QuantLinear
+from strata.tensors import QTensor
+
+
+def qt(name: str, fmt: str, n: int, k: int, seed: int) -> QTensor:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    f = quant.get(fmt)
+    return QTensor(name, f, (n, k), f.quantize(w))
+
+
+def reference(parts, x):
+    w = np.concatenate([p.numpy() for p in parts]).astype(np.float64)
+    return x.double().numpy() @ w.T
+
+
+@pytest.mark.parametrize("fmts", [("Q4_0",), ("Q4_1", "Q4_1"), ("IQ4_NL", "Q8_0", "Q4_K"), ("IQ3_XXS", "Q2_K")])
+def test_fused_and_mixed_weights_in_f32(fmts):
+    parts = [qt(f"w{i}", f, 32 + 16 * i, 256, i) for i, f in enumerate(fmts)]
+    lin = QuantLinear(parts, torch.float32)
+    assert lin.mode == ("parts" if len(set(fmts)) > 1 else "dense")
+    x = torch.randn(5, 256)
+    y = lin(x)
+    # f32 matmul of K=256 terms: well inside 1e-5 of the output's scale
+    assert np.abs(y.double().numpy() - reference(parts, x)).max() <= 1e-5 * (1 + np.abs(reference(parts, x)).max())
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
+def test_int4_packed_bf16_path(fmt):
+    part = qt("w", fmt, 64, 256, 7)
+    lin = QuantLinear(part, torch.bfloat16)
+    assert lin.mode == "int4"
+    x = torch.randn(3, 256)
+    ref = reference([part], x)
+    # bf16 activations and scales (8 significant bits): each product is off by up to about
+    # 2 * 2^-8 of its size, so the sum by 2^-7 of sum |x||w|
+    bound = 2.0 ** -7 * (x.abs().double().numpy() @ np.abs(part.numpy()).astype(np.float64).T)
+    assert (np.abs(lin(x).double().numpy() - ref) <= bound + 1e-6).all()
+
+
+def test_dense_budget_falls_back_to_per_call_dequantization():
+    part = qt("w", "Q8_0", 64, 256, 3)
+    lin = QuantLinear(part, torch.float32, budget=DenseBudget(mib=0))
+    assert lin.mode == "stream"
+    x = torch.randn(2, 256)
+    assert np.abs(lin(x).double().numpy() - reference([part], x)).max() <= 1e-5
