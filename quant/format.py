@@ -110,3 +110,14 @@ def fp16_to_f32(two_bytes: np.ndarray) -> np.ndarray:
 def f32_to_fp16_bytes(x: np.ndarray) -> np.ndarray:
     """(n, 1) float32 -> (n, 2) fp16 bytes, rounded to nearest even."""
     return np.ascontiguousarray(x, dtype=np.float32).astype(np.float16).view(np.uint8)
+
+
+def chunked(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], block_bytes: int, chunk: int) -> QuantFn:
+    """A quantize_blocks that runs `fn` over `chunk` blocks at a time (bounding a search's
+    temporaries); no importance means every weight counts the same."""
+    def quantize(x: np.ndarray, w):
+        if w is None:
+            w = np.ones_like(x)
+        parts = [fn(x[i:i + chunk], w[i:i + chunk]) for i in range(0, x.shape[0], chunk)]
+        return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
+    return quantize

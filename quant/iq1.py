@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
 from .iq1_tables import IQ1_GRID_LEVELS
 from .iq3 import _nearest
 
@@ -148,13 +148,6 @@ def _iq1_search(x: np.ndarray, w: np.ndarray, sub: int, shared_delta: bool):
     return d16, s, idx % 2048, idx >= 2048
 
 
-def _chunked(fn, block_bytes: int):
-    def quantize(x: np.ndarray, w):
-        if w is None:
-            w = np.ones_like(x)
-        parts = [fn(x[i:i + _CHUNK], w[i:i + _CHUNK]) for i in range(0, x.shape[0], _CHUNK)]
-        return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
-    return quantize
 
 
 def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -177,7 +170,7 @@ def _m_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-IQ1_S = Format("IQ1_S", 19, QK_K, 50, _s_dequant, _chunked(_s_quant, 50),
+IQ1_S = Format("IQ1_S", 19, QK_K, 50, _s_dequant, chunked(_s_quant, 50, _CHUNK),
                tables={"grid": GRID}, scale_offsets=(0,))
-IQ1_M = Format("IQ1_M", 29, QK_K, 56, _m_dequant, _chunked(_m_quant, 56),
+IQ1_M = Format("IQ1_M", 29, QK_K, 56, _m_dequant, chunked(_m_quant, 56, _CHUNK),
                tables={"grid": GRID}, read_scale=m_scale, write_scale=set_m_scale)

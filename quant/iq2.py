@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
 from .iq2_tables import IQ2_S_GRID_LEVELS, IQ2_XS_GRID_LEVELS, IQ2_XXS_GRID_LEVELS
 from .iq3 import KSIGNS, _KSIGNS_F32, _BITS, _nearest, _signs_and_targets
 
@@ -137,13 +137,6 @@ def _iq2_search(x: np.ndarray, w: np.ndarray, grid: np.ndarray, sub: int, even_g
     return d, s, idx.reshape(n, 32), neg
 
 
-def _chunked(fn, block_bytes: int):
-    def quantize(x: np.ndarray, w):
-        if w is None:
-            w = np.ones_like(x)
-        parts = [fn(x[i:i + _CHUNK], w[i:i + _CHUNK]) for i in range(0, x.shape[0], _CHUNK)]
-        return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
-    return quantize
 
 
 def _sign_indices(neg: np.ndarray) -> np.ndarray:
@@ -179,9 +172,9 @@ def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
                            signs, qh, s[:, 0::2] | (s[:, 1::2] << 4)], axis=-1)
 
 
-IQ2_XXS = Format("IQ2_XXS", 16, QK_K, 66, _xxs_dequant, _chunked(_xxs_quant, 66),
+IQ2_XXS = Format("IQ2_XXS", 16, QK_K, 66, _xxs_dequant, chunked(_xxs_quant, 66, _CHUNK),
                  tables={"grid": XXS_GRID, "ksigns": KSIGNS}, scale_offsets=(0,))
-IQ2_XS = Format("IQ2_XS", 17, QK_K, 74, _xs_dequant, _chunked(_xs_quant, 74),
+IQ2_XS = Format("IQ2_XS", 17, QK_K, 74, _xs_dequant, chunked(_xs_quant, 74, _CHUNK),
                 tables={"grid": XS_GRID, "ksigns": KSIGNS}, scale_offsets=(0,))
-IQ2_S = Format("IQ2_S", 22, QK_K, 82, _s_dequant, _chunked(_s_quant, 82),
+IQ2_S = Format("IQ2_S", 22, QK_K, 82, _s_dequant, chunked(_s_quant, 82, _CHUNK),
                tables={"grid": S_GRID}, scale_offsets=(0,))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
 from .iq3_tables import IQ3_S_GRID_LEVELS, IQ3_XXS_GRID_LEVELS
 
 QK_K = 256
@@ -168,14 +168,6 @@ def _iq3_search(x: np.ndarray, w: np.ndarray, grid: np.ndarray, dmul: float, eve
     return d, s, idx.reshape(n, 64), neg
 
 
-def _chunked(fn, block_bytes: int):
-    """Run `fn` over chunks of blocks; no importance means every weight counts the same."""
-    def quantize(x: np.ndarray, w):
-        if w is None:
-            w = np.ones_like(x)
-        parts = [fn(x[i:i + _CHUNK], w[i:i + _CHUNK]) for i in range(0, x.shape[0], _CHUNK)]
-        return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
-    return quantize
 
 
 def _xxs_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -198,7 +190,7 @@ def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
                            qh.reshape(n, 8), signs.reshape(n, 32), scales], axis=-1)
 
 
-IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, _chunked(_xxs_quant, 98),
+IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, chunked(_xxs_quant, 98, _CHUNK),
                  tables={"grid": XXS_GRID, "ksigns": KSIGNS}, scale_offsets=(0,))
-IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, _chunked(_s_quant, 110),
+IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, chunked(_s_quant, 110, _CHUNK),
                tables={"grid": S_GRID}, scale_offsets=(0,))
