@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 
 def _formats(text: str) -> list[str]:
     import quant
@@ -101,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from strata import commands
     from strata.hub import HubError
-    if getattr(args, "dtype", None):
-        args.dtype = commands.DTYPES[args.dtype] if args.command == "bench" else args.dtype
+    if hasattr(args, "dtype"):  # one spelling on the command line, a torch dtype past here
+        args.dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
     try:
         if args.command == "bench":
             from strata.bench import dequant, model, serve

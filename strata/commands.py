@@ -8,9 +8,6 @@ import torch
 from strata.hub import resolve_model
 from strata.runtime import SamplingParams, generate
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "f32": torch.float32, "float32": torch.float32}
-
-
 def pull(args) -> int:
     path = resolve_model(args.name)
     print(path)
@@ -25,7 +22,7 @@ def load(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     g = open_gguf(resolve_model(args.model))
-    model = load_model(g, dtype=DTYPES[args.dtype])
+    model = load_model(g, dtype=args.dtype)
     print(f"strata: {model.plan_line()}", file=sys.stderr)
     return model, Tokenizer.from_gguf(g)
 

@@ -81,6 +81,21 @@ def check_on_device(fmt: quant.Format, rng: np.random.Generator, n_blocks: int) 
     return f"{(~same).sum()} of {same.size} differ, max {_ulps(got, ref)} ulp"
 
 
+def _cpu_rows(fmt: quant.Format, raw: np.ndarray, args) -> tuple[float | None, list[dict]]:
+    """The torch path and gguf-py on the same blocks: (gguf-py's seconds, rows)."""
+    n_blocks = raw.shape[0]
+    qt = torch.from_numpy(raw)
+    t_torch = _median_s(lambda: dequantize_torch(qt, fmt), args.repeats)
+    rows, t_peer = [], None
+    if not args.no_peer:
+        import gguf
+        qtype = gguf.GGMLQuantizationType(fmt.type_id)
+        t_peer = _median_s(lambda: gguf.quants.dequantize(raw, qtype), args.repeats)
+        rows.append(_row(fmt, "gguf-py (numpy)", t_peer, n_blocks, vs_peer=1.0))
+    rows.append(_row(fmt, "torch (cpu)", t_torch, n_blocks, vs_peer=t_peer / t_torch if t_peer else None))
+    return t_peer, rows
+
+
 def _copy_bandwidth(nbytes: int) -> float:
     import triton.testing
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -102,18 +117,8 @@ def run(args) -> int:
         copy_gbps = _copy_bandwidth(1 << 30)
     for fmt in formats:
         n_blocks = max(1, int(args.mib * 2**20) // fmt.block_bytes)
-        raw = random_blocks(fmt, n_blocks, rng)
-        qt = torch.from_numpy(raw)
-        t_torch = _median_s(lambda: dequantize_torch(qt, fmt), args.repeats)
-        t_peer = None
-        if not args.no_peer:
-            import gguf
-            qtype = gguf.GGMLQuantizationType(fmt.type_id)
-            t_peer = _median_s(lambda: gguf.quants.dequantize(raw, qtype), args.repeats)
-            rows.append(_row(fmt, "gguf-py (numpy)", t_peer, n_blocks, vs_peer=1.0))
-        rows.append(_row(fmt, "torch (cpu)", t_torch, n_blocks,
-                         vs_peer=t_peer / t_torch if t_peer else None))
-        del qt, raw
+        t_peer, cpu_rows = _cpu_rows(fmt, random_blocks(fmt, n_blocks, rng), args)
+        rows += cpu_rows
         if cuda:
             rows += _cuda_rows(fmt, args, rng, t_peer, n_blocks, copy_gbps)
     result = {"bench": "dequant", "device": args.device, "machine": machine(),

@@ -90,7 +90,7 @@ def run(args) -> int:
         peer = bench_llama_cpp(path, args, ours["vocab"])
     rows = []
     for res in filter(None, (ours, peer)):
-        for test, key, n in ((f"pp{args.n_prompt}", "pp", args.n_prompt), (f"tg{args.n_gen}", "tg", args.n_gen)):
+        for test, key in ((f"pp{args.n_prompt}", "pp"), (f"tg{args.n_gen}", "tg")):
             mean, sd = _stats(res[key])
             row = {"engine": res["engine"], "model": path.name, "threads": args.threads, "test": test,
                    "tok_s": mean, "stddev": sd, "runs": res[key]}

@@ -14,7 +14,6 @@ from strata.bench.report import emit, machine, markdown
 
 
 def run(args) -> int:
-    from strata.commands import DTYPES
     from strata.gguf import open_gguf
     from strata.hub import resolve_model
     from strata.models import load_model

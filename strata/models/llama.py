@@ -126,12 +126,9 @@ class Llama(torch.nn.Module):
         return dequantize_torch(rows, self.embedding.fmt).to(self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens, cache: KVCache, start: int | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits (S, vocab) float32 for tokens at positions start.. (default: the cache's end)."""
-        if start is not None:
-            cache.truncate(start)
-        out = self.forward_batch([(tokens, cache)], last_only=last_only)
-        return out[0]
+    def forward(self, tokens, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Logits (S, vocab) float32 for tokens that continue the cache's sequence."""
+        return self.forward_batch([(tokens, cache)], last_only=last_only)[0]
 
     @torch.inference_mode()
     def forward_batch(self, items: list[tuple[list[int], KVCache]], last_only: bool = True) -> list[torch.Tensor]:

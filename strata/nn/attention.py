@@ -16,22 +16,21 @@ class KVCache:
                  device="cpu", capacity: int = 256):
         self.n_layers, self.shape = n_layers, (n_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
-        self.k = torch.empty(n_layers, n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.k, self.v = self._alloc(capacity), self._alloc(capacity)
         self.length = 0  # tokens held
 
+    def _alloc(self, capacity: int) -> torch.Tensor:
+        return torch.empty(self.n_layers, self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
+
     def reserve(self, n: int) -> None:
+        """Room for n tokens; grows by doubling, keeping what is held."""
         if n <= self.k.shape[2]:
             return
         cap = max(n, 2 * self.k.shape[2])
         for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.empty(self.n_layers, *self.shape[:1], cap, self.shape[1], dtype=self.dtype, device=self.device)
-            new[:, :, :old.shape[2]] = old
+            new = self._alloc(cap)
+            new[:, :, :self.length] = getattr(self, name)[:, :, :self.length]
             setattr(self, name, new)
-
-    def truncate(self, n: int) -> None:
-        self.length = min(self.length, n)
 
     def copy(self, n: int | None = None) -> "KVCache":
         """A new cache holding the first n tokens (default: all) of this one."""

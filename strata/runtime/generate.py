@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from .sampling import Sampler, SamplingParams
+from .text import TextOut
 
 
 @dataclass
@@ -18,7 +17,6 @@ class GenerationResult:
     prompt_tokens: int
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    timings: dict = field(default_factory=dict)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -27,17 +25,6 @@ class GenerationResult:
     @property
     def decode_tok_s(self) -> float:
         return len(self.tokens) / self.decode_s if self.decode_s else 0.0
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters might start a stop string (so are not streamed yet)."""
-    n = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                n = max(n, k)
-                break
-    return n
 
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
@@ -51,32 +38,26 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
     for i in range(0, len(prompt_ids), ubatch):
         logits = model(prompt_ids[i:i + ubatch], cache, last_only=True)
     t1 = time.perf_counter()
-    stream = tokenizer.stream()
     out: list[int] = []
-    text, sent, reason = "", 0, "length"
-    stop_ids = set(tokenizer.eot_ids)
+    text = TextOut(tokenizer, params.stop)
+    reason = "length"
     for _ in range(params.max_tokens):
         tok = sampler(logits[-1])
-        if tok in stop_ids:
+        if tok in tokenizer.eot_ids:
             reason = "stop"
             break
         out.append(tok)
-        text += stream.feed(tok)
-        hit = min((text.find(s) for s in params.stop if s in text), default=-1)
-        if hit >= 0:
-            text, reason = text[:hit], "stop"
+        if text.feed(tok):
+            reason = "stop"
             break
-        if on_text:
-            ready = len(text) - _held_back(text, params.stop)
-            if ready > sent:
-                on_text(text[sent:ready])
-                sent = ready
+        if on_text and (piece := text.take()):
+            on_text(piece)
         if len(out) == params.max_tokens:
             break
         logits = model([tok], cache, last_only=True)
     if reason == "length":
-        text += stream.flush()
-    if on_text and len(text) > sent:
-        on_text(text[sent:])
+        text.flush()
+    if on_text and (piece := text.take(final=True)):
+        on_text(piece)
     t2 = time.perf_counter()
-    return GenerationResult(out, text, reason, len(prompt_ids), t1 - t0, t2 - t1)
+    return GenerationResult(out, text.text, reason, len(prompt_ids), t1 - t0, t2 - t1)

@@ -24,7 +24,7 @@ import torch
 
 from strata.runtime.prefix_cache import PrefixCache
 from strata.runtime.sampling import Sampler, SamplingParams
-from strata.runtime.generate import _held_back
+from strata.runtime.text import TextOut
 
 log = logging.getLogger("strata.server")
 
@@ -43,8 +43,7 @@ class Request:
     # filled in by the engine
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0
-    text: str = ""
-    sent: int = 0
+    text: str = ""                        # the whole output, once finished
     finish_reason: str | None = None
 
 
@@ -54,7 +53,7 @@ class Slot:
     req: Request | None = None
     cache: object = None
     sampler: Sampler | None = None
-    stream: object = None
+    out: TextOut | None = None
     logits: torch.Tensor | None = None
 
 
@@ -132,7 +131,7 @@ class Engine:
         req.cached_tokens = reused
         slot.req, slot.cache = req, cache
         slot.sampler = Sampler(req.params)
-        slot.stream = self.tok.stream()
+        slot.out = TextOut(self.tok, req.params.stop)
         slot.logits = self.model(req.prompt[reused:], cache, last_only=True)[-1]
         self.stats["prompt_tokens"] += len(req.prompt)
         self.stats["cached_tokens"] += reused
@@ -157,18 +156,13 @@ class Engine:
                 self._finish(slot, "stop")
                 continue
             req.tokens.append(tok)
-            req.text += slot.stream.feed(tok)
-            hit = min((req.text.find(s) for s in req.params.stop if s in req.text), default=-1)
-            if hit >= 0:
-                req.text = req.text[:hit]
+            if slot.out.feed(tok):
                 self._finish(slot, "stop")
                 continue
-            ready = len(req.text) - _held_back(req.text, req.params.stop)
-            if ready > req.sent:
-                req.emit({"type": "text", "text": req.text[req.sent:ready]})
-                req.sent = ready
+            if piece := slot.out.take():
+                req.emit({"type": "text", "text": piece})
             if len(req.tokens) >= req.params.max_tokens or len(req.prompt) + len(req.tokens) >= self.ctx_size:
-                req.text += slot.stream.flush()
+                slot.out.flush()
                 self._finish(slot, "length")
                 continue
             going.append(slot)
@@ -188,11 +182,11 @@ class Engine:
     def _finish(self, slot: Slot, reason: str) -> None:
         req = slot.req
         req.finish_reason = reason
-        if req.sent < len(req.text):
-            req.emit({"type": "text", "text": req.text[req.sent:]})
-            req.sent = len(req.text)
+        if piece := slot.out.take(final=True):
+            req.emit({"type": "text", "text": piece})
+        req.text = slot.out.text
         req.emit({"type": "done", "finish_reason": reason})
         # the state after prompt + all but the last sampled token is in the cache
         seen = (req.prompt + req.tokens)[:slot.cache.length]
         self.prefix.put(seen, slot.cache)
-        slot.req = slot.cache = slot.sampler = slot.stream = slot.logits = None
+        slot.req = slot.cache = slot.sampler = slot.out = slot.logits = None

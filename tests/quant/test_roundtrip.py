@@ -72,20 +72,15 @@ def legacy_bound(name: str, x: np.ndarray) -> np.ndarray:
     if name == "Q8_0":
         d = amax / 127
         return d / 2 + 127 * u16(d) + slack
-    if name == "Q4_0":
-        d = amax / 8
-        return d + 8 * u16(d) + slack
-    if name == "Q4_1":
+    if name in ("Q4_0", "Q5_0"):  # codes -half..half-1 around the signed extreme
+        half = {"Q4_0": 8, "Q5_0": 16}[name]
+        d = amax / half
+        return d + half * u16(d) + slack
+    if name in ("Q4_1", "Q5_1"):  # codes 0..top from the minimum
+        top = {"Q4_1": 15, "Q5_1": 31}[name]
         lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
-        d = (hi.astype(np.float64) - lo) / 15
-        return d / 2 + 15 * u16(d) + u16(lo) + 2.0 ** -22 * (np.abs(lo) + np.abs(hi))
-    if name == "Q5_0":
-        d = amax / 16
-        return d + 16 * u16(d) + slack
-    if name == "Q5_1":
-        lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
-        d = (hi.astype(np.float64) - lo) / 31
-        return d / 2 + 31 * u16(d) + u16(lo) + 2.0 ** -22 * (np.abs(lo) + np.abs(hi))
+        d = (hi.astype(np.float64) - lo) / top
+        return d / 2 + top * u16(d) + u16(lo) + 2.0 ** -22 * (np.abs(lo) + np.abs(hi))
     if name == "IQ4_NL":
         d = amax / 127
         return 14 * d + 127 * u16(d) + slack
