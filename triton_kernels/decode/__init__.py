@@ -19,6 +19,7 @@ import torch
 import quant
 
 from .floats import decode_bf16, decode_f16, decode_f32
+from .fp8 import decode_fp8_e4m3
 from .iq1 import decode_iq1_m, decode_iq1_s
 from .iq2 import decode_iq2_s, decode_iq2_xs, decode_iq2_xxs
 from .iq3 import decode_iq3_s, decode_iq3_xxs
@@ -34,6 +35,7 @@ DECODERS = {
     "IQ4_NL": decode_iq4_nl, "IQ4_XS": decode_iq4_xs, "IQ3_XXS": decode_iq3_xxs, "IQ3_S": decode_iq3_s,
     "IQ2_XXS": decode_iq2_xxs, "IQ2_XS": decode_iq2_xs, "IQ2_S": decode_iq2_s,
     "IQ1_S": decode_iq1_s, "IQ1_M": decode_iq1_m,
+    "FP8_E4M3": decode_fp8_e4m3,
 }
 
 

@@ -21,3 +21,14 @@ def load_u32(q_ptr, off, mask):
 def load_f16(q_ptr, off, mask):
     """A little-endian fp16 at byte offset `off`, widened to float32 (exact)."""
     return load_u16(q_ptr, off, mask).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def round_to_bf16_bits(v):
+    """float32 -> bf16 bit patterns (as int16, for a store through an int16 view), rounded to
+    nearest even, NaN kept quiet: by hand, because the interpreter holds bf16 as raw uint16
+    and a bf16 cast there is not to be trusted."""
+    u = v.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
+    return r.to(tl.uint16).to(tl.int16, bitcast=True)

@@ -1,0 +1,300 @@
+"""Qwen3.8-Flash-Next (GGUF architecture `qwen4exp`), composed from strata.nn modules.
+
+The math is transformers' Qwen4ExpForCausalLM (5.23); the tensor names and layout are
+those of llama.cpp's qwen4exp converter (Gemma-style norm weights hold 1 + w, value heads
+in tiled order, ssm_a = -exp(A_log)). Per layer:
+
+    x (T, S*H), S residual streams
+    [PLE layer]   x = x + ple(x, tokens)
+    a, w = attn_hc.read(x);  x = write(x, mixer(a), w)     mixer: gated DeltaNet, or gated
+                                                           attention with QSA every 4th layer
+    m, w = ffn_hc.read(x);   x = write(x, moe(m), w)
+    logits = output(out_hc.read(x))                        no final norm
+
+State per sequence (`Qwen4ExpState`): keys/values and indexer keys of the attention
+layers, conv windows and recurrent states of the DeltaNet layers, the PLE block's n-gram
+history and conv window.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from strata.gguf import GGUFError, GGUFFile
+from strata.nn import QuantLinear, Rope
+from strata.nn.deltanet import GatedDeltaNet
+from strata.nn.gated_attention import AttentionState, GatedAttention
+from strata.nn.hyperconn import HyperConnection
+from strata.nn.linear import DenseBudget
+from strata.nn.moe import MoE
+from strata.nn.ple import NgramPLE
+from strata.storage.experts import ExpertStore
+from triton_kernels.dequant import dequantize_torch
+
+# The architecture's QSA block size: llama.cpp's converter writes a per-layer ratio only
+# for layers typed "full_attention", and transformers 5.x renames that type on load, so a
+# file converted with transformers installed can carry zeros for a model that has an indexer.
+QSA_BLOCK = 4
+
+
+@dataclass(frozen=True)
+class Qwen4ExpConfig:
+    n_layers: int
+    dim: int
+    vocab_size: int
+    context_length: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    rope_theta: float
+    norm_eps: float
+    recurrent: tuple[bool, ...]
+    n_experts: int
+    top_k: int
+    expert_dim: int
+    shared_dim: int
+    conv_kernel: int
+    k_heads: int
+    v_heads: int
+    dk: int
+    dv: int
+    streams: int
+    hc_rank: int
+    idx_heads: int
+    idx_dim: int
+    idx_budget: int
+    compress_ratios: tuple[int, ...]
+    ple_layers: tuple[int, ...]
+    ple: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_gguf(cls, g: GGUFFile) -> "Qwen4ExpConfig":
+        a = g.arch
+        req = (lambda k: g.require(f"{a}.{k}"))
+        opt = (lambda k, d=None: g.get(f"{a}.{k}", d))
+        n = int(req("block_count"))
+        rec = opt("attention.recurrent_layers")
+        if rec is None:
+            every = int(opt("full_attention_interval", 4))
+            rec = [(i + 1) % every != 0 for i in range(n)]
+        v_heads = int(req("ssm.time_step_rank"))
+        ple_layers = tuple(int(i) for i in (opt("ple.layers") or []))
+        ple = {}
+        if ple_layers:
+            ple = dict(multipliers=[int(m) for m in req("ple.layer_multipliers")],
+                       head_vocab_sizes=[int(s) for s in req("ple.head_vocab_sizes")],
+                       head_offsets=[int(o) for o in req("ple.head_offsets")],
+                       eos_id=int(req("ple.eos_token_id")),
+                       heads_per_ngram=int(req("ple.heads_per_ngram")),
+                       conv_kernel=int(req("ple.conv_kernel")),
+                       row_dim=int(req("embedding_length_per_layer_input")))
+        ratios = [int(r) for r in (opt("attention.compress_ratios") or [0] * n)]
+        return cls(
+            n_layers=n, dim=int(req("embedding_length")),
+            vocab_size=int(g.tensor("token_embd.weight").shape[0]),
+            context_length=int(opt("context_length", 4096)),
+            n_heads=int(req("attention.head_count")), n_kv_heads=int(req("attention.head_count_kv")),
+            head_dim=int(req("attention.key_length")), rope_dim=int(req("rope.dimension_count")),
+            rope_theta=float(req("rope.freq_base")),
+            norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+            recurrent=tuple(bool(r) for r in rec[:n]),
+            n_experts=int(req("expert_count")), top_k=int(req("expert_used_count")),
+            expert_dim=int(req("expert_feed_forward_length")),
+            shared_dim=int(req("expert_shared_feed_forward_length")),
+            conv_kernel=int(req("ssm.conv_kernel")), k_heads=int(req("ssm.group_count")),
+            v_heads=v_heads, dk=int(req("ssm.state_size")), dv=int(req("ssm.inner_size")) // v_heads,
+            streams=int(req("hyper_connection.count")), hc_rank=int(req("hyper_connection.low_rank")),
+            idx_heads=int(opt("attention.indexer.head_count", 0)),
+            idx_dim=int(opt("attention.indexer.key_length", 0)),
+            idx_budget=int(opt("attention.indexer.top_k", 0)),
+            compress_ratios=tuple(ratios[:n]), ple_layers=ple_layers, ple=ple)
+
+
+class InMemoryTable:
+    """The PLE table held as the file's blocks (zero-copy on the CPU): rows gathered and
+    dequantized by triton_kernels.ple.ple_gather."""
+
+    def __init__(self, t, device="cpu"):
+        self.name, self.fmt, self.rows = t.name, t.fmt, t.shape[0]
+        self.q = torch.from_numpy(t.data).to(device)
+        self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name})"
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        from triton_kernels.ple import ple_gather
+        return ple_gather(self.q, ids, self.fmt)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, mixer, attn_hc: HyperConnection, moe: MoE, ffn_hc: HyperConnection,
+                 ple: NgramPLE | None):
+        super().__init__()
+        self.mixer, self.attn_hc, self.moe, self.ffn_hc, self.ple = mixer, attn_hc, moe, ffn_hc, ple
+        self.recurrent = isinstance(mixer, GatedDeltaNet)
+
+    def forward(self, x, tokens, st, start):
+        if self.ple is not None:
+            x = self.ple(x, tokens, st.ple)
+        a, w = self.attn_hc.read(x)
+        x = HyperConnection.write(x, self.mixer(a, st.layers[self._i]) if self.recurrent
+                                  else self.mixer(a, st.layers[self._i], start), w)
+        m, w = self.ffn_hc.read(x)
+        return HyperConnection.write(x, self.moe(m), w)
+
+
+class Qwen4ExpState:
+    """One sequence's state: `length` tokens seen."""
+
+    def __init__(self, model: "Qwen4Exp"):
+        dev = model.device
+        self.layers = [l.mixer.new_state(dev) if l.recurrent else AttentionState() for l in model.layers]
+        self.ple = model.ple.new_state(dev) if model.ple is not None else None
+        self.length = 0
+
+    def copy(self, n: int | None = None) -> "Qwen4ExpState":
+        """A copy of this state; recurrent states cannot be rewound, so n must be the length."""
+        if n is not None and n != self.length:
+            raise ValueError(f"a qwen4exp state holds {self.length} tokens and cannot be cut to {n}: "
+                             "its DeltaNet states summarise the whole sequence")
+        c = Qwen4ExpState.__new__(Qwen4ExpState)
+        c.layers = [s.copy() for s in self.layers]
+        c.ple = self.ple.copy() if self.ple is not None else None
+        c.length = self.length
+        return c
+
+    def nbytes(self) -> int:
+        ts = []
+        for s in self.layers:
+            ts += [s.k, s.v, s.idx] if isinstance(s, AttentionState) else [s.conv, s.rec]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class Qwen4Exp(torch.nn.Module):
+    def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                 budget: DenseBudget | None = None, qsa: bool = True, expert_tier: str | None = None,
+                 ple_table=None):
+        super().__init__()
+        self.gguf, self.cfg, self.dtype, self.device = g, Qwen4ExpConfig.from_gguf(g), dtype, device
+        c = self.cfg
+        self.budget = budget = budget or DenseBudget()
+        lin = (lambda name: QuantLinear(g.tensor(name), dtype, device, budget=budget))
+        vec = (lambda name: torch.from_numpy(g.tensor(name).numpy().reshape(-1).copy()))
+        self.embedding = g.tensor("token_embd.weight")
+        rope = Rope(c.rope_dim, c.rope_theta, max_pos=min(c.context_length, 8192))
+
+        def hc(prefix: str, inject: bool) -> HyperConnection:
+            return HyperConnection(vec(f"{prefix}_norm.weight"), lin(f"{prefix}_down.weight"),
+                                   lin(f"{prefix}_up.weight"),
+                                   lin(f"{prefix}_inject.weight") if inject else None, c.streams, c.norm_eps)
+
+        self.qsa_fallback = False
+        self.ple = None
+        layers = []
+        for i in range(c.n_layers):
+            p = f"blk.{i}."
+            if c.recurrent[i]:
+                conv = g.tensor(p + "ssm_conv1d.weight").numpy().reshape(-1, c.conv_kernel)
+                mixer = GatedDeltaNet(lin(p + "attn_qkv.weight"), lin(p + "attn_gate.weight"),
+                                      lin(p + "ssm_beta.weight"), lin(p + "ssm_alpha.weight"),
+                                      lin(p + "ssm_out.weight"), torch.from_numpy(conv.copy()),
+                                      vec(p + "ssm_dt.bias"), vec(p + "ssm_a"), vec(p + "ssm_norm.weight"),
+                                      c.k_heads, c.v_heads, c.dk, c.dv, c.norm_eps)
+            else:
+                has_idx = (p + "indexer.q_proj.weight") in g.tensors
+                ratio = c.compress_ratios[i] if i < len(c.compress_ratios) else 0
+                if has_idx and ratio == 0:
+                    ratio, self.qsa_fallback = QSA_BLOCK, True
+                idx = {}
+                if has_idx:
+                    idx = dict(idx_q=lin(p + "indexer.q_proj.weight"), idx_k=lin(p + "indexer.k_proj.weight"),
+                               idx_q_norm=vec(p + "indexer.q_norm.weight"),
+                               idx_k_norm=vec(p + "indexer.k_norm.weight"), n_idx=c.idx_heads,
+                               idx_dim=c.idx_dim, budget=c.idx_budget, ratio=ratio)
+                mixer = GatedAttention(lin(p + "attn_q.weight"), lin(p + "attn_k.weight"),
+                                       lin(p + "attn_v.weight"), lin(p + "attn_output.weight"),
+                                       vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight"),
+                                       c.n_heads, c.n_kv_heads, c.head_dim, rope, c.norm_eps, **idx)
+                mixer.dense_only = not qsa
+            experts = ExpertStore(g.tensor(p + "ffn_gate_exps.weight"), g.tensor(p + "ffn_up_exps.weight"),
+                                  g.tensor(p + "ffn_down_exps.weight"), dtype, device, budget, expert_tier)
+            moe = MoE(lin(p + "ffn_gate_inp.weight"), experts, c.top_k,
+                      QuantLinear([g.tensor(p + "ffn_gate_shexp.weight"), g.tensor(p + "ffn_up_shexp.weight")],
+                                  dtype, device, budget=budget),
+                      lin(p + "ffn_down_shexp.weight"), lin(p + "ffn_gate_inp_shexp.weight"))
+            ple = None
+            if i in c.ple_layers:
+                if not c.recurrent[i]:
+                    raise GGUFError(f"{g.path}: PLE layer {i} is not a linear-attention layer")
+                table = ple_table or InMemoryTable(g.tensor("per_layer_token_embd.weight"), device)
+                conv = g.tensor(p + "ple_conv1d.weight").numpy().reshape(-1, c.ple["conv_kernel"])
+                hash_args = {k: c.ple[k] for k in ("multipliers", "head_vocab_sizes", "head_offsets",
+                                                    "eos_id", "heads_per_ngram")}
+                ple = self.ple = NgramPLE(table, hash_args, lin(p + "ple_key.weight"), lin(p + "ple_value.weight"),
+                                          vec(p + "ple_norm_key.weight"), vec(p + "ple_norm_query.weight"),
+                                          vec(p + "ple_norm_conv.weight"), torch.from_numpy(conv.copy()),
+                                          c.streams, c.norm_eps, dilation=len(c.ple["multipliers"]))
+            layer = Layer(mixer, hc(p + "hc_attn", True), moe, hc(p + "hc_ffn", True), ple)
+            layer._i = i
+            layers.append(layer)
+        self.layers = torch.nn.ModuleList(layers)
+        self.out_hc = hc("output_hc", False)
+        self.output = lin("output.weight")
+
+    # -- what the engine reports -------------------------------------------------------------
+
+    def plan_line(self) -> str:
+        from collections import Counter
+        g, c = self.gguf, self.cfg
+        n_weights = sum(int(np.prod(t.shape)) for t in g.tensors.values())
+        file_mib = sum(t.nbytes for t in g.tensors.values()) / 2**20
+        fmts = Counter(t.fmt.name for t in g.tensors.values())
+        stores = [l.moe.experts for l in self.layers]
+        tiers = Counter(s.tier for s in stores)
+        exp_mib = sum(s.held_bytes() for s in stores) / 2**20
+        n_attn = sum(not r for r in c.recurrent)
+        qsa = [l.mixer for l in self.layers if not l.recurrent]
+        qsa_on = any(m.qsa and not m.dense_only for m in qsa)
+        qsa_text = (f"QSA on (top {c.idx_budget} tokens in blocks of {qsa[0].ratio}"
+                    f"{', block size from the architecture: the file has no ratio' if self.qsa_fallback else ''})"
+                    if qsa_on else "dense attention (QSA off)")
+        ple = (f"PLE table {self.ple.table.where} at layer {c.ple_layers[0]}" if self.ple is not None
+               else "no PLE")
+        return (f"{g.get('general.name', g.path.name)} ({g.arch}, {c.n_layers} layers: "
+                f"{c.n_layers - n_attn} DeltaNet + {n_attn} attention, dim {c.dim} x {c.streams} streams, "
+                f"{c.n_experts} experts top-{c.top_k}, {n_weights / 1e6:.1f}M weights in {file_mib:.0f} MiB: "
+                + ", ".join(f"{k} x{v}" for k, v in fmts.most_common())
+                + f") on {self.device}, {str(self.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads; "
+                f"experts: " + ", ".join(f"{k} x{v}" for k, v in tiers.items()) + f" ({exp_mib:.0f} MiB held); "
+                f"{ple}; {qsa_text}")
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int = 256) -> Qwen4ExpState:
+        return Qwen4ExpState(self)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.embedding.shape[0]:
+            raise ValueError(f"token ids must lie in 0..{self.embedding.shape[0] - 1}")
+        rows = torch.from_numpy(np.take(self.embedding.data, tokens.numpy(), axis=0))
+        return dequantize_torch(rows, self.embedding.fmt).to(self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens, state: Qwen4ExpState, last_only: bool = False) -> torch.Tensor:
+        """Logits (S, vocab) float32 for tokens that continue the state's sequence."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        x = self.embed(tokens).repeat(1, self.cfg.streams)
+        start = state.length
+        for layer in self.layers:
+            x = layer(x, tokens, state, start)
+        state.length = start + tokens.numel()
+        if last_only:
+            x = x[-1:]
+        h, _ = self.out_hc.read(x)
+        return self.output(h).float()
+
+    def forward_batch(self, items, last_only: bool = True) -> list[torch.Tensor]:
+        """Sequences one after another (their recurrent states are separate)."""
+        return [self.forward(t, s, last_only=last_only) for t, s in items]
+

@@ -1,0 +1,124 @@
+"""Gated DeltaNet (linear attention) with its causal conv, as Qwen3.5/Flash-Next use it.
+
+Per token, for each value head with state S (dk, dv):
+
+    S = S * exp(g);  S = S + k (beta * (v - S^T k))^T;  o = S^T q
+
+with q, k L2-normalised (q also scaled by dk^-1/2), g = a_coef * softplus(a + dt_bias)
+(the GGUF's ssm_a holds a_coef = -exp(A_log)) and beta = sigmoid(b). `recurrent` runs it
+token by token (decode); `chunked` runs the same recurrence 64 tokens at a time with the
+WY/UT transform (prefill), as transformers' torch_chunk_gated_delta_rule. On CUDA,
+`fla-core`'s Triton kernels take over when installed.
+
+Head order: llama.cpp's converter stores the value heads "tiled" (value head j*Hk + k
+belongs to key head k), so the key heads are repeated with `repeat`, not
+`repeat_interleave`, and everything else follows the file's order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .linear import QuantLinear
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def recurrent(q, k, v, g, beta, state):
+    """q, k (T, Hv, dk); v (T, Hv, dv); g, beta (T, Hv); state (Hv, dk, dv), updated in
+    place. Returns o (T, Hv, dv)."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        state.mul_(g[t].exp()[:, None, None])
+        kv = (state * k[t].unsqueeze(-1)).sum(dim=-2)
+        delta = (v[t] - kv) * beta[t].unsqueeze(-1)
+        state.add_(k[t].unsqueeze(-1) * delta.unsqueeze(-2))
+        out[t] = (state * q[t].unsqueeze(-1)).sum(dim=-2)
+    return out
+
+
+def chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """The same recurrence over chunks of `chunk` tokens (shapes as `recurrent`)."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    pad = (-T) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))  # (H, T', d)
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))      # (H, T')
+    n = (T + pad) // chunk
+    kb, vb = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    q, k, kb, vb = (x.reshape(H, n, chunk, -1) for x in (q, k, kb, vb))
+    g = g.reshape(H, n, chunk).cumsum(dim=-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    system = (kb @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    # (I + strictly-lower(system)) is unit lower triangular: solve rather than invert
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * g.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    qd = q * g.exp().unsqueeze(-1)
+    kd = k * (g[..., -1:] - g).exp().unsqueeze(-1)
+    last = g[..., -1].exp()[..., None, None]
+    out = torch.empty(H, n, chunk, dv, dtype=q.dtype, device=q.device)
+    s = state
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = qd[:, i] @ s + intra[:, i] @ v_new
+        s = s * last[:, i] + kd[:, i].transpose(-1, -2) @ v_new
+    state.copy_(s)
+    return out.reshape(H, -1, dv)[:, :T].transpose(0, 1)
+
+
+class DeltaNetState:
+    """One sequence's conv window (conv_dim, K-1) and recurrent state (Hv, dk, dv)."""
+
+    def __init__(self, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, device="cpu"):
+        self.conv = torch.zeros(conv_dim, kernel - 1, device=device)
+        self.rec = torch.zeros(heads, dk, dv, device=device)
+
+    def copy(self) -> "DeltaNetState":
+        c = DeltaNetState.__new__(DeltaNetState)
+        c.conv, c.rec = self.conv.clone(), self.rec.clone()
+        return c
+
+
+class GatedDeltaNet(torch.nn.Module):
+    def __init__(self, qkv: QuantLinear, z: QuantLinear, b: QuantLinear, a: QuantLinear,
+                 out: QuantLinear, conv: torch.Tensor, dt_bias: torch.Tensor, a_coef: torch.Tensor,
+                 norm: torch.Tensor, k_heads: int, v_heads: int, dk: int, dv: int, eps: float):
+        super().__init__()
+        self.qkv, self.z, self.b, self.a, self.out = qkv, z, b, a, out
+        self.conv = torch.nn.Parameter(conv.float(), requires_grad=False)    # (conv_dim, K)
+        self.dt_bias = torch.nn.Parameter(dt_bias.float(), requires_grad=False)
+        self.a_coef = torch.nn.Parameter(a_coef.float(), requires_grad=False)
+        self.norm = torch.nn.Parameter(norm.float(), requires_grad=False)
+        self.k_heads, self.v_heads, self.dk, self.dv, self.eps = k_heads, v_heads, dk, dv, eps
+
+    def new_state(self, device="cpu") -> DeltaNetState:
+        return DeltaNetState(self.conv.shape[0], self.conv.shape[1], self.v_heads, self.dk, self.dv, device)
+
+    def _conv(self, x: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over (T, C), continuing the state's window."""
+        K = self.conv.shape[1]
+        full = torch.cat([st.conv, x.T], dim=1)                  # (C, K-1+T)
+        st.conv = full[:, -(K - 1):].clone()
+        y = F.conv1d(full.unsqueeze(0), self.conv.unsqueeze(1), groups=full.shape[0])[0]
+        return F.silu(y).T                                        # (T, C)
+
+    def forward(self, x: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
+        T = x.shape[0]
+        Hk, Hv, dk, dv = self.k_heads, self.v_heads, self.dk, self.dv
+        mixed = self._conv(self.qkv(x).float(), st)
+        q, k, v = mixed.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        rep = Hv // Hk
+        q = _l2norm(q.reshape(T, Hk, dk)).repeat(1, rep, 1) * dk ** -0.5
+        k = _l2norm(k.reshape(T, Hk, dk)).repeat(1, rep, 1)
+        v = v.reshape(T, Hv, dv)
+        beta = torch.sigmoid(self.b(x).float())
+        g = self.a_coef * F.softplus(self.a(x).float() + self.dt_bias)
+        o = recurrent(q, k, v, g, beta, st.rec) if T == 1 else chunked(q, k, v, g, beta, st.rec)
+        # gated RMSNorm per head: norm(o) * w * sigmoid(z)
+        z = self.z(x).float().reshape(T, Hv, dv)
+        o = F.rms_norm(o, (dv,), eps=self.eps) * self.norm * torch.sigmoid(z)
+        return self.out(o.reshape(T, Hv * dv))

@@ -1,0 +1,49 @@
+"""Hyper-connections: S residual streams of width H in place of the pre-norms.
+
+The residual is x (T, S*H). Before a block, `read` normalises each stream (one RMSNorm
+with a weight per stream; the GGUF holds 1 + w), mixes them into the block's input
+
+    m = sigmoid(up(silu(down(xn) / S)))            (T, S*H)
+    input = mean over streams of m * xn             (T, H)
+
+and returns the injection weights 2*sigmoid(inject(xn) / S), one per stream; `write`
+adds the block's output to each stream times its weight. The final mixer is a `read`
+without injection.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .linear import QuantLinear
+
+
+class HyperConnection(torch.nn.Module):
+    def __init__(self, norm: torch.Tensor, down: QuantLinear, up: QuantLinear,
+                 inject: QuantLinear | None, streams: int, eps: float):
+        super().__init__()
+        self.streams, self.eps = streams, eps
+        self.width = norm.numel() // streams
+        self.norm = torch.nn.Parameter(norm.float().reshape(streams, self.width), requires_grad=False)
+        self.down, self.up, self.inject = down, up, inject
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """Each stream RMS-normalised with its own weight: (T, S, H) float32."""
+        xs = x.float().reshape(-1, self.streams, self.width)
+        return F.rms_norm(xs, (self.width,), eps=self.eps) * self.norm
+
+    def read(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's input (T, H) and the streams' injection weights (T, S) (None for the
+        final mixer)."""
+        xn = self.normed(x)
+        flat = xn.reshape(xn.shape[0], -1)
+        mix = torch.sigmoid(self.up(F.silu(self.down(flat) / self.streams)))
+        inp = (mix.reshape_as(xn) * xn).mean(dim=1)
+        if self.inject is None:
+            return inp, None
+        return inp, 2 * torch.sigmoid(self.inject(flat) / self.streams)
+
+    @staticmethod
+    def write(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x + out injected into every stream by its weight."""
+        return x + (weights.unsqueeze(-1) * out.float().unsqueeze(1)).reshape(x.shape)

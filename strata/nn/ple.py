@@ -1,0 +1,82 @@
+"""The n-gram PLE block (Flash-Next, one layer): hashed bigram/trigram rows into the residual.
+
+For each token: the ids of its 16 n-gram rows (8 bigram heads, 8 trigram heads; hashed
+from the token and the previous one or two, see triton_kernels.ple.ngram_ids), the rows
+gathered and concatenated head-major (E = 16 x row_dim), then
+
+    key   = norm_key(key_proj(e))          per stream     (T, S, H)
+    value = value_proj(e)                                  (T, H)
+    query = norm_query(x)                  per stream     (T, S, H)
+    gate  = signed_sqrt(sum(key * query) / sqrt(H))        (T, S, 1)
+    gv    = sigmoid(gate) * value                          (T, S, H)
+    out   = gv + silu(conv(norm_conv(gv)))                 conv: depthwise, kernel 4,
+                                                           dilation 3, causal
+added to the residual x (T, S*H). The norms are RMSNorms per stream (weights hold 1 + w).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .linear import QuantLinear
+
+
+class PLEState:
+    """One sequence's n-gram history (the last ngram-1 tokens, EOS at the start) and the
+    dilated conv's window (S*H, (kernel-1)*dilation)."""
+
+    def __init__(self, history: list[int], channels: int, window: int, device="cpu"):
+        self.history = torch.tensor(history, dtype=torch.long)
+        self.conv = torch.zeros(channels, window, device=device)
+
+    def copy(self) -> "PLEState":
+        c = PLEState.__new__(PLEState)
+        c.history, c.conv = self.history.clone(), self.conv.clone()
+        return c
+
+
+class NgramPLE(torch.nn.Module):
+    def __init__(self, table, hash_args: dict, key: QuantLinear, value: QuantLinear,
+                 norm_key, norm_query, norm_conv, conv: torch.Tensor, streams: int, eps: float,
+                 dilation: int):
+        """`table` gathers rows: table.gather(ids (T, heads)) -> (T, heads*row_dim) float32;
+        `hash_args` are the keyword arguments of triton_kernels.ple.ngram_ids."""
+        super().__init__()
+        self.table, self.hash_args = table, hash_args
+        self.key, self.value = key, value
+        p = (lambda t: torch.nn.Parameter(t.float(), requires_grad=False))
+        self.norm_key, self.norm_query, self.norm_conv = p(norm_key), p(norm_query), p(norm_conv)
+        self.conv = p(conv)                              # (S*H, kernel)
+        self.streams, self.eps, self.dilation = streams, eps, dilation
+        self.width = self.norm_key.numel() // streams
+        self.ngram = len(hash_args["multipliers"])
+
+    def new_state(self, device="cpu") -> PLEState:
+        window = (self.conv.shape[1] - 1) * self.dilation
+        return PLEState([self.hash_args["eos_id"]] * (self.ngram - 1), self.conv.shape[0], window, device)
+
+    def ids(self, tokens: torch.Tensor, st: PLEState) -> torch.Tensor:
+        from triton_kernels.ple import ngram_ids
+        ids, st.history = ngram_ids(tokens, st.history, **self.hash_args)
+        return ids
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xs = x.reshape(x.shape[0], self.streams, self.width)
+        return F.rms_norm(xs, (self.width,), eps=self.eps) * w.reshape(self.streams, self.width)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, st: PLEState, ids=None) -> torch.Tensor:
+        """The residual x (T, S*H) with the PLE block's output added."""
+        T = x.shape[0]
+        e = self.table.gather(self.ids(tokens, st) if ids is None else ids)
+        key = self._norm(self.key(e).float(), self.norm_key)
+        value = self.value(e).float()
+        query = self._norm(x.float(), self.norm_query)
+        gate = (key * query).sum(dim=-1, keepdim=True) / self.width ** 0.5
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gv = torch.sigmoid(gate) * value.unsqueeze(1)                         # (T, S, H)
+        normed = self._norm(gv.reshape(T, -1), self.norm_conv).reshape(T, -1)
+        full = torch.cat([st.conv, normed.T], dim=1)                          # (C, window+T)
+        st.conv = full[:, -st.conv.shape[1]:].clone()
+        conv = F.conv1d(full.unsqueeze(0), self.conv.unsqueeze(1), groups=full.shape[0],
+                        dilation=self.dilation)[0].T                          # (T, C)
+        return x + gv.reshape(T, -1) + F.silu(conv)
