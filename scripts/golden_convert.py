@@ -1,0 +1,116 @@
+"""Golden digests of llama.cpp's GGUF conversion of the tiny Qwen4Exp checkpoint, for
+tests/strata/test_convert.py.
+
+    python scripts/golden_convert.py LLAMA_CPP_DIR      # writes tests/data/convert_golden.json
+
+LLAMA_CPP_DIR is a llama.cpp source tree with convert_hf_to_gguf.py, conversion/ and
+gguf-py/ (the llama-cpp-python 0.3.36 sdist vendors one under vendor/llama.cpp). Its
+converter needs only torch, numpy, transformers and safetensors, all in Strata's test
+environment. The checkpoint is strata.convert.synth's, seed 0, built in a folder named
+`flash-tiny` (the folder's name becomes general.name).
+
+llama.cpp's converter reads config.json through transformers' AutoConfig when transformers
+knows the model; transformers 5.23 knows qwen4_exp and renames the layer type
+`full_attention` to `indexed_attention`, after which the converter writes compress ratio 0
+for every layer (QSA off). Where transformers does not know the model, the converter reads
+config.json itself and writes the ratio for the full-attention layers, which is what the
+model means. The digests are taken that way (AutoConfig made to fail), so that they hold
+what llama.cpp intends; `--autoconfig` keeps transformers in the loop instead.
+
+For each --outtype the digest holds every metadata key (type, sha256 of its value as JSON,
+and the value itself when short) and every tensor (type, shape, sha256 of its bytes) in
+file order, plus the sha256 of each checkpoint tensor, so that a test can tell a changed
+checkpoint from a changed conversion.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "data" / "convert_golden.json"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+CHECKPOINT_NAME = "flash-tiny"
+SEED = 0
+
+# run llama.cpp's converter with AutoConfig unavailable: it then reads config.json as written
+_RAW_CONFIG = """
+import runpy, sys, transformers
+def _refuse(*a, **k):
+    raise ValueError("strata golden: read config.json directly")
+transformers.AutoConfig.from_pretrained = _refuse
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _json_sha(value) -> str:
+    return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()
+
+
+def digest_gguf(path: Path) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from strata.gguf import open_gguf
+
+    g = open_gguf(path)
+    meta = []
+    for key, value in g.metadata.items():
+        entry = {"key": key, "type": g.metadata_types[key].name, "sha256": _json_sha(value)}
+        if len(json.dumps(value, ensure_ascii=False)) <= 200:
+            entry["value"] = value
+        meta.append(entry)
+    tensors = [{"name": n, "type": t.fmt.name, "shape": list(t.shape),
+                "sha256": hashlib.sha256(t.data.tobytes()).hexdigest()} for n, t in g.tensors.items()]
+    return {"metadata": meta, "tensors": tensors}
+
+
+def digest_checkpoint(hf_dir: Path) -> dict[str, str]:
+    import torch
+    from safetensors import safe_open
+
+    out = {}
+    for part in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(part, framework="pt") as f:
+            for name in sorted(f.keys()):
+                raw = f.get_tensor(name).contiguous().reshape(-1).view(torch.uint8)
+                out[name] = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+    return out
+
+
+def run_llama_cpp(llama_dir: Path, hf_dir: Path, out: Path, outtype: str, autoconfig: bool = False) -> None:
+    env = {**os.environ, "PYTHONPATH": str(llama_dir / "gguf-py")}
+    script = str(llama_dir / "convert_hf_to_gguf.py")
+    args = [str(hf_dir), "--outfile", str(out), "--outtype", outtype]
+    cmd = [sys.executable, script, *args] if autoconfig else [sys.executable, "-c", _RAW_CONFIG, script, *args]
+    subprocess.run(cmd, env=env, check=True, cwd=llama_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("llama_cpp_dir", type=Path)
+    p.add_argument("--autoconfig", action="store_true", help="let the converter read the config via transformers")
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from strata.convert.synth import build_qwen4exp_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = build_qwen4exp_checkpoint(Path(tmp) / CHECKPOINT_NAME, seed=SEED)
+        golden = {"seed": SEED, "checkpoint_name": CHECKPOINT_NAME, "checkpoint": digest_checkpoint(hf_dir),
+                  "outtypes": {}}
+        for outtype in OUTTYPES:
+            out = Path(tmp) / f"ref-{outtype}.gguf"
+            run_llama_cpp(args.llama_cpp_dir.resolve(), hf_dir, out, outtype, args.autoconfig)
+            golden["outtypes"][outtype] = digest_gguf(out)
+            print(f"{outtype}: {len(golden['outtypes'][outtype]['tensors'])} tensors", file=sys.stderr)
+    OUT.write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {OUT}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

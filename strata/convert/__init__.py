@@ -1,0 +1,48 @@
+"""`strata convert`: Hugging Face checkpoints to GGUF.
+
+    strata convert HF_DIR OUT.gguf [--outtype f32|f16|bf16|q8_0]
+
+Qwen3.8-Flash-Next (`Qwen4ExpForCausalLM`) only, written as llama.cpp's converter writes
+it (see qwen4exp.py for the tensor table and the MTP sidecar). `synth.py` builds small
+random checkpoints of the same structure.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import ConvertError
+from .qwen4exp import ARCH, OUTTYPES, Checkpoint, Qwen4ExpConverter
+from .writer import Progress, write_streamed
+
+__all__ = ["OUTTYPES", "ConvertError", "convert", "mtp_sidecar_path"]
+
+
+def mtp_sidecar_path(out: str | os.PathLike) -> Path:
+    """Where the MTP block of OUT goes: `mtp-` before OUT's name (llama.cpp's MTP-only prefix)."""
+    out = Path(out)
+    return out.with_name(f"mtp-{out.name}")
+
+
+def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "f16",
+            progress: bool = True) -> list[Path]:
+    """Convert the checkpoint in `hf_dir` to the GGUF `out` (and, when the checkpoint has an
+    `mtp.*` block, its sidecar); returns the paths written."""
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"--outtype {outtype!r} is not one strata convert writes; choose one of "
+                           f"{', '.join(OUTTYPES)}")
+    out = Path(out)
+    if out.is_dir():
+        raise ConvertError(f"{out} is a directory; give the output file's path, e.g. {out / 'model.gguf'}")
+    if not out.parent.is_dir():
+        raise ConvertError(f"{out.parent}: no such directory for the output file")
+    conv = Qwen4ExpConverter(Checkpoint(hf_dir), outtype)
+    written = []
+    jobs = [(out, conv.plan(conv.main), conv.metadata)]
+    if conv.mtp:
+        jobs.append((mtp_sidecar_path(out), conv.plan(conv.mtp), conv.mtp_metadata))
+    for path, tensors, metadata in jobs:
+        bar = Progress(path.name, len(tensors), sum(t.nbytes for t in tensors), enabled=progress)
+        infos = [(t.name, t.shape, t.fmt) for t in tensors]
+        written.append(write_streamed(path, ARCH, metadata(), infos, lambda i, ts=tensors: conv.data(ts[i]), bar))
+    return written

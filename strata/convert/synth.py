@@ -1,0 +1,170 @@
+"""Small random Qwen3.8-Flash-Next checkpoints with the real structure, for tests and demos.
+
+`build_qwen4exp_checkpoint(out_dir)` writes what a Hugging Face release holds, scaled down:
+config.json (with the real file's spellings: layer type `full_attention`, not the
+`indexed_attention` transformers saves), model.safetensors (per-expert weights, the PLE
+table in `split_ngram_parts` shards, the int64 hash constants), tokenizer.json,
+tokenizer_config.json and chat_template.jinja (SmolLM2's tokenizer, read from its GGUF by
+transformers), and, unless `mtp=False`, an `mtp.*` block in model-mtp.safetensors (listed
+in model.safetensors.index.json) as the real checkpoint ships it beside the model:
+transformers ignores those weights on load, so they are made here by hand.
+
+Every parameter is drawn from N(0, 0.02) under `torch.manual_seed(seed)`, norms included
+(transformers initialises the zero-centred norms and the PLE conv to zeros, which would
+hide a missing `+1` or a wrong reshape), except `A_log` and `dt_bias`, which keep
+transformers' draws (A_log must stay finite under exp).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# The real model's structure at test size: 4 layers, every 4th full attention, partial
+# interleaved M-RoPE, QSA indexer, 8 experts top-2, hyper-connections of 4 streams, PLE at
+# layer index 1 (one-indexed id 2 in the config) with a small n-gram table.
+TINY_CONFIG: dict[str, Any] = {
+    "vocab_size": 49152,  # SmolLM2's tokenizer
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "max_position_embeddings": 4096,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,  # 2 v heads per k head: the V reordering is visible
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+    "hc_count": 4,
+    "hc_lowrank": 32,
+    "ple_layer_ids": [2],
+    "heads_per_ngram": 8,
+    "ple_embed_dim": 256,
+    "ngram_vocab_size_base": 1000,
+    "split_ngram_parts": 4,
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 128,
+    "indexer_budget": 16,
+    "indexer_compress_ratio": 4,
+    "output_gate_type": "sigmoid",
+    "eos_token_id": 2,  # <|im_end|> in SmolLM2's vocabulary
+    "tie_word_embeddings": False,
+}
+
+_KEEP_INIT = (".A_log", ".dt_bias")
+
+
+def _save_tokenizer(out_dir: Path, tokenizer_gguf: str | os.PathLike | None) -> None:
+    from transformers import AutoTokenizer
+
+    if tokenizer_gguf is None:
+        from strata.hub import pull_smollm2
+        tokenizer_gguf = pull_smollm2(quiet=True)
+    path = Path(tokenizer_gguf)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok.save_pretrained(out_dir)
+
+
+def _mtp_tensors(model, config, dtype, generator) -> dict[str, Any]:
+    """One MTP block as a Qwen3.5-style checkpoint names it: `mtp.fc` (embedding and hidden
+    state concatenated, projected back), its two input norms, the final norm, and one
+    full-attention decoder layer `mtp.layers.0.*` with the model's own layer structure."""
+    import torch
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import (
+        Qwen4ExpTextDecoderLayer,
+    )
+
+    full = next(i for i, t in enumerate(config.layer_types) if t != "linear_attention")
+    layer = Qwen4ExpTextDecoderLayer(config, full)  # full attention: a layer without PLE
+    h = config.hidden_size
+    out = {
+        "mtp.fc.weight": torch.empty(h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": torch.empty(h),
+        "mtp.pre_fc_norm_hidden.weight": torch.empty(h),
+        "mtp.norm.weight": torch.empty(h),
+    }
+    for k, v in layer.state_dict().items():
+        v = v.detach().clone()
+        if k == "mlp.experts.gate_up_proj":  # stored per expert, as save_pretrained stores the layers
+            n_ff = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = v[e, :n_ff].clone()
+                out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = v[e, n_ff:].clone()
+        elif k == "mlp.experts.down_proj":
+            for e in range(v.shape[0]):
+                out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = v[e].clone()
+        else:
+            out[f"mtp.layers.0.{k}"] = v
+    for name, t in out.items():
+        if not name.endswith(_KEEP_INIT):
+            t.normal_(0.0, 0.02, generator=generator)
+    return {k: v.to(dtype).contiguous() for k, v in out.items()}
+
+
+def build_qwen4exp_checkpoint(out_dir: str | os.PathLike, config_overrides: Mapping[str, Any] | None = None,
+                              seed: int = 0, *, dtype: str = "bfloat16", mtp: bool = True,
+                              tokenizer_gguf: str | os.PathLike | None = None) -> Path:
+    """Write a random Qwen4ExpForCausalLM checkpoint to `out_dir` and return it.
+
+    `config_overrides` replace keys of TINY_CONFIG (a full-size model is only a matter of
+    overrides, and of memory). `dtype` is the stored dtype ("bfloat16", as the release, or
+    "float32", "float16"). `tokenizer_gguf` is the GGUF whose tokenizer is saved (default:
+    SmolLM2's, pulled into Strata's cache)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    try:
+        from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+    except ImportError as e:
+        raise ImportError(f"building a Qwen4Exp checkpoint needs transformers with qwen4_exp (5.23 or "
+                          f"later): pip install 'transformers>=5.23' ({e})") from None
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(dtypes)}")
+    torch_dtype = dtypes[dtype]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    values = {**TINY_CONFIG, **dict(config_overrides or {})}
+
+    torch.manual_seed(seed)
+    config = Qwen4ExpTextConfig(**values)
+    config.architectures = ["Qwen4ExpForCausalLM"]
+    model = Qwen4ExpForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith(_KEEP_INIT):
+                p.normal_(0.0, 0.02, generator=gen)
+    model.to(torch_dtype)
+    model.save_pretrained(out)
+
+    # transformers rewrites the layer type to its own name and writes defaults the release
+    # does not carry; the converters read the release's spelling
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["layer_types"] = list(values["layer_types"])
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+    if mtp:
+        tensors = _mtp_tensors(model, config, torch_dtype, gen)
+        save_file(tensors, out / "model-mtp.safetensors", metadata={"format": "pt"})
+        main = load_file(out / "model.safetensors")
+        total = sum(t.numel() * t.element_size() for t in (*main.values(), *tensors.values()))
+        weight_map = {k: "model.safetensors" for k in main}
+        weight_map.update({k: "model-mtp.safetensors" for k in tensors})
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    _save_tokenizer(out, tokenizer_gguf)
+    return out

@@ -1,0 +1,424 @@
+"""Mixture of experts: routing, token alignment per expert, and the grouped quantized
+expert matmuls with SwiGLU and the routing weights fused.
+
+    route(logits, top_k, norm_topk_prob=True) -> (weights float32 (T, k), ids int32 (T, k))
+    moe_align_block_size(ids, num_experts, block_m)
+        -> (sorted_token_ids, expert_ids, num_tokens_post_padded)
+    moe(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids) -> (T, H)
+
+The math is transformers' Qwen4ExpTextTopKRouter and Qwen4ExpTextExperts: softmax over
+all E experts in float32, the top k, renormalised to sum to one; then for each token t
+and each of its k experts e, with routing weight w,
+
+    y[t] += w * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t]))
+
+Expert weights are GGUF blocks, uint8, one expert after another along axis 0:
+
+    w_gate, w_up   (E, I, row_bytes(H))   gate and up may be the two halves of one fused
+                                          (E, 2I, row_bytes(H)) tensor: views whose expert
+                                          stride is 2I rows; no copy is made
+    w_down         (E, H, row_bytes(I))
+
+with row_bytes(n) = n / block_elems * block_bytes of that tensor's format. Each of the
+three has its own format (llama.cpp's IQ3_XXS mixes put IQ3_XXS gate/up beside IQ4_XS
+down). Rows must be contiguous; the expert and row strides may be anything that is a whole
+number of blocks, and are passed to the kernels in blocks.
+
+Token slots: slot s = t * k + j is token t's j-th choice. moe_align_block_size groups the
+slots by expert, each group padded with the sentinel T * k to a multiple of block_m,
+so that a block of block_m sorted slots belongs to one expert:
+
+    sorted_token_ids  [ e0 e0 e0 pad | e2 e2 e2 e2 | e2 pad pad pad | ...     ]  (block_m = 4)
+    expert_ids        [ 0            | 2           | 2              | ... -1  ]
+    num_tokens_post_padded = the used length (a 1-element tensor: no host sync on CUDA)
+
+Two Triton kernels then walk the blocks (grid: blocks x output tiles):
+
+1. gate/up: [BLOCK_M slots, BLOCK_K of H] tiles of x (rows gathered by slot // k) times
+   decoded [BLOCK_K, BLOCK_N] tiles of gate[e].T and of up[e].T, two float32
+   accumulators; writes silu(gate) * up into the float32 (T * k, I) buffer `h`.
+2. down: [BLOCK_M, BLOCK_K of I] tiles of h times decoded tiles of down[e].T; the epilogue
+   multiplies each row by its slot's routing weight and writes the float32 (T * k, H)
+   buffer, one row per slot.
+
+The k rows of each token are then summed by torch in a fixed order: deterministic, unlike
+atomic adds into (T, H), at the price of the (T, k, H) float32 buffer (420 MB for 4096
+tokens of the real model: chunk long prefills). Slots whose expert id lies outside
+[0, E) are dropped by the alignment and contribute nothing: expert parallelism marks the
+experts another rank holds with -1.
+
+Dot inputs follow qmatmul's GEMM: x's own dtype on CUDA (fp16/bf16 tensor cores, tf32 for
+float32 x; h is rounded to that dtype for the down dot, as the half-precision intermediate
+of vLLM's fused_moe is), float32 under the interpreter. A block of BLOCK_M >= 16 rows is
+tl.dot's minimum; when decoding one token, each expert's block holds one live row, and
+the kernels stay bound by reading the weight bytes, as a GEMV would be.
+
+`moe_torch` is the CPU path: for each expert hit, dequantize_torch its three matrices and
+run its slots through float32 torch matmuls; it writes the same (T, k, H) buffer and sums
+it the same way.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import quant
+
+from .backend import use_triton
+from .decode import decoder, table
+from .dequant import check_blocks, dequantize_torch
+
+X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# BLOCK_N x BLOCK_K = 64 x 64: qmatmul's GEMM tile (K in quarter 256-weight blocks or two
+# 32-weight ones). BLOCK_M follows the tokens each expert gets (see _default_tiles).
+BLOCK_N_DEFAULT = 64
+BLOCK_K_DEFAULT = 64
+_CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+# --- routing -----------------------------------------------------------------------------
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                  NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    live = offs < E
+    logit = tl.load(logits_ptr + t * stride_t + offs, mask=live, other=float("-inf")).to(tl.float32)
+    ex = tl.where(live, tl.exp(logit - tl.max(logit, axis=0)), 0.0)
+    prob = ex / tl.sum(ex, axis=0)
+    # Chosen on the logits: softmax is monotonic, and the logits order experts whose
+    # probabilities round to the same float. Ties go to the lowest index. A NaN logit
+    # ranks last, so that every id stays in range (its weight, NaN, shows the fault).
+    key = tl.where(logit == logit, logit, float("-inf"))  # noqa: PLR0124 (false for NaN only)
+    kk = tl.arange(0, K_PAD)
+    top_w = tl.zeros((K_PAD,), dtype=tl.float32)
+    top_i = tl.zeros((K_PAD,), dtype=tl.int32)
+    free = live
+    for i in tl.static_range(TOP_K):
+        best = tl.max(tl.where(free, key, float("-inf")), axis=0)
+        # `free` keeps -inf logits choosable and padding lanes out
+        pick = tl.min(tl.where(free & (key == best), offs, E_PAD), axis=0)
+        top_i = tl.where(kk == i, pick, top_i)
+        top_w = tl.where(kk == i, tl.sum(tl.where(offs == pick, prob, 0.0), axis=0), top_w)
+        free = free & (offs != pick)
+    if NORM:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    tl.store(weights_ptr + t * TOP_K + kk, top_w, mask=kk < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + kk, top_i, mask=kk < TOP_K)
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_route(logits: torch.Tensor, top_k: int) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"route: logits must be a (tokens, experts) tensor, got {_shape(logits)}")
+    if logits.dtype not in X_DTYPES:
+        raise ValueError(f"route: logits must be float32, float16 or bfloat16, got {logits.dtype}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"route: top_k={top_k} must be between 1 and the {logits.shape[1]} experts")
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
+    """Top-k routing of (T, E) router logits -> (weights float32 (T, k), ids int32 (T, k)),
+    highest probability first; weights renormalised to sum to one if norm_topk_prob."""
+    _check_route(logits, top_k)
+    if not use_triton(logits):
+        return route_torch(logits, top_k, norm_topk_prob)
+    T, E = logits.shape
+    if not logits.is_cuda and logits.dtype == torch.bfloat16:
+        logits = logits.float()  # the interpreter holds bf16 as raw uint16; widening is exact
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k,
+                            K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
+                            NORM=norm_topk_prob)
+    return weights, ids
+
+
+def route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
+    """transformers' Qwen4ExpTextTopKRouter after the linear layer, weights kept float32."""
+    _check_route(logits, top_k)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+# --- alignment ---------------------------------------------------------------------------
+
+def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
+    """Token slots grouped by expert, each group padded to a multiple of block_m.
+
+    ids: (T, k) expert ids (any integer dtype). Returns, all int32 on ids' device:
+    - sorted_token_ids (L,): the slots t * k + j of expert 0 in ascending order, padded
+      with the sentinel T * k up to a multiple of block_m, then expert 1's, ...; the tail
+      past num_tokens_post_padded is sentinel too;
+    - expert_ids (ceil(L / block_m),): the expert of each block of block_m entries; experts
+      without tokens own no block; blocks past num_tokens_post_padded hold -1;
+    - num_tokens_post_padded (1,): the used length, a multiple of block_m.
+    L = T*k + min(E, T*k) * (block_m - 1) bounds the used length without looking at the
+    ids (at most min(E, T*k) groups, each padded by fewer than block_m), so that CUDA
+    callers size their grids without a host sync. Slots whose id lies outside
+    [0, num_experts) are left out (expert parallelism marks other ranks' experts -1).
+    """
+    if num_experts < 1:
+        raise ValueError(f"moe_align_block_size: num_experts must be >= 1, got {num_experts}")
+    if block_m < 1:
+        raise ValueError(f"moe_align_block_size: block_m must be >= 1, got {block_m}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"moe_align_block_size: ids must be an integer tensor, got {ids.dtype}")
+    dev = ids.device
+    flat = ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    length = n + min(num_experts, n) * (block_m - 1)
+    # dropped slots take the key num_experts: they sort after every expert's group
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)                           # end of each expert's padded group
+    order = torch.argsort(key, stable=True)           # slots by expert, ascending within one
+    sorted_key = key[order]
+    kept = sorted_key < num_experts
+    e = sorted_key.clamp(max=num_experts - 1)
+    first = counts.cumsum(0) - counts                 # each expert's first place in `order`
+    rank = torch.arange(n, device=dev) - first[e]
+    # dropped slots land in n spare entries past `length`, cut off below (distinct
+    # destinations: a scatter with repeated indices is not deterministic on CUDA)
+    dest = torch.where(kept, ends[e] - padded[e] + rank, length + torch.arange(n, device=dev))
+    sorted_ids = torch.full((length + n,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    n_blocks = -(-length // block_m)
+    starts = torch.arange(n_blocks, device=dev) * block_m
+    # the block starting at p belongs to the first expert whose group ends after p
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_ids[:length], expert_ids, ends[-1:].to(torch.int32)
+
+
+# --- expert matmuls ----------------------------------------------------------------------
+
+@triton.jit
+def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
+                    sorted_ptr, expert_ids_ptr, n_post_ptr,
+                    n_slots, top_k, I, H, stride_xt, stride_xh,
+                    gate_se, gate_sr, up_se, up_sr, stride_h,
+                    DECODE_G: tl.constexpr, QK_G: tl.constexpr,
+                    DECODE_U: tl.constexpr, QK_U: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(n_post_ptr):
+        return  # past the used length: the grid is sized for the worst case
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slot < n_slots                      # padding holds the sentinel n_slots
+    tok = (slot // top_k).to(tl.int64)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    # block indices of row n of expert e: strides in blocks, so fused views need no copy
+    g_row = e * gate_se + offs_n * gate_sr
+    u_row = e * up_se + offs_n * up_sr
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < H
+        a = tl.load(x_ptr + tok[:, None] * stride_xt + offs_k[None, :] * stride_xh,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(DOT_DTYPE)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        # decoded [BLOCK_N, BLOCK_K], K fastest (each row's bytes are contiguous);
+        # masked lanes read zero bytes, which decode to 0.0 in every format
+        jg = tl.broadcast_to((offs_k % QK_G)[None, :], (BLOCK_N, BLOCK_K))
+        wg = DECODE_G(wg_ptr, tab_g_ptr, g_row[:, None] + (offs_k // QK_G)[None, :], jg, w_mask)
+        acc_g = tl.dot(a, tl.trans(wg.to(DOT_DTYPE)), acc_g, input_precision=INPUT_PRECISION)
+        ju = tl.broadcast_to((offs_k % QK_U)[None, :], (BLOCK_N, BLOCK_K))
+        wu = DECODE_U(wu_ptr, tab_u_ptr, u_row[:, None] + (offs_k // QK_U)[None, :], ju, w_mask)
+        acc_u = tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), acc_u, input_precision=INPUT_PRECISION)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    out = h_ptr + slot.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+    tl.store(out, h, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
+                 sorted_ptr, expert_ids_ptr, n_post_ptr,
+                 n_slots, H, I, stride_h, down_se, down_sr, stride_o,
+                 DECODE: tl.constexpr, QK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(n_post_ptr):
+        return
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slot < n_slots
+    slot = slot.to(tl.int64)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    d_row = e * down_se + offs_n * down_sr
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        a = tl.load(h_ptr + slot[:, None] * stride_h + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(DOT_DTYPE)
+        j = tl.broadcast_to((offs_k % QK)[None, :], (BLOCK_N, BLOCK_K))
+        w = DECODE(wd_ptr, tab_ptr, d_row[:, None] + (offs_k // QK)[None, :], j,
+                   n_mask[:, None] & k_mask[None, :])
+        acc = tl.dot(a, tl.trans(w.to(DOT_DTYPE)), acc, input_precision=INPUT_PRECISION)
+    # the routing weight scales the expert's output, as in transformers
+    rw = tl.load(rw_ptr + slot, mask=m_mask, other=0.0)
+    out = out_ptr + slot[:, None] * stride_o + offs_n[None, :]
+    tl.store(out, acc * rw[:, None], mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _expert_strides(w: torch.Tensor, fmt: quant.Format, what: str) -> tuple[int, int]:
+    """(expert stride, row stride) of w in blocks; ValueError if rows are not whole blocks."""
+    se, sr, sb = w.stride()
+    # the stride of an axis of length one is never used, and torch may report any
+    se, sr = (se if w.shape[0] > 1 else 0), (sr if w.shape[1] > 1 else 0)
+    if w.shape[2] and (sb != 1 or se % fmt.block_bytes or sr % fmt.block_bytes):
+        raise ValueError(f"moe: {what} ({fmt.name}): rows must be contiguous and the expert "
+                         f"and row strides whole {fmt.block_bytes}-byte blocks, got strides "
+                         f"{tuple(w.stride())}; pass w.contiguous()")
+    return se // fmt.block_bytes, sr // fmt.block_bytes
+
+
+def _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids):
+    """Validate the operands; returns (T, H, I, E, k)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"moe: x must be a (tokens, hidden) tensor, got {_shape(x)}")
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"moe: x must be float32, float16 or bfloat16, got {x.dtype}")
+    T, H = x.shape
+    operands = (("w_gate", w_gate, fmt_gate), ("w_up", w_up, fmt_up), ("w_down", w_down, fmt_down))
+    for what, w, fmt in operands:
+        try:
+            check_blocks(w, fmt)
+        except ValueError as err:
+            raise ValueError(f"moe: {what}: {err}") from None
+        if w.dim() != 3:
+            raise ValueError(f"moe: {what} ({fmt.name}) must be (experts, rows, row bytes), "
+                             f"got shape {tuple(w.shape)}")
+        if w.device != x.device:
+            raise ValueError(f"moe: {what} is on {w.device} but x is on {x.device}")
+    E, I = w_gate.shape[0], w_gate.shape[1]
+    for what, w, fmt, rows, cols in (("w_gate", w_gate, fmt_gate, I, H), ("w_up", w_up, fmt_up, I, H),
+                                     ("w_down", w_down, fmt_down, H, I)):
+        if cols % fmt.block_elems:
+            raise ValueError(f"moe: {what} ({fmt.name}) rows of {cols} weights are not whole "
+                             f"{fmt.block_elems}-weight blocks")
+        want = (E, rows, cols // fmt.block_elems * fmt.block_bytes)
+        if tuple(w.shape) != want:
+            raise ValueError(f"moe: {what} ({fmt.name}) has shape {tuple(w.shape)}, expected "
+                             f"{want} for E={E} experts, hidden H={H}, intermediate I={I}")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != T:
+        raise ValueError(f"moe: ids must be ({T}, top_k), got {_shape(ids)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"moe: ids must be integer expert ids, got {ids.dtype}")
+    if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"moe: weights must have the shape of ids {tuple(ids.shape)}, "
+                         f"got {_shape(weights)}")
+    if not weights.dtype.is_floating_point:
+        raise ValueError(f"moe: weights must be floating point, got {weights.dtype}")
+    if weights.device != x.device or ids.device != x.device:
+        raise ValueError(f"moe: weights ({weights.device}) and ids ({ids.device}) must be on "
+                         f"x's device {x.device}")
+    # a CPU check costs nothing; on CUDA it would wait for the router, and the alignment
+    # drops out-of-range ids there anyway
+    if not ids.is_cuda and ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= E):
+        raise ValueError(f"moe: ids must lie in [0, {E}) (or be -1 for an expert held elsewhere), "
+                         f"got {int(ids.min())}..{int(ids.max())}")
+    return T, H, I, E, ids.shape[1]
+
+
+def _default_tiles(n_slots: int, E: int) -> tuple[int, int, int]:
+    # BLOCK_M near the mean tokens per expert: padding wastes less of each block; 16 is
+    # tl.dot's minimum, 64 a usual tensor-core tile
+    per_expert = -(-n_slots // E)
+    block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
+    return block_m, BLOCK_N_DEFAULT, BLOCK_K_DEFAULT
+
+
+def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+        fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor, *,
+        tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Σ_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, H); result (T, H) in x's dtype.
+
+    tiles: (BLOCK_M, BLOCK_N, BLOCK_K), powers of two >= 16, instead of the defaults.
+    CPU tensors without the interpreter run moe_torch.
+    """
+    fmt_gate, fmt_up, fmt_down = quant.get(fmt_gate), quant.get(fmt_up), quant.get(fmt_down)
+    T, H, I, E, k = _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
+    if not use_triton(x):
+        return moe_torch(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
+    n_slots = T * k
+    if tiles is None:
+        tiles = _default_tiles(n_slots, E)
+    if any(t < 16 or t & (t - 1) for t in tiles):
+        raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
+    block_m, block_n, block_k = tiles
+    dev, out_dtype = x.device, x.dtype
+    per_slot = torch.zeros((n_slots, H), dtype=torch.float32, device=dev)  # dropped slots stay 0
+    if n_slots and H and I:
+        gate_se, gate_sr = _expert_strides(w_gate, fmt_gate, "w_gate")
+        up_se, up_sr = _expert_strides(w_up, fmt_up, "w_up")
+        down_se, down_sr = _expert_strides(w_down, fmt_down, "w_down")
+        if x.is_cuda:
+            dot_dtype, precision = _CUDA_DOT_DTYPES[x.dtype], "tf32"
+        else:
+            dot_dtype, precision = tl.float32, "ieee"
+            if x.dtype == torch.bfloat16:
+                x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
+        sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m)
+        rw = weights.reshape(-1).to(torch.float32).contiguous()
+        h = torch.empty((n_slots, I), dtype=torch.float32, device=dev)
+        blocks = expert_ids.shape[0]
+        _gate_up_kernel[(blocks, triton.cdiv(I, block_n))](
+            x, w_gate, w_up, table(fmt_gate, dev), table(fmt_up, dev), h,
+            sorted_ids, expert_ids, n_post, n_slots, k, I, H, x.stride(0), x.stride(1),
+            gate_se, gate_sr, up_se, up_sr, h.stride(0),
+            DECODE_G=decoder(fmt_gate), QK_G=fmt_gate.block_elems,
+            DECODE_U=decoder(fmt_up), QK_U=fmt_up.block_elems,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision)
+        _down_kernel[(blocks, triton.cdiv(H, block_n))](
+            h, w_down, table(fmt_down, dev), rw, per_slot,
+            sorted_ids, expert_ids, n_post, n_slots, H, I, h.stride(0),
+            down_se, down_sr, per_slot.stride(0),
+            DECODE=decoder(fmt_down), QK=fmt_down.block_elems,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision)
+    return per_slot.view(T, k, H).sum(dim=1).to(out_dtype)
+
+
+def moe_torch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+              fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """moe() in torch: per expert hit, dequantize_torch its matrices, float32 matmuls."""
+    fmt_gate, fmt_up, fmt_down = quant.get(fmt_gate), quant.get(fmt_up), quant.get(fmt_down)
+    T, H, _, E, k = _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
+    per_slot = torch.zeros((T * k, H), dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1).to(torch.int64)
+    xf = x.float()
+    rw = weights.reshape(-1).float()
+    kept = (flat >= 0) & (flat < E)
+    for e in torch.unique(flat[kept]).tolist():
+        slots = (flat == e).nonzero().squeeze(1)
+        xe = xf[slots // k]
+        g = xe @ dequantize_torch(w_gate[e], fmt_gate).T
+        u = xe @ dequantize_torch(w_up[e], fmt_up).T
+        y = (torch.nn.functional.silu(g) * u) @ dequantize_torch(w_down[e], fmt_down).T
+        per_slot[slots] = y * rw[slots, None]
+    return per_slot.view(T, k, H).sum(dim=1).to(x.dtype)
