@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, f32_to_fp16_bytes, fp16_to_f32
 from .iq3_tables import IQ3_S_GRID_LEVELS, IQ3_XXS_GRID_LEVELS
+from .search import IQ3Options, grid_tables, iq3_search
+from .search.iq3 import signs_and_targets as _signs_and_targets  # noqa: F401 (iq2 uses it)
 
 QK_K = 256
 
@@ -89,14 +91,9 @@ def _s_dequant(b: np.ndarray) -> np.ndarray:
 
 
 # --- quantization -----------------------------------------------------------------------
-# A simple search, vectorised over blocks: per 32 weights try a few scales, each with the
-# nearest grid entry per group of four; keep the scale of least error; store one fp16 d per
-# block and a 4-bit multiplier per 32 weights; then pick the grid entries again for the
-# scale actually stored, so that every group ends on its nearest grid entry.
+# llama.cpp's search plus a refinement of d and the codes: see quant/search/iq3.py.
 
-_SCALE_TRIES = np.linspace(0.75, 1.1, 8, dtype=np.float32)  # amax / (scale * top level)
-_CHUNK = 512  # blocks per step: bounds the (groups x grid) cost matrices to ~64 MiB
-
+# The nearest grid entry by exhaustive search, which the IQ2 and IQ1 searches use.
 
 def _nearest(t: np.ndarray, w: np.ndarray, scale: np.ndarray, grid: np.ndarray):
     """Grid entry minimising sum w (t - scale*g)^2 for each group of four.
@@ -112,67 +109,27 @@ def _nearest(t: np.ndarray, w: np.ndarray, scale: np.ndarray, grid: np.ndarray):
     return idx, err
 
 
-def _signs_and_targets(x: np.ndarray, w: np.ndarray, even_groups: bool):
-    """Sign bits (True = minus) and the magnitudes to fit.
-
-    With `even_groups` (IQ3_XXS) every 8 weights must have an even number of minus signs:
-    where the count is odd, the least important weight (smallest w*x^2) keeps the wrong
-    sign, and its target magnitude becomes -|x| so the grid search favours small values."""
-    neg = x < 0
-    t = np.abs(x)
-    if even_groups:
-        n = x.shape[0]
-        neg8 = neg.reshape(n, -1, 8)
-        odd = neg8.sum(-1) % 2 == 1
-        least = (w * x * x).reshape(n, -1, 8).argmin(-1)
-        flip = np.zeros_like(neg8)
-        np.put_along_axis(flip, least[..., None], odd[..., None], axis=-1)
-        flip = flip.reshape(x.shape)
-        neg = neg ^ flip
-        t = np.where(flip, -t, t)
-    return neg, t
+_XXS_TABLES = grid_tables(np.searchsorted(XXS_LEVELS, XXS_GRID), top=15.5)
+_S_TABLES = grid_tables(np.searchsorted(S_LEVELS, S_GRID))
+XXS_OPTIONS = IQ3Options(n_scales=15, parity=True, fudge=1.0125, eps=1e-8,
+                         d_factors=(0.98, 0.99, 1.0, 1.025, 1.04, 1.06))
+S_OPTIONS = IQ3Options(n_scales=9, fudge=1.033, d_factors=(1.0, 1.015, 1.05, 1.07))
+_CHUNK = 1024  # blocks per step: bounds the search's temporaries to a few tens of MiB
 
 
-def _iq3_search(x: np.ndarray, w: np.ndarray, grid: np.ndarray, dmul: float, even_groups: bool):
-    """Returns d (n,), multipliers s (n, 8), grid indices (n, 64), minus-sign bits (n, 256).
-
-    The stored scale of sub-block b is db = d * (1 + 2 s_b) / dmul; dmul is 4 for IQ3_XXS
-    (db = d * (0.5 + s) * 0.5) and 1 for IQ3_S."""
-    n = x.shape[0]
-    neg, t = _signs_and_targets(x, w, even_groups)
-    t4 = t.reshape(n, 8, 8, 4)
-    w4 = w.reshape(n, 8, 8, 4)
-    top = np.float32(grid.max())
-    amax = np.abs(t).reshape(n, 8, 32).max(-1)                        # (n, 8)
-    best_err = np.full((n, 8), np.inf, dtype=np.float32)
-    best_scale = np.zeros((n, 8), dtype=np.float32)
-    for c in _SCALE_TRIES:
-        scale = amax / (top * c)
-        _, err = _nearest(t4, w4, np.broadcast_to(scale[..., None], (n, 8, 8)), grid)
-        err = err.sum(-1)
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_scale = np.where(better, scale, best_scale)
-    # One d per block: the largest sub-block scale takes the largest multiplier, 31.
-    d = np.minimum(best_scale.max(-1) * np.float32(dmul / 31), np.float32(65504))
-    d16 = d.astype(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        s = np.where(d16[:, None] > 0,
-                     np.rint((best_scale * dmul / d16[:, None] - 1) / 2), 0)
-    s = np.clip(s, 0, 15).astype(np.uint8)
-    if dmul == 4:
-        db = d16[:, None] * (np.float32(0.5) + s.astype(np.float32)) * np.float32(0.5)
-    else:
-        db = d16[:, None] * (1 + 2 * s).astype(np.float32)
-    idx, _ = _nearest(t4, w4, np.broadcast_to(db[..., None], (n, 8, 8)), grid)
-    return d, s, idx.reshape(n, 64), neg
-
-
+def _chunked(fn, block_bytes: int):
+    """quantize_blocks over `_CHUNK` blocks at a time; importance None stays None (the
+    search then weighs by x^2, as llama.cpp does without an importance matrix)."""
+    def quantize(x: np.ndarray, w):
+        parts = [fn(x[i:i + _CHUNK], None if w is None else w[i:i + _CHUNK])
+                 for i in range(0, x.shape[0], _CHUNK)]
+        return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
+    return quantize
 
 
 def _xxs_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    d, s, idx, neg = _iq3_search(x, w, XXS_GRID, 4.0, even_groups=True)
+    d, s, idx, neg = iq3_search(x, w, _XXS_TABLES, XXS_OPTIONS)
     bits = neg.reshape(n, 8, 4, 8)[..., :7].astype(np.uint32)          # 7 stored bits a group
     sidx = (bits << np.arange(7, dtype=np.uint32)).sum(-1)              # (n, 8, 4)
     words = (sidx << np.array([0, 7, 14, 21], dtype=np.uint32)).sum(-1) | (s.astype(np.uint32) << 28)
@@ -182,7 +139,7 @@ def _xxs_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    d, s, idx, neg = _iq3_search(x, w, S_GRID, 1.0, even_groups=False)
+    d, s, idx, neg = iq3_search(x, w, _S_TABLES, S_OPTIONS)
     qh = np.packbits((idx >> 8).astype(np.uint8).reshape(n, 8, 8), axis=-1, bitorder="little")
     signs = np.packbits(neg.reshape(n, 32, 8), axis=-1, bitorder="little")
     scales = s[:, 0::2] | (s[:, 1::2] << 4)
@@ -190,7 +147,7 @@ def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
                            qh.reshape(n, 8), signs.reshape(n, 32), scales], axis=-1)
 
 
-IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, chunked(_xxs_quant, 98, _CHUNK),
+IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, _chunked(_xxs_quant, 98),
                  tables={"grid": XXS_GRID, "ksigns": KSIGNS}, scale_offsets=(0,))
-IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, chunked(_s_quant, 110, _CHUNK),
+IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, _chunked(_s_quant, 110),
                tables={"grid": S_GRID}, scale_offsets=(0,))

@@ -1,0 +1,278 @@
+"""`strata quantize IN.gguf OUT.gguf TYPE`: llama-quantize's per-tensor type choice, with
+Strata's numpy quantizers.
+
+The type of each tensor follows llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp)
+for the mixes Strata names here; its main rules:
+  - only tensors of 2+ dimensions whose name ends in "weight" (not norms, not MoE gates)
+    are quantized; the rest are copied as they are (1-D tensors stay F32);
+  - output.weight, and token_embd.weight when the output is tied to it: Q8_0 when its rows
+    do not fit the type's blocks, Q5_K for IQ3_XXS, else Q6_K (Q8_0 stays Q8_0);
+  - token_embd.weight (untied): IQ3_S for IQ3_XXS;
+  - attn_v: Q4_K (IQ3_XXS/IQ3_S) or Q5_K (IQ4_NL) with grouped-query factor >= 4, and for
+    IQ3_XXS without an imatrix IQ3_S;
+  - attn_q, attn_k: IQ2_S for IQ3_XXS; attn_output: IQ3_S for IQ3_XXS;
+  - ffn_down, layer i of n: for IQ3_XXS without an imatrix Q4_K (i < n/8) else Q3_K; for
+    IQ4_NL without an imatrix Q5_K (i < n/8); for Q4_0 with an imatrix Q4_1 (i < n/8);
+  - --pure skips all of the above, --tensor-type REGEX=TYPE overrides them (first match);
+  - then the fallback: rows not divisible by the type's block take IQ4_NL (IQ and 256-block
+    IQ types), Q4_0 (Q2_K, Q3_K), Q5_0 (Q4_K), Q5_1 (Q5_K), Q8_0 (Q6_K), F16 if even that
+    does not fit.
+A quantized source is dequantized to float32 first. One progress line per tensor, as
+llama-quantize prints it, and the size summary at the end.
+
+The quantizers: IQ3_XXS and IQ3_S search as llama.cpp does, then refine (quant/search);
+IQ4_NL runs llama.cpp's scale search (quant/search/iq4.py); every other format uses its
+`quant` codec, simpler than llama.cpp's searches (the k-quants, IQ2_S: more error).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFValueType
+
+import quant
+from strata.gguf import GGUFError, open_gguf, write_gguf
+from strata.tensors import QTensor
+
+# llama_ftype ids written to general.file_type (include/llama.h)
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "IQ3_XXS": 23, "IQ4_NL": 25, "IQ3_S": 26}
+FALLBACK = {"IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL",
+            "IQ2_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL",
+            "Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "position_embd.weight",
+                  "token_types.weight", "ssm_conv1d", "attn_rel_b.weight")
+
+
+class QuantizeError(ValueError):
+    """Bad input to `strata quantize`; the message names the flag, file or tensor."""
+
+
+# --- the importance matrix ----------------------------------------------------------------
+
+def read_imatrix(path: str | Path) -> dict[str, np.ndarray]:
+    """llama.cpp's GGUF imatrix -> {weight name: float32 mean squared activation per input
+    column}, read by strata.imatrix (the writer of the same format)."""
+    from strata.imatrix import load_imatrix
+    try:
+        out = load_imatrix(path)
+    except (ValueError, OSError) as e:
+        raise QuantizeError(f"--imatrix {path}: {e}") from None
+    for name, v in out.items():
+        if not np.isfinite(v).all():
+            raise QuantizeError(f"--imatrix {path}: {name} holds NaN or Inf; compute it again")
+    return out
+
+
+# --- the type of each tensor --------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """What `choose_type` needs to know of the whole model."""
+    ftype: str
+    n_layer: int
+    n_gqa: int = 1
+    tied_output: bool = False
+    has_imatrix: bool = False
+    pure: bool = False
+    overrides: list[tuple[re.Pattern, str]] = field(default_factory=list)
+
+
+def quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    dims = sum(1 for n in shape if n > 1) if len(shape) > 1 else 1
+    return dims >= 2 and name.endswith("weight") and not any(s in name for s in _NOT_QUANTIZED)
+
+
+def _layer(name: str) -> int | None:
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def _mix_type(plan: Plan, name: str, shape: tuple[int, ...], t: str) -> str:
+    """llama_tensor_get_type_impl for the ftypes in FTYPES."""
+    f = plan.ftype
+    is_output = name == "output.weight" or (plan.tied_output and name == "token_embd.weight")
+    if is_output:
+        if shape[-1] % quant.get(t).block_elems:
+            return "Q8_0"
+        if f == "IQ3_XXS":
+            return "Q5_K"
+        return t if t == "Q8_0" else "Q6_K"
+    if name == "token_embd.weight":
+        return "IQ3_S" if f == "IQ3_XXS" else t
+    i, n = _layer(name), plan.n_layer
+    if "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name:
+        if f == "IQ3_XXS":
+            return "Q4_K" if plan.n_gqa >= 4 else ("IQ3_XXS" if plan.has_imatrix else "IQ3_S")
+        if f == "IQ3_S" and plan.n_gqa >= 4:
+            return "Q4_K"
+        if f == "IQ4_NL" and plan.n_gqa >= 4:
+            return "Q5_K"
+        return t
+    if "attn_k.weight" in name or "attn_q.weight" in name:
+        return "IQ2_S" if f == "IQ3_XXS" else t
+    if "attn_output.weight" in name:
+        return "IQ3_S" if f == "IQ3_XXS" else t
+    if "ffn_down" in name and i is not None:
+        if f == "IQ3_XXS" and not plan.has_imatrix:
+            return "Q4_K" if i < n // 8 else "Q3_K"
+        if f == "IQ4_NL" and not plan.has_imatrix and i < n // 8:
+            return "Q5_K"
+        if f == "Q4_0" and plan.has_imatrix and i < n // 8:
+            return "Q4_1"
+    return t
+
+
+def choose_type(plan: Plan, name: str, shape: tuple[int, ...]) -> tuple[str | None, str | None]:
+    """(target format name or None to copy, fallback note or None) for one tensor."""
+    if not quantizable(name, shape):
+        return None, None
+    t = plan.ftype
+    manual = next((ty for rx, ty in plan.overrides if rx.search(name)), None)
+    if manual is not None:
+        t = manual
+    elif not plan.pure:
+        t = _mix_type(plan, name, shape, t)
+    cols, blk = shape[-1], quant.get(t).block_elems
+    if cols % blk == 0:
+        return t, None
+    fb = FALLBACK.get(t, t if blk <= 32 else None)
+    if fb is None:
+        raise QuantizeError(f"tensor {name!r}: rows of {cols} do not fit {t}'s {blk}-weight blocks "
+                            f"and {t} has no fallback type; choose another type with --tensor-type")
+    if cols % quant.get(fb).block_elems:
+        fb = "F16"
+    return fb, (f"ncols {cols:6d} not divisible by {blk:3d} (required for type {_ggml_name(t):>7s}) "
+                f"-> falling back to {_ggml_name(fb):>7s}")
+
+
+# --- quantizing a model -------------------------------------------------------------------
+
+def _ggml_name(name: str) -> str:
+    """ggml_type_name: lower case, but the K of the k-quants (q4_K)."""
+    low = name.lower()
+    return low[:-2] + "_K" if low.endswith("_k") else low
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    ne = list(reversed(shape)) + [1] * (4 - len(shape))
+    return ", ".join(f"{n:6d}" for n in ne)
+
+
+def _parse_override(text: str) -> tuple[re.Pattern, str]:
+    if "=" not in text:
+        raise QuantizeError(f"--tensor-type {text!r}: expected REGEX=TYPE, e.g. ffn_down=Q8_0")
+    rx, ty = text.rsplit("=", 1)
+    try:
+        fmt = quant.get(ty.strip())
+    except ValueError as e:
+        raise QuantizeError(f"--tensor-type {text!r}: {e}") from None
+    try:
+        return re.compile(rx), fmt.name
+    except re.error as e:
+        raise QuantizeError(f"--tensor-type {text!r}: bad regex: {e}") from None
+
+
+def _first(v) -> int:
+    """A per-layer hparam array (some archs store head counts per layer) -> its first entry."""
+    if isinstance(v, (list, tuple, np.ndarray)):
+        v = v[0] if len(v) else 1
+    return max(1, int(v or 1))
+
+
+def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str | Path | None = None,
+                   tensor_types: list[str] = (), pure: bool = False, threads: int = 1,
+                   log: Callable[[str], None] = print) -> dict:
+    """Quantize the GGUF `src` into `dst`; returns sizes and timing."""
+    t0 = time.perf_counter()
+    ftype = ftype.upper()
+    if ftype not in FTYPES:
+        raise QuantizeError(f"quantization type {ftype!r} is not supported; choose one of "
+                            f"{', '.join(FTYPES)} (or any format per tensor with --tensor-type)")
+    g = open_gguf(src)
+    arch = g.arch
+    imat = read_imatrix(imatrix) if imatrix else None
+    n_head = _first(g.get(f"{arch}.attention.head_count", 1))
+    n_head_kv = _first(g.get(f"{arch}.attention.head_count_kv", n_head))
+    layers = [i for i in (_layer(n) for n in g.tensors) if i is not None]
+    plan = Plan(ftype=ftype, n_layer=int(g.get(f"{arch}.block_count", max(layers, default=-1) + 1)),
+                n_gqa=max(1, n_head // max(1, n_head_kv)),
+                tied_output="output.weight" not in g.tensors, has_imatrix=imat is not None,
+                pure=pure, overrides=[_parse_override(t) for t in tensor_types])
+
+    jobs = []
+    for name, t in g.tensors.items():
+        target, note = choose_type(plan, name, t.shape)
+        if target == t.fmt.name:
+            target = None
+        jobs.append((name, t, target, note))
+
+    def work(job):
+        name, t, target, _ = job
+        if target is None:
+            return t
+        fmt = quant.get(target)
+        x = t.fmt.dequantize(t.data).reshape(-1, t.shape[-1]).astype(np.float32, copy=False)
+        imp = None
+        if imat is not None and name in imat:
+            imp = imat[name].reshape(-1)
+            if imp.size != t.shape[-1]:
+                raise QuantizeError(f"--imatrix {imatrix}: {name} has {imp.size} values for rows of "
+                                    f"{t.shape[-1]}; was it computed for another model?")
+        if fmt.name == "IQ4_NL":
+            # llama.cpp's IQ4_NL search (quant/search/iq4.py): quant.IQ4_NL's own quantizer,
+            # scale-exact, leaves SmolLM2 unable to answer; until IQ4_NL uses the search
+            from quant.search.iq4 import quantize_iq4_nl
+            w = None if imp is None else np.broadcast_to(imp, x.shape).reshape(-1, 32)
+            data = quantize_iq4_nl(x.reshape(-1, 32), w)
+        else:
+            data = fmt.quantize(x, imp)
+        return QTensor(name, fmt, t.shape, data.reshape(x.shape[0], -1))
+
+    out, size_in, size_out, n_fallback, n = {}, 0, 0, 0, len(jobs)
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for k, (job, q) in enumerate(zip(jobs, pool.map(work, jobs)), 1):
+            name, t, target, note = job
+            if note:
+                n_fallback += 1
+                log(f"warning: {name:<36s} - {note}")
+            head = f"[{k:4d}/{n:4d}] {name:<36s} - [{_shape_text(t.shape)}], type = {_ggml_name(t.fmt.name):>6s}, "
+            if target is None:
+                log(head + f"size = {t.nbytes / 2**20:8.3f} MiB")
+            else:
+                log(head + f"converting to {_ggml_name(target)} .. size = {t.nbytes / 2**20:8.2f} MiB -> "
+                    f"{q.nbytes / 2**20:8.2f} MiB")
+            out[name] = q
+            size_in += t.nbytes
+            size_out += q.nbytes
+
+    meta = g.typed_metadata()
+    meta["general.file_type"] = (FTYPES[ftype], GGUFValueType.UINT32)
+    meta.setdefault("general.quantization_version", (2, GGUFValueType.UINT32))
+    write_gguf(dst, arch, meta, out)
+    n_elem = sum(int(np.prod(t.shape)) for t in g.tensors.values())
+    log(f"model size  = {size_in / 2**20:8.2f} MiB ({size_in * 8 / n_elem:.2f} BPW)")
+    log(f"quant size  = {size_out / 2**20:8.2f} MiB ({size_out * 8 / n_elem:.2f} BPW)")
+    if n_fallback:
+        log(f"WARNING: {n_fallback} of {n} tensor(s) required fallback quantization")
+    dt = time.perf_counter() - t0
+    log(f"quantize time = {dt:8.2f} s")
+    return {"size_in": size_in, "size_out": size_out, "n_fallback": n_fallback, "seconds": dt}
+
+
+def run(args) -> int:
+    """The CLI entry: `strata quantize`."""
+    try:
+        quantize_model(args.input, args.output, args.type, imatrix=args.imatrix,
+                       tensor_types=args.tensor_type or [], pure=args.pure,
+                       threads=args.threads or 1)
+    except (QuantizeError, GGUFError) as e:
+        print(f"strata quantize: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,118 @@
+"""`strata quantize`: llama-quantize's type choice, its progress lines, and files that load
+in Strata and in llama.cpp."""
+import re
+
+import numpy as np
+import pytest
+
+import quant
+from strata.cli import main
+from strata.gguf import open_gguf, write_gguf
+from strata.quantize import Plan, choose_type, quantize_model
+from strata.tensors import QTensor
+
+LINE = re.compile(r"\[\s*\d+/\s*\d+\] \S+\s+- \[(\s*\d+, ){3}\s*\d+\], type = \s*\w+, "
+                  r"(converting to \w+ \.\. size = \s*[\d.]+ MiB -> \s*[\d.]+ MiB|size = \s*[\d.]+ MiB)$")
+
+
+def plan(ftype, **kw):
+    return Plan(ftype=ftype, n_layer=30, n_gqa=3, tied_output=True, **kw)
+
+
+def test_fallback_for_rows_that_do_not_fit_the_blocks():
+    p = plan("IQ3_XXS", pure=True)
+    assert choose_type(p, "blk.0.ffn_down.weight", (576, 1536)) == ("IQ3_XXS", None)
+    t, note = choose_type(p, "blk.0.ffn_up.weight", (1536, 576))
+    assert t == "IQ4_NL" and "not divisible by 256" in note
+    q = Plan(ftype="Q8_0", n_layer=1, pure=True, overrides=[(re.compile("up"), "Q3_K")])
+    assert choose_type(q, "blk.0.ffn_up.weight", (8, 576))[0] == "Q4_0"     # Q3_K -> Q4_0
+    assert choose_type(q, "blk.0.ffn_up.weight", (8, 80))[0] == "F16"       # no 32-block fits
+    assert choose_type(p, "blk.0.attn_norm.weight", (576,)) == (None, None)  # 1-D: copied
+
+
+def test_llama_cpp_mix_for_iq3_xxs():
+    p = plan("IQ3_XXS")
+    assert choose_type(p, "token_embd.weight", (49152, 576))[0] == "Q8_0"  # tied output, 576 % 256
+    assert choose_type(plan("IQ3_XXS", pure=False), "blk.3.attn_v.weight", (192, 512))[0] == "IQ3_S"
+    assert choose_type(plan("IQ3_XXS", has_imatrix=True), "blk.3.attn_v.weight", (192, 512))[0] == "IQ3_XXS"
+    assert choose_type(p, "blk.0.ffn_down.weight", (576, 1536))[0] == "Q4_K"   # first eighth
+    assert choose_type(p, "blk.9.ffn_down.weight", (576, 1536))[0] == "Q3_K"
+    assert choose_type(p, "blk.9.attn_q.weight", (512, 512))[0] == "IQ2_S"
+    over = plan("IQ3_XXS", overrides=[(re.compile(r"ffn_down"), "Q8_0")])
+    assert choose_type(over, "blk.9.ffn_down.weight", (576, 1536))[0] == "Q8_0"
+
+
+def test_a_bad_type_or_flag_is_named(tmp_path, capsys):
+    src = tiny_gguf(tmp_path)
+    assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "Q9_9"]) == 2
+    assert "Q9_9" in capsys.readouterr().err
+    assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "Q8_0", "--tensor-type", "ffn"]) == 2
+    assert "--tensor-type 'ffn': expected REGEX=TYPE" in capsys.readouterr().err
+
+
+def tiny_gguf(tmp_path):
+    rng = np.random.default_rng(0)
+    f32 = quant.get("F32")
+    tensors = [QTensor(n, f32, s, f32.quantize(rng.standard_normal(s).astype(np.float32)).reshape(s[0] if len(s) > 1 else 1, -1))
+               for n, s in (("blk.0.ffn_down.weight", (8, 512)), ("blk.0.ffn_up.weight", (8, 96)),
+                            ("blk.0.attn_norm.weight", (96,)))]
+    return write_gguf(tmp_path / "tiny.gguf", "llama", {"llama.block_count": 1}, tensors)
+
+
+def test_synthetic_model_progress_lines_and_round_trip(tmp_path):
+    lines = []
+    src = tiny_gguf(tmp_path)
+    quantize_model(src, tmp_path / "q.gguf", "IQ3_S", pure=True, log=lines.append)
+    tensor_lines = [l for l in lines if l.startswith("[")]
+    assert len(tensor_lines) == 3 and all(LINE.match(l) for l in tensor_lines), lines
+    assert "converting to iq3_s" in tensor_lines[0] and "converting to iq4_nl" in tensor_lines[1]
+    assert any(l.startswith("quant size  =") for l in lines)
+    g, q = open_gguf(src), open_gguf(tmp_path / "q.gguf")
+    assert q.tensors["blk.0.ffn_down.weight"].fmt.name == "IQ3_S"
+    assert q.tensors["blk.0.attn_norm.weight"].fmt.name == "F32"
+    x, y = g.tensors["blk.0.ffn_down.weight"].numpy(), q.tensors["blk.0.ffn_down.weight"].numpy()
+    assert np.sqrt(((x - y) ** 2).mean()) < 0.3 * np.sqrt((x ** 2).mean())
+
+
+@pytest.fixture(scope="module")
+def smollm2_quantized(smollm2_gguf, tmp_path_factory):
+    """SmolLM2 (Q4_1) to llama.cpp's IQ3_XXS mix without an imatrix (for its shapes: Q4_K,
+    Q3_K, IQ4_NL, the Q8_0 embedding copied), two ffn_down forced to IQ3_XXS."""
+    out = tmp_path_factory.mktemp("q") / "smollm2-iq3_xxs.gguf"
+    lines = []
+    quantize_model(smollm2_gguf.path, out, "IQ3_XXS", tensor_types=[r"blk\.(0|1)\.ffn_down=IQ3_XXS"],
+                   threads=2, log=lines.append)
+    return out, lines
+
+
+def test_smollm2_requantized_lines_and_types(smollm2_quantized):
+    out, lines = smollm2_quantized
+    tensor_lines = [l for l in lines if l.startswith("[")]
+    assert len(tensor_lines) == 272 and all(LINE.match(l) for l in tensor_lines)
+    assert any("blk.0.ffn_down.weight" in l and "type =   q4_1, converting to iq3_xxs" in l for l in tensor_lines)
+    assert any("blk.0.attn_v.weight" in l and "falling back to  iq4_nl" in l for l in lines)
+    g = open_gguf(out)
+    types = {n: t.fmt.name for n, t in g.tensors.items()}
+    assert types["blk.1.ffn_down.weight"] == "IQ3_XXS" and types["blk.2.ffn_down.weight"] == "Q4_K"
+    assert types["blk.3.ffn_down.weight"] == "Q3_K" and types["blk.3.ffn_up.weight"] == "IQ4_NL"
+    assert types["token_embd.weight"] == "Q8_0" and types["blk.3.ffn_norm.weight"] == "F32"
+    assert g.get("general.file_type") == 23
+
+
+def test_smollm2_requantized_generates_in_strata(smollm2_quantized):
+    from strata.models import load_model
+    from strata.runtime import SamplingParams, generate
+    from strata.tokenizer import Tokenizer
+    g = open_gguf(smollm2_quantized[0])
+    model, tok = load_model(g), Tokenizer.from_gguf(g)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    res = generate(model, tok, ids, SamplingParams(temperature=0, max_tokens=12))
+    assert "Paris" in tok.decode(res.tokens)
+
+
+def test_smollm2_requantized_generates_in_llama_cpp(smollm2_quantized):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(smollm2_quantized[0]), n_ctx=256, verbose=False)
+    out = llm.create_chat_completion([{"role": "user", "content": "What is the capital of France?"}],
+                                     max_tokens=12, temperature=0)
+    assert "Paris" in out["choices"][0]["message"]["content"]
