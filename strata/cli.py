@@ -21,6 +21,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
                    help="compute dtype on the CPU (bf16: fast; f32: exact weights)")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--qsa", choices=("on", "off"), default="on",
+                   help="qwen4exp: QSA sparse attention past the indexer's budget (on, as transformers) "
+                        "or dense attention at every length (off, as llama.cpp)")
+    add_ple_args(p)
+    from strata.storage.experts import add_expert_args
+    add_expert_args(p)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,12 +39,31 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
+def add_ple_args(p: argparse.ArgumentParser) -> None:
+    """The PLE table's flags, for every command that loads a model with one
+    (strata.storage.ple.open_from_args reads them)."""
+    p.add_argument("--ple-io", choices=("auto", "ram", "mmap", "direct"), default="auto",
+                   help="how PLE rows are read: ram (read whole, mlock), mmap (page cache, hinted), "
+                        "direct (O_DIRECT, thread pool), auto (measure, keep the faster; default)")
+    p.add_argument("--ple-gguf", default=None, metavar="PATH",
+                   help="the file holding the PLE table (GGUF or safetensors FP8; default: the model's GGUF)")
+    p.add_argument("--no-ple-prefetch", action="store_true",
+                   help="announce no step's rows ahead: no MADV_WILLNEED hints (mmap), no read-ahead (direct)")
+    p.add_argument("--ple-io-depth", type=int, default=16, metavar="N",
+                   help="direct reads in flight (threads) for --ple-io direct (default 16)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="strata", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     pull = sub.add_parser("pull", help="fetch a known model into the cache")
     pull.add_argument("name", choices=("smollm2",))
+
+    sy = sub.add_parser("synth", help="build a test model into the cache (flash-tiny: a random "
+                                      "Qwen3.8-Flash-Next with the real structure, scaled down)")
+    sy.add_argument("name", choices=("flash-tiny",))
+    sy.add_argument("--force", action="store_true", help="rebuild even when cached")
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
@@ -83,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--n-prompt", "-p", type=int, default=512)
     bm.add_argument("--n-gen", "-n", type=int, default=128)
     bm.add_argument("--repeats", "-r", type=int, default=3)
-    bm.add_argument("--peer", choices=("llama.cpp",), default=None,
-                    help="also run the same GGUF through llama-cpp-python, in the same run")
+    bm.add_argument("--peer", choices=("llama.cpp", "transformers"), default=None,
+                    help="also run the same model through llama-cpp-python, or transformers' eager "
+                         "forward on the checkpoint it came from, in the same run")
+    bm.add_argument("--hf-dir", default=None, help="--peer transformers: the Hugging Face checkpoint")
     bm.add_argument("--json", action="store_true")
 
     bs = bsub.add_parser("serve", help="aggregate tok/s of the serving engine per slot count")
@@ -96,6 +123,87 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--requests", type=int, default=16)
     bs.add_argument("--n-gen", "-n", type=int, default=64)
     bs.add_argument("--json", action="store_true")
+
+    bp = bsub.add_parser("ple", help="PLE rows/s per I/O mode, cold and warm, against fio's random-read roof")
+    bp.add_argument("--rows", type=int, default=None, help="table rows (default: 4 GiB of rows; real: 320001536)")
+    bp.add_argument("--format", default="IQ4_NL", help="IQ4_NL, Q8_0, Q4_0, F16, BF16, F32 or FP8_E4M3")
+    bp.add_argument("--file", default=None, help="table file (default: written once into the Strata cache)")
+    bp.add_argument("--tokens", type=int, default=1024, help="tokens a run (16 rows each)")
+    bp.add_argument("--ubatch", type=int, default=512, help="tokens a prefill step")
+    bp.add_argument("--depth", type=int, default=16, help="direct reads in flight, and fio's jobs")
+    bp.add_argument("--compute-us", type=float, default=0.0,
+                    help="model work a step stands for (a sleep), during which announced reads proceed")
+    bp.add_argument("--modes", type=lambda s: [m.strip() for m in s.split(",") if m.strip()], default=None,
+                    help="comma-separated: ram,mmap,mmap-nohint,direct (default: all)")
+    bp.add_argument("--json", action="store_true")
+
+    pp = sub.add_parser("perplexity", help="llama-perplexity: PPL over a text, KL divergence from a base")
+    pp.add_argument("model", nargs="?", default="smollm2", help="a known model (smollm2) or a .gguf path")
+    pp.add_argument("--text", "-f", default=None, help="text file to score (see --make-text)")
+    pp.add_argument("--ctx", "-c", type=int, default=None, help="tokens per chunk (default 512)")
+    pp.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
+    pp.add_argument("--kl-divergence-base", default=None, metavar="BASE",
+                    help="a base model (.gguf or known name), run side by side; or a log-probs file: "
+                         "read with --kl-divergence, else written (as llama.cpp does)")
+    pp.add_argument("--kl-divergence", action="store_true", help="compare against --kl-divergence-base")
+    pp.add_argument("--save-all-logits", default=None, metavar="FILE",
+                    help="save this model's log-probs (.npz) for a later --kl-divergence run")
+    pp.add_argument("--save-top-k", type=int, default=None,
+                    help="log-probs kept per token in a saved file (default 1024; 0: all)")
+    pp.add_argument("--base-dtype", choices=("bf16", "f32"), default="f32",
+                    help="compute dtype of a base model run side by side")
+    pp.add_argument("--make-text", default=None, metavar="OUT",
+                    help="write the standard-library docstring text to OUT and exit")
+    pp.add_argument("--json", action="store_true", help="print the result as JSON at the end")
+    pp.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    pp.add_argument("--threads", "-t", type=int, default=None)
+
+    im = sub.add_parser("imatrix", help="llama-imatrix: importance matrix (GGUF) for llama-quantize --imatrix")
+    im.add_argument("model", nargs="?", default="smollm2", help="a known model (smollm2) or a .gguf path")
+    im.add_argument("--text", "-f", required=True, help="text file to evaluate")
+    im.add_argument("--output", "-o", required=True, help="imatrix GGUF to write")
+    im.add_argument("--ctx", "-c", type=int, default=512, help="tokens per chunk")
+    im.add_argument("--chunks", type=int, default=None, help="at most this many chunks (default: all)")
+    im.add_argument("--process-output", action="store_true", help="also collect output.weight")
+    im.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    im.add_argument("--threads", "-t", type=int, default=None)
+
+    qz = sub.add_parser("quantize", help="llama-quantize: requantize a GGUF (IQ3_XXS, IQ3_S, Q4_0, ...)")
+    qz.add_argument("input", help="source .gguf (a quantized source is dequantized first)")
+    qz.add_argument("output", help=".gguf to write")
+    qz.add_argument("type", help="IQ3_XXS, IQ3_S, Q4_0, Q4_1, Q8_0 or IQ4_NL (llama.cpp's mix for it)")
+    qz.add_argument("--imatrix", default=None, help="importance matrix, llama.cpp's GGUF imatrix format")
+    qz.add_argument("--tensor-type", action="append", metavar="REGEX=TYPE",
+                    help="type of the tensors whose name matches REGEX (repeatable; first match wins)")
+    qz.add_argument("--pure", action="store_true", help="TYPE for every tensor: no mix (fallback still applies)")
+    qz.add_argument("--threads", "-t", type=int, default=2, help="tensors quantized at once")
+
+    cv = sub.add_parser("convert", help="Hugging Face Qwen3.8-Flash-Next checkpoint -> GGUF, as llama.cpp writes it")
+    cv.add_argument("hf_dir", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    cv.add_argument("output", help=".gguf to write; an mtp.* block goes to mtp-<name> beside it")
+    cv.add_argument("--outtype", default="f16", help="f32, f16 (default), bf16 or q8_0")
+
+    from strata.storage.experts import add_expert_args
+    pk = sub.add_parser("pack", help="write experts.bin and its index for the packed expert tier")
+    pk.add_argument("model", help="a .gguf path (or a known model); the other shards of its set come along")
+    pk.add_argument("--out", default=None, metavar="DIR",
+                    help="directory for experts.bin and experts.txt (default: packs/<model> in the Strata cache)")
+
+    pl = sub.add_parser("plan", help="what sits where, what a prompt reads from the drive, the drive's speed")
+    pl.add_argument("model", help="a known model or a .gguf path")
+    pl.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model would compute")
+    pl.add_argument("--tokens", type=int, default=32768, help="prompt length the drive reads are counted for")
+    pl.add_argument("--remeasure", action="store_true", help="measure the drive again (else its cached speed)")
+    pl.add_argument("--json", action="store_true")
+    add_ple_args(pl)
+    add_expert_args(pl)
+
+    pr = sub.add_parser("probe", help="drive speed by depth, page cache, mlock limit, and the I/O modes picked")
+    pr.add_argument("model", nargs="?", default=None,
+                    help="a known model or a .gguf path (default: the largest GGUF in the Strata cache)")
+    pr.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model would compute")
+    pr.add_argument("--seconds", type=float, default=0.2, help="seconds a drive reading (8 readings)")
+    pr.add_argument("--json", action="store_true")
     return p
 
 
@@ -106,6 +214,30 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "dtype"):  # one spelling on the command line, a torch dtype past here
         args.dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
     try:
+        if args.command in ("pack", "plan", "probe"):
+            from strata.storage import experts, plan, probe
+            if args.command == "pack":
+                from strata.hub import resolve_model
+                experts.pack(resolve_model(args.model), args.out)
+                return 0
+            return {"plan": plan.run, "probe": probe.run}[args.command](args)
+        if args.command == "synth":
+            from strata.hub import synth_flash_tiny
+            print(synth_flash_tiny(force=args.force))
+            return 0
+        if args.command == "convert":
+            from strata.convert import convert
+            convert(args.hf_dir, args.output, args.outtype)
+            return 0
+        if args.command == "quantize":
+            from strata import quantize
+            return quantize.run(args)
+        if args.command in ("perplexity", "imatrix"):
+            from strata import imatrix, perplexity
+            return {"perplexity": perplexity.run, "imatrix": imatrix.run}[args.command](args)
+        if args.command == "bench" and args.what == "ple":
+            from strata.bench import ple
+            return ple.run(args)
         if args.command == "bench":
             from strata.bench import dequant, model, serve
             return {"dequant": dequant.run, "model": model.run, "serve": serve.run}[args.what](args)

@@ -21,10 +21,32 @@ def load(args):
     from strata.tokenizer import Tokenizer
     if args.threads:
         torch.set_num_threads(args.threads)
-    g = open_gguf(resolve_model(args.model))
-    model = load_model(g, dtype=args.dtype)
+    path = resolve_model(args.model)
+    g = open_gguf(path)
+    model = load_model(g, dtype=args.dtype, **model_options(args, g, path))
     print(f"strata: {model.plan_line()}", file=sys.stderr)
+    if g.arch == "qwen4exp":  # where the parts sit and what a long prompt will read
+        from strata.storage.plan import plan_from_args
+        for line in plan_from_args(g, args).lines():
+            print(f"strata: {line}", file=sys.stderr)
     return model, Tokenizer.from_gguf(g)
+
+
+def model_options(args, g, path) -> dict:
+    """The architecture's own options from the command line (qwen4exp: QSA, PLE table I/O)."""
+    if g.arch != "qwen4exp":
+        return {}
+    from strata.storage.experts import store_kwargs
+    opts = {"qsa": getattr(args, "qsa", "on") != "off"}
+    if getattr(args, "experts", None):
+        opts["expert_opts"] = store_kwargs(args)
+    if "per_layer_token_embd.weight" in g.tensors or getattr(args, "ple_gguf", None):
+        from strata.models.qwen4exp import StoredTable
+        from strata.storage.ple import open_from_args
+        # ram is a candidate only when the table fits beside the rest of the model
+        rest = sum(t.nbytes for n, t in g.tensors.items() if n != "per_layer_token_embd.weight")
+        opts["ple_table"] = StoredTable(open_from_args(args, path, reserve_bytes=rest))
+    return opts
 
 
 def sampling(args) -> SamplingParams:

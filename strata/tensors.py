@@ -33,8 +33,11 @@ class QTensor:
         return t if str(device) == "cpu" else t.to(device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
-        from triton_kernels import dequantize
-        return dequantize(self.blocks(device), self.fmt, dtype).reshape(self.shape)
+        """Dequantized in `dtype` on `device`: the Triton kernel on CUDA, the torch path on
+        the CPU (also under the Triton interpreter, which is for the kernels' own tests)."""
+        from triton_kernels import dequantize, dequantize_torch
+        fn = dequantize if torch.device(device).type == "cuda" else dequantize_torch
+        return fn(self.blocks(device), self.fmt, dtype).reshape(self.shape)
 
     def __repr__(self) -> str:
         return f"QTensor({self.name!r}, {self.fmt.name}, shape={self.shape}, {self.nbytes / 2**20:.2f} MiB)"

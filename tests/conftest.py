@@ -14,3 +14,9 @@ settings.register_profile("strata", max_examples=200, deadline=None,
 settings.register_profile("strata-ci", parent=settings.get_profile("strata"), derandomize=True,
                           database=None, print_blob=True)
 settings.load_profile("strata-ci" if os.environ.get("CI") else "strata")
+
+# Each xdist worker computes on one thread: two workers already fill the two cores, and
+# torch's OpenMP teams spinning against each other made small ops 100-1000x slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch  # noqa: E402
+    torch.set_num_threads(1)

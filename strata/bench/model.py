@@ -4,6 +4,9 @@ pp: a fresh context takes `-p` tokens in one batch. tg: from an empty context, `
 tokens decoded one at a time. Both report tok/s as mean +- stddev over `--repeats` runs.
 `--peer llama.cpp` runs the same GGUF through llama-cpp-python in the same process, after
 Strata (so Strata's peak RSS is read before the peer loads), and prints the ratio.
+`--peer transformers` runs transformers' eager forward (float32, with its cache) on the
+checkpoint the GGUF was converted from (flash-tiny: the checkpoint beside it; else
+`--hf-dir`): the same weights, the reference implementation.
 """
 from __future__ import annotations
 
@@ -75,6 +78,40 @@ def bench_llama_cpp(path, args, vocab: int) -> dict:
     return {"engine": "llama.cpp (llama-cpp-python)", "pp": pp, "tg": tg}
 
 
+def bench_transformers(hf_dir, args, vocab: int) -> dict:
+    from transformers import AutoModelForCausalLM, DynamicCache
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+    def step(toks, cache):
+        with torch.no_grad():
+            model(torch.tensor([toks]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    step(_tokens(16, vocab), DynamicCache(config=model.config))
+    pp, tg = [], []
+    for r in range(args.repeats):
+        cache = DynamicCache(config=model.config)
+        t = time.perf_counter()
+        step(_tokens(args.n_prompt, vocab, r), cache)
+        pp.append(args.n_prompt / (time.perf_counter() - t))
+    for r in range(args.repeats):
+        cache = DynamicCache(config=model.config)
+        t = time.perf_counter()
+        for tok in _tokens(args.n_gen, vocab, 100 + r):
+            step([tok], cache)
+        tg.append(args.n_gen / (time.perf_counter() - t))
+    return {"engine": "transformers (eager, float32)", "pp": pp, "tg": tg}
+
+
+def _hf_dir(path, args):
+    if getattr(args, "hf_dir", None):
+        return args.hf_dir
+    from strata.hub import flash_tiny_path
+    if path == flash_tiny_path():
+        return path.parent / "hf"
+    raise ValueError("--peer transformers: give --hf-dir, the Hugging Face checkpoint this GGUF was "
+                     "converted from")
+
+
 def run(args) -> int:
     from strata.hub import resolve_model
     torch.set_num_threads(args.threads)
@@ -88,6 +125,8 @@ def run(args) -> int:
             raise ValueError("--peer llama.cpp: llama-cpp-python is not importable here; build it as "
                              "the README says, or drop --peer") from None
         peer = bench_llama_cpp(path, args, ours["vocab"])
+    elif args.peer == "transformers":
+        peer = bench_transformers(_hf_dir(path, args), args, ours["vocab"])
     rows = []
     for res in filter(None, (ours, peer)):
         for test, key in ((f"pp{args.n_prompt}", "pp"), (f"tg{args.n_gen}", "tg")):
@@ -103,7 +142,7 @@ def run(args) -> int:
         r["t/s"] = f"{r['tok_s']:.2f} ± {r['stddev']:.2f}"
     cols = [("engine", "engine"), ("model", "model"), ("threads", "threads"), ("test", "test"), ("t/s", "t/s")]
     if peer:
-        cols.append(("vs_peer", "x llama.cpp"))
+        cols.append(("vs_peer", f"x {args.peer}"))
     table = markdown(rows, cols) + (f"\n\nStrata: {ours['dtype']}, load {ours['load_s']:.1f} s, "
                                     f"peak RSS {ours['peak_rss_mib']:.0f} MiB")
     emit(result, table, args.json)

@@ -122,9 +122,38 @@ class InMemoryTable:
         self.q = torch.from_numpy(t.data).to(device)
         self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name})"
 
+    def prefetch(self, ids: torch.Tensor) -> None:
+        pass
+
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        from triton_kernels.ple import ple_gather
-        return ple_gather(self.q, ids, self.fmt)
+        from triton_kernels.ple import ple_gather, ple_gather_torch
+        return (ple_gather if self.q.is_cuda else ple_gather_torch)(self.q, ids, self.fmt)
+
+    def stats(self) -> dict:
+        return {}
+
+
+class StoredTable:
+    """The PLE table through strata.storage.ple (ram, mmap with hints, or direct reads):
+    rows announced at the start of a step (`prefetch`), read and dequantized at the PLE
+    layer (`gather`)."""
+
+    def __init__(self, table, device="cpu"):
+        self.table, self.device = table, device
+        self.where = (f"{table.mode}{' (locked)' if getattr(table, 'locked', False) else ''} "
+                      f"from {table.source.describe()}")
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        self.table.prefetch(ids.cpu().numpy())
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        from triton_kernels.ple import ple_gather, ple_gather_torch
+        rows = self.table.gather(ids.cpu().numpy())
+        gather = ple_gather if torch.device(self.device).type == "cuda" else ple_gather_torch
+        return gather(**rows.kernel_inputs(self.device))
+
+    def stats(self) -> dict:
+        return self.table.stats()
 
 
 class Layer(torch.nn.Module):
@@ -134,9 +163,9 @@ class Layer(torch.nn.Module):
         self.mixer, self.attn_hc, self.moe, self.ffn_hc, self.ple = mixer, attn_hc, moe, ffn_hc, ple
         self.recurrent = isinstance(mixer, GatedDeltaNet)
 
-    def forward(self, x, tokens, st, start):
+    def forward(self, x, tokens, st, start, ple_ids=None):
         if self.ple is not None:
-            x = self.ple(x, tokens, st.ple)
+            x = self.ple(x, tokens, st.ple, ple_ids)
         a, w = self.attn_hc.read(x)
         x = HyperConnection.write(x, self.mixer(a, st.layers[self._i]) if self.recurrent
                                   else self.mixer(a, st.layers[self._i], start), w)
@@ -174,7 +203,12 @@ class Qwen4ExpState:
 class Qwen4Exp(torch.nn.Module):
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                  budget: DenseBudget | None = None, qsa: bool = True, expert_tier: str | None = None,
-                 ple_table=None):
+                 ple_table=None, expert_opts: dict | None = None):
+        """`expert_tier` (or expert_opts["tier"]): where the routed experts live, see
+        strata.storage.experts (None: dense in RAM while the budget lasts, else the raw
+        blocks); `expert_opts`: the rest of ExpertStore's options (strata.storage.experts.
+        store_kwargs makes them from the --experts flags); `ple_table`: a StoredTable (the
+        --ple-io flags), else the table's blocks in memory."""
         super().__init__()
         self.gguf, self.cfg, self.dtype, self.device = g, Qwen4ExpConfig.from_gguf(g), dtype, device
         c = self.cfg
@@ -184,10 +218,14 @@ class Qwen4Exp(torch.nn.Module):
         self.embedding = g.tensor("token_embd.weight")
         rope = Rope(c.rope_dim, c.rope_theta, max_pos=min(c.context_length, 8192))
 
+        def fused(names: list[str]) -> QuantLinear:
+            # one matmul for projections of the same input (a decode step is per-op overhead)
+            return QuantLinear([g.tensor(n) for n in names], dtype, device, budget=budget)
+
         def hc(prefix: str, inject: bool) -> HyperConnection:
-            return HyperConnection(vec(f"{prefix}_norm.weight"), lin(f"{prefix}_down.weight"),
-                                   lin(f"{prefix}_up.weight"),
-                                   lin(f"{prefix}_inject.weight") if inject else None, c.streams, c.norm_eps)
+            down = [f"{prefix}_down.weight"] + ([f"{prefix}_inject.weight"] if inject else [])
+            return HyperConnection(vec(f"{prefix}_norm.weight"), fused(down), lin(f"{prefix}_up.weight"),
+                                   c.hc_rank, c.streams, c.norm_eps)
 
         self.qsa_fallback = False
         self.ple = None
@@ -196,9 +234,9 @@ class Qwen4Exp(torch.nn.Module):
             p = f"blk.{i}."
             if c.recurrent[i]:
                 conv = g.tensor(p + "ssm_conv1d.weight").numpy().reshape(-1, c.conv_kernel)
-                mixer = GatedDeltaNet(lin(p + "attn_qkv.weight"), lin(p + "attn_gate.weight"),
-                                      lin(p + "ssm_beta.weight"), lin(p + "ssm_alpha.weight"),
-                                      lin(p + "ssm_out.weight"), torch.from_numpy(conv.copy()),
+                proj = fused([p + n for n in ("attn_qkv.weight", "attn_gate.weight",
+                                              "ssm_beta.weight", "ssm_alpha.weight")])
+                mixer = GatedDeltaNet(proj, lin(p + "ssm_out.weight"), torch.from_numpy(conv.copy()),
                                       vec(p + "ssm_dt.bias"), vec(p + "ssm_a"), vec(p + "ssm_norm.weight"),
                                       c.k_heads, c.v_heads, c.dk, c.dv, c.norm_eps)
             else:
@@ -206,23 +244,25 @@ class Qwen4Exp(torch.nn.Module):
                 ratio = c.compress_ratios[i] if i < len(c.compress_ratios) else 0
                 if has_idx and ratio == 0:
                     ratio, self.qsa_fallback = QSA_BLOCK, True
+                names = ["attn_q.weight", "attn_k.weight", "attn_v.weight"]
                 idx = {}
                 if has_idx:
-                    idx = dict(idx_q=lin(p + "indexer.q_proj.weight"), idx_k=lin(p + "indexer.k_proj.weight"),
-                               idx_q_norm=vec(p + "indexer.q_norm.weight"),
+                    names += ["indexer.q_proj.weight", "indexer.k_proj.weight"]
+                    idx = dict(idx_q_norm=vec(p + "indexer.q_norm.weight"),
                                idx_k_norm=vec(p + "indexer.k_norm.weight"), n_idx=c.idx_heads,
                                idx_dim=c.idx_dim, budget=c.idx_budget, ratio=ratio)
-                mixer = GatedAttention(lin(p + "attn_q.weight"), lin(p + "attn_k.weight"),
-                                       lin(p + "attn_v.weight"), lin(p + "attn_output.weight"),
+                proj = fused([p + n for n in names])
+                mixer = GatedAttention(proj, lin(p + "attn_output.weight"),
                                        vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight"),
                                        c.n_heads, c.n_kv_heads, c.head_dim, rope, c.norm_eps, **idx)
                 mixer.dense_only = not qsa
+            opts = dict(expert_opts or {})
+            tier = opts.pop("tier", None) or expert_tier
             experts = ExpertStore(g.tensor(p + "ffn_gate_exps.weight"), g.tensor(p + "ffn_up_exps.weight"),
-                                  g.tensor(p + "ffn_down_exps.weight"), dtype, device, budget, expert_tier)
-            moe = MoE(lin(p + "ffn_gate_inp.weight"), experts, c.top_k,
-                      QuantLinear([g.tensor(p + "ffn_gate_shexp.weight"), g.tensor(p + "ffn_up_shexp.weight")],
-                                  dtype, device, budget=budget),
-                      lin(p + "ffn_down_shexp.weight"), lin(p + "ffn_gate_inp_shexp.weight"))
+                                  g.tensor(p + "ffn_down_exps.weight"), dtype, device, budget, tier, **opts)
+            moe = MoE(fused([p + n for n in ("ffn_gate_inp.weight", "ffn_gate_shexp.weight",
+                                             "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight")]),
+                      experts, c.n_experts, c.top_k, c.shared_dim, lin(p + "ffn_down_shexp.weight"))
             ple = None
             if i in c.ple_layers:
                 if not c.recurrent[i]:
@@ -251,7 +291,7 @@ class Qwen4Exp(torch.nn.Module):
         file_mib = sum(t.nbytes for t in g.tensors.values()) / 2**20
         fmts = Counter(t.fmt.name for t in g.tensors.values())
         stores = [l.moe.experts for l in self.layers]
-        tiers = Counter(s.tier for s in stores)
+        tiers = Counter(s.describe() if hasattr(s, "describe") else s.tier for s in stores)
         exp_mib = sum(s.held_bytes() for s in stores) / 2**20
         n_attn = sum(not r for r in c.recurrent)
         qsa = [l.mixer for l in self.layers if not l.recurrent]
@@ -286,13 +326,31 @@ class Qwen4Exp(torch.nn.Module):
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         x = self.embed(tokens).repeat(1, self.cfg.streams)
         start = state.length
+        ple_ids = None
+        if self.ple is not None:
+            # the rows this step needs are known before the first layer: announce them now,
+            # so the drive reads them while layer 0 computes
+            ple_ids = self.ple.ids(tokens, state.ple)
+            self.ple.table.prefetch(ple_ids)
         for layer in self.layers:
-            x = layer(x, tokens, state, start)
+            x = layer(x, tokens, state, start, ple_ids)
         state.length = start + tokens.numel()
         if last_only:
             x = x[-1:]
         h, _ = self.out_hc.read(x)
         return self.output(h).float()
+
+    def io_stats(self) -> dict:
+        """Counters of the storage tiers: the PLE table's and the experts' (summed)."""
+        out = {"ple": self.ple.table.stats() if self.ple is not None else {}}
+        stores = [l.moe.experts for l in self.layers]
+        ex: dict = {}
+        for s in stores:
+            for k, v in (s.stats() if hasattr(s, "stats") else {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    ex[k] = ex.get(k, 0) + v
+        out["experts"] = ex
+        return out
 
     def forward_batch(self, items, last_only: bool = True) -> list[torch.Tensor]:
         """Sequences one after another (their recurrent states are separate)."""

@@ -83,12 +83,26 @@ class DeltaNetState:
         return c
 
 
+def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
+    """Depthwise causal conv of x (T, C) with taps w (C, K), continuing `window` (C, (K-1)*d)
+    of earlier inputs; returns (output (T, C), the new window)."""
+    span = window.shape[1]
+    full = torch.cat([window, x.T], dim=1)                    # (C, span+T)
+    if x.shape[0] == 1:  # decode: the K taps are columns 0, d, ..., span; cheaper than conv1d
+        y = (full[:, ::dilation] * w).sum(dim=1, keepdim=True).T
+    else:
+        y = F.conv1d(full.unsqueeze(0), w.unsqueeze(1), groups=full.shape[0], dilation=dilation)[0].T
+    return y, full[:, -span:].clone()
+
+
 class GatedDeltaNet(torch.nn.Module):
-    def __init__(self, qkv: QuantLinear, z: QuantLinear, b: QuantLinear, a: QuantLinear,
-                 out: QuantLinear, conv: torch.Tensor, dt_bias: torch.Tensor, a_coef: torch.Tensor,
-                 norm: torch.Tensor, k_heads: int, v_heads: int, dk: int, dv: int, eps: float):
+    def __init__(self, proj: QuantLinear, out: QuantLinear, conv: torch.Tensor, dt_bias: torch.Tensor,
+                 a_coef: torch.Tensor, norm: torch.Tensor, k_heads: int, v_heads: int, dk: int, dv: int,
+                 eps: float):
+        """`proj` is the fused input projection: rows of qkv (2*Hk*dk + Hv*dv), the output
+        gate z (Hv*dv), beta's b (Hv) and the decay's a (Hv), in that order."""
         super().__init__()
-        self.qkv, self.z, self.b, self.a, self.out = qkv, z, b, a, out
+        self.proj, self.out = proj, out
         self.conv = torch.nn.Parameter(conv.float(), requires_grad=False)    # (conv_dim, K)
         self.dt_bias = torch.nn.Parameter(dt_bias.float(), requires_grad=False)
         self.a_coef = torch.nn.Parameter(a_coef.float(), requires_grad=False)
@@ -98,27 +112,21 @@ class GatedDeltaNet(torch.nn.Module):
     def new_state(self, device="cpu") -> DeltaNetState:
         return DeltaNetState(self.conv.shape[0], self.conv.shape[1], self.v_heads, self.dk, self.dv, device)
 
-    def _conv(self, x: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over (T, C), continuing the state's window."""
-        K = self.conv.shape[1]
-        full = torch.cat([st.conv, x.T], dim=1)                  # (C, K-1+T)
-        st.conv = full[:, -(K - 1):].clone()
-        y = F.conv1d(full.unsqueeze(0), self.conv.unsqueeze(1), groups=full.shape[0])[0]
-        return F.silu(y).T                                        # (T, C)
-
     def forward(self, x: torch.Tensor, st: DeltaNetState) -> torch.Tensor:
         T = x.shape[0]
         Hk, Hv, dk, dv = self.k_heads, self.v_heads, self.dk, self.dv
-        mixed = self._conv(self.qkv(x).float(), st)
+        qkv, z, b, a = self.proj(x).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
+        mixed, st.conv = causal_conv(st.conv, qkv, self.conv)
+        mixed = F.silu(mixed)
         q, k, v = mixed.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
         rep = Hv // Hk
         q = _l2norm(q.reshape(T, Hk, dk)).repeat(1, rep, 1) * dk ** -0.5
         k = _l2norm(k.reshape(T, Hk, dk)).repeat(1, rep, 1)
         v = v.reshape(T, Hv, dv)
-        beta = torch.sigmoid(self.b(x).float())
-        g = self.a_coef * F.softplus(self.a(x).float() + self.dt_bias)
+        beta = torch.sigmoid(b)
+        g = self.a_coef * F.softplus(a + self.dt_bias)
         o = recurrent(q, k, v, g, beta, st.rec) if T == 1 else chunked(q, k, v, g, beta, st.rec)
         # gated RMSNorm per head: norm(o) * w * sigmoid(z)
-        z = self.z(x).float().reshape(T, Hv, dv)
+        z = z.reshape(T, Hv, dv)
         o = F.rms_norm(o, (dv,), eps=self.eps) * self.norm * torch.sigmoid(z)
         return self.out(o.reshape(T, Hv * dv))

@@ -43,36 +43,40 @@ def _heads_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class GatedAttention(torch.nn.Module):
-    def __init__(self, q: QuantLinear, k: QuantLinear, v: QuantLinear, o: QuantLinear,
-                 q_norm, k_norm, n_heads: int, n_kv_heads: int, head_dim: int, rope: Rope, eps: float,
-                 idx_q: QuantLinear | None = None, idx_k: QuantLinear | None = None,
-                 idx_q_norm=None, idx_k_norm=None, n_idx: int = 0, idx_dim: int = 0,
-                 budget: int = 0, ratio: int = 0):
+    def __init__(self, proj: QuantLinear, o: QuantLinear, q_norm, k_norm, n_heads: int, n_kv_heads: int,
+                 head_dim: int, rope: Rope, eps: float, idx_q_norm=None, idx_k_norm=None, n_idx: int = 0,
+                 idx_dim: int = 0, budget: int = 0, ratio: int = 0):
+        """`proj` is the fused input projection: rows of q and gate (H*2D, per head q then
+        gate), k (Hkv*D), v (Hkv*D), then, with an indexer, its queries (n_idx*idx_dim) and
+        key (idx_dim)."""
         super().__init__()
-        self.q, self.k, self.v, self.o = q, k, v, o
+        self.proj, self.o = proj, o
         p = (lambda t: torch.nn.Parameter(t.float(), requires_grad=False) if t is not None else None)
         self.q_norm, self.k_norm = p(q_norm), p(k_norm)
-        self.idx_q, self.idx_k = idx_q, idx_k
         self.idx_q_norm, self.idx_k_norm = p(idx_q_norm), p(idx_k_norm)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rope, self.eps = rope, eps
         self.n_idx, self.idx_dim, self.budget, self.ratio = n_idx, idx_dim, budget, ratio
-        self.qsa = idx_q is not None and ratio > 0
+        self.qsa = n_idx > 0 and ratio > 0
         self.dense_only = False  # set by the model for `--qsa off`
+        self.splits = [n_heads * 2 * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
+        if n_idx:
+            self.splits += [n_idx * idx_dim, idx_dim]
 
     def forward(self, x: torch.Tensor, st: AttentionState, start: int) -> torch.Tensor:
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         pos = torch.arange(start, start + T)
-        qg = self.q(x).float().reshape(T, H, 2 * D)
+        parts = self.proj(x).float().split(self.splits, dim=-1)
+        qg = parts[0].reshape(T, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
         q = self.rope(_heads_norm(q, self.q_norm, self.eps).transpose(0, 1), pos)     # (H, T, D)
-        k = self.k(x).float().reshape(T, Hkv, D)
+        k = parts[1].reshape(T, Hkv, D)
         k = self.rope(_heads_norm(k, self.k_norm, self.eps).transpose(0, 1), pos)     # (Hkv, T, D)
-        v = self.v(x).float().reshape(T, Hkv, D).transpose(0, 1)
-        st.append(k, v, self.idx_k(x).float() if self.qsa else None)
+        v = parts[2].reshape(T, Hkv, D).transpose(0, 1)
+        st.append(k, v, parts[4] if self.n_idx else None)
         end = start + T
-        mask = self._select(x, st, start) if self.qsa and not self.dense_only else None
+        mask = self._select(parts[3], st, start) if self.qsa and not self.dense_only else None
         if mask is None:
             mask = torch.ones(T, end, dtype=torch.bool).tril(diagonal=start)
         out = F.scaled_dot_product_attention(q.unsqueeze(0), st.k.unsqueeze(0), st.v.unsqueeze(0),
@@ -80,10 +84,10 @@ class GatedAttention(torch.nn.Module):
         out = out.transpose(0, 1).reshape(T, H * D) * torch.sigmoid(gate)
         return self.o(out)
 
-    def _select(self, x: torch.Tensor, st: AttentionState, start: int) -> torch.Tensor | None:
+    def _select(self, idx_q: torch.Tensor, st: AttentionState, start: int) -> torch.Tensor | None:
         """The boolean (T, start+T) mask of the tokens each query attends to, or None when
-        every query keeps all its blocks (dense)."""
-        T, r = x.shape[0], self.ratio
+        every query keeps all its blocks (dense). idx_q: the indexer queries (T, n_idx*d)."""
+        T, r = idx_q.shape[0], self.ratio
         end = start + T
         keep = self.budget // r
         pos = torch.arange(start, end)
@@ -94,7 +98,7 @@ class GatedAttention(torch.nn.Module):
         blocks = st.idx[:nb * r].reshape(nb, r, self.idx_dim).mean(dim=1)
         blocks = self.rope(_heads_norm(blocks, self.idx_k_norm, self.eps).unsqueeze(0),
                            torch.arange(nb) * r)[0]                          # (nb, d)
-        qi = self.idx_q(x).float().reshape(T, self.n_idx, self.idx_dim)
+        qi = idx_q.reshape(T, self.n_idx, self.idx_dim)
         qi = self.rope(_heads_norm(qi, self.idx_q_norm, self.eps).transpose(0, 1), pos)  # (n_idx, T, d)
         scores = torch.relu(qi @ blocks.T).sum(dim=0) / self.idx_dim ** 0.5        # (T, nb)
         visible = torch.arange(nb)[None, :] < n_blocks[:, None]

@@ -19,13 +19,16 @@ from .linear import QuantLinear
 
 
 class HyperConnection(torch.nn.Module):
-    def __init__(self, norm: torch.Tensor, down: QuantLinear, up: QuantLinear,
-                 inject: QuantLinear | None, streams: int, eps: float):
+    def __init__(self, norm: torch.Tensor, down: QuantLinear, up: QuantLinear, rank: int,
+                 streams: int, eps: float):
+        """`down` holds the mixer's down projection (rank rows), followed, except in the
+        final mixer, by the injection weights (S rows): both read the normed streams."""
         super().__init__()
-        self.streams, self.eps = streams, eps
+        self.streams, self.eps, self.rank = streams, eps, rank
         self.width = norm.numel() // streams
         self.norm = torch.nn.Parameter(norm.float().reshape(streams, self.width), requires_grad=False)
-        self.down, self.up, self.inject = down, up, inject
+        self.down, self.up = down, up
+        self.injects = down.out_features > rank
 
     def normed(self, x: torch.Tensor) -> torch.Tensor:
         """Each stream RMS-normalised with its own weight: (T, S, H) float32."""
@@ -37,11 +40,12 @@ class HyperConnection(torch.nn.Module):
         final mixer)."""
         xn = self.normed(x)
         flat = xn.reshape(xn.shape[0], -1)
-        mix = torch.sigmoid(self.up(F.silu(self.down(flat) / self.streams)))
+        both = self.down(flat).float() / self.streams
+        mix = torch.sigmoid(self.up(F.silu(both[:, :self.rank])))
         inp = (mix.reshape_as(xn) * xn).mean(dim=1)
-        if self.inject is None:
+        if not self.injects:
             return inp, None
-        return inp, 2 * torch.sigmoid(self.inject(flat) / self.streams)
+        return inp, 2 * torch.sigmoid(both[:, self.rank:])
 
     @staticmethod
     def write(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -16,21 +16,21 @@ from .linear import QuantLinear
 
 
 class MoE(torch.nn.Module):
-    def __init__(self, router: QuantLinear, experts, top_k: int, shared_gate_up: QuantLinear,
-                 shared_down: QuantLinear, shared_gate: QuantLinear, norm_topk: bool = True):
-        """`experts` runs the routed experts: experts(layer_input (T, H) float32,
-        weights (T, k) float32, ids (T, k) int) -> (T, H) float32."""
+    def __init__(self, proj: QuantLinear, experts, n_experts: int, top_k: int, shared_dim: int,
+                 shared_down: QuantLinear, norm_topk: bool = True):
+        """`proj` is the fused input projection: the router (E rows), the shared expert's
+        gate and up (2 x shared_dim rows) and its gate (1 row). `experts` runs the routed
+        experts: experts(x (T, H) float32, weights (T, k) float32, ids (T, k)) -> (T, H)."""
         super().__init__()
-        self.router, self.experts, self.top_k, self.norm_topk = router, experts, top_k, norm_topk
-        self.shared_gate_up, self.shared_down, self.shared_gate = shared_gate_up, shared_down, shared_gate
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from triton_kernels.moe import route
-        return route(self.router(x).float(), self.top_k, self.norm_topk)
+        self.proj, self.experts, self.shared_down = proj, experts, shared_down
+        self.splits = [n_experts, shared_dim, shared_dim, 1]
+        self.top_k, self.norm_topk = top_k, norm_topk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
+        from triton_kernels.moe import route, route_torch
+        logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
+        # the Triton kernel on CUDA only: a whole model under the interpreter would crawl
+        weights, ids = (route if logits.is_cuda else route_torch)(logits, self.top_k, self.norm_topk)
         routed = self.experts(x.float(), weights, ids)
-        g, u = self.shared_gate_up(x).float().chunk(2, dim=-1)
         shared = self.shared_down(F.silu(g) * u).float()
-        return routed + torch.sigmoid(self.shared_gate(x).float()) * shared
+        return routed + torch.sigmoid(gate) * shared

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .deltanet import causal_conv
 from .linear import QuantLinear
 
 
@@ -56,8 +57,9 @@ class NgramPLE(torch.nn.Module):
         return PLEState([self.hash_args["eos_id"]] * (self.ngram - 1), self.conv.shape[0], window, device)
 
     def ids(self, tokens: torch.Tensor, st: PLEState) -> torch.Tensor:
-        from triton_kernels.ple import ngram_ids
-        ids, st.history = ngram_ids(tokens, st.history, **self.hash_args)
+        from triton_kernels.ple import ngram_ids, ngram_ids_torch
+        hash_ = ngram_ids if self.conv.is_cuda else ngram_ids_torch  # Triton on CUDA only
+        ids, st.history = hash_(tokens.to(self.conv.device), st.history, **self.hash_args)
         return ids
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -75,8 +77,5 @@ class NgramPLE(torch.nn.Module):
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
         gv = torch.sigmoid(gate) * value.unsqueeze(1)                         # (T, S, H)
         normed = self._norm(gv.reshape(T, -1), self.norm_conv).reshape(T, -1)
-        full = torch.cat([st.conv, normed.T], dim=1)                          # (C, window+T)
-        st.conv = full[:, -st.conv.shape[1]:].clone()
-        conv = F.conv1d(full.unsqueeze(0), self.conv.unsqueeze(1), groups=full.shape[0],
-                        dilation=self.dilation)[0].T                          # (T, C)
+        conv, st.conv = causal_conv(st.conv, normed, self.conv, self.dilation)
         return x + gv.reshape(T, -1) + F.silu(conv)

@@ -1,12 +1,15 @@
 """The generation loop: prefill in chunks, then decode token by token, streaming text."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from .sampling import Sampler, SamplingParams
+from . import timing
 from .text import TextOut
+from .timing import StepTimer
 
 
 @dataclass
@@ -41,6 +44,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
     out: list[int] = []
     text = TextOut(tokenizer, params.stop)
     reason = "length"
+    timer = StepTimer(model) if timing.enabled() else None
     for _ in range(params.max_tokens):
         tok = sampler(logits[-1])
         if tok in tokenizer.eot_ids:
@@ -54,7 +58,10 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
             on_text(piece)
         if len(out) == params.max_tokens:
             break
+        ts = time.perf_counter()
         logits = model([tok], cache, last_only=True)
+        if timer:
+            print(f"strata: {timer.line(1, 1e3 * (time.perf_counter() - ts))}", file=sys.stderr)
     if reason == "length":
         text.flush()
     if on_text and (piece := text.take(final=True)):

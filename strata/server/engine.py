@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from strata.runtime import timing
 from strata.runtime.prefix_cache import PrefixCache
 from strata.runtime.sampling import Sampler, SamplingParams
 from strata.runtime.text import TextOut
@@ -70,7 +71,8 @@ class Engine:
         self._ids = 0
         self._wake = threading.Event()
         self._stop = False
-        self.timing = os.environ.get("STRATA_DECODE_TIMING", "0") not in ("", "0")
+        self.timing = timing.enabled()
+        self.timer = timing.StepTimer(model) if self.timing else None
         if start_thread:
             threading.Thread(target=self.run, name="strata-engine", daemon=True).start()
 
@@ -175,9 +177,8 @@ class Engine:
         self.stats["generated_tokens"] += len(going)
         self.stats["decode_seconds"] += t2 - t0
         if self.timing:
-            log.info("step: %d tokens, %.1f ms (sampling %.1f, compute %.1f; PLE gather 0, "
-                     "expert fetch 0: none in this model)", len(going), 1e3 * (t2 - t0),
-                     1e3 * (t1 - t0), 1e3 * (t2 - t1))
+            log.info("%s", self.timer.line(len(going), 1e3 * (t2 - t0), sampling=1e3 * (t1 - t0),
+                                           compute=1e3 * (t2 - t1)))
 
     def _finish(self, slot: Slot, reason: str) -> None:
         req = slot.req

@@ -1,0 +1,46 @@
+"""`STRATA_DECODE_TIMING=1`: one stderr line per decode step, with what the storage tiers
+did during it (PLE rows, pages, hints, bytes from the drive; expert hits, misses, fetches)."""
+from __future__ import annotations
+
+import os
+
+
+def enabled() -> bool:
+    return os.environ.get("STRATA_DECODE_TIMING", "0") not in ("", "0")
+
+
+def _flat(stats: dict) -> dict:
+    return {f"{part}.{k}": v for part, d in stats.items() for k, v in d.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class StepTimer:
+    """Deltas of the model's storage counters between calls to `line`."""
+
+    def __init__(self, model):
+        self.model = model
+        self.last = self._now()
+
+    def _now(self) -> dict:
+        io = getattr(self.model, "io_stats", None)
+        return _flat(io()) if io else {}
+
+    def line(self, tokens: int, ms: float, **split_ms: float) -> str:
+        now = self._now()
+        d = {k: v - self.last.get(k, 0) for k, v in now.items()}
+        self.last = now
+        parts = [f"{tokens} tokens, {ms:.1f} ms"] + [f"{k} {v:.1f} ms" for k, v in split_ms.items()]
+        if "ple.rows" in d:
+            parts.append(f"PLE: {d['ple.rows']:.0f} rows, {d.get('ple.distinct_pages', 0):.0f} pages, "
+                         f"{d.get('ple.hints', 0):.0f} hints, gather {1e3 * d.get('ple.gather_s', 0):.2f} ms")
+        else:
+            parts.append("PLE: none")
+        if any(k.startswith("experts.") for k in d):
+            parts.append(f"experts: {d.get('experts.hits', 0):.0f} hits, {d.get('experts.misses', 0):.0f} misses, "
+                         f"{d.get('experts.bytes', 0) / 2**20:.1f} MiB fetched in "
+                         f"{1e3 * d.get('experts.fetch_s', 0):.2f} ms")
+        else:
+            parts.append("expert fetch: none (resident)")
+        if "ple.drive_bytes" in d:  # /proc/self/io: every read of the process, not only the PLE's
+            parts.append(f"drive: {d['ple.drive_bytes'] / 1024:.0f} KiB read by the process")
+        return "step: " + "; ".join(parts)
