@@ -77,27 +77,35 @@ def compare(model: Path, fmt_name: str, imatrix: dict[str, np.ndarray] | None, p
             threads: int, out_dir: Path) -> dict:
     fmt = quant.get(fmt_name)
     src = open_gguf(model)
-    names = [n for n, t in src.tensors.items()
-             if re.search(pattern, n) and len(t.shape) == 2 and t.shape[-1] % fmt.block_elems == 0]
+    # matrices and stacks of expert matrices (E, rows, cols), quantized row by row
+    quantizable = [n for n, t in src.tensors.items()
+                   if len(t.shape) in (2, 3) and t.shape[-1] % fmt.block_elems == 0]
+    names = [n for n in quantizable if re.search(pattern, n)]
     note = ""
     imp_all = imatrix
     if imp_all is None and fmt_name in NEEDS_IMATRIX:
-        imp_all = {n: np.ones(src.tensors[n].shape[-1], np.float32) for n in names}
+        # llama.cpp wants one for every tensor it quantizes: a row of ones per matrix (per expert)
+        imp_all = {n: np.ones(int(np.prod(src.tensors[n].shape[:-2])) * src.tensors[n].shape[-1], np.float32)
+                   for n in quantizable}
         note = " (llama.cpp needs an imatrix: all ones on both sides)"
     dst = out_dir / f"llama_{fmt_name}.gguf"
     t_llama = llama_quantize(model, dst, fmt_name, imp_all, threads)
     theirs = open_gguf(dst)
     rows, t_strata = [], 0.0
     for n in names:
-        x = src.tensors[n].fmt.dequantize(src.tensors[n].data).astype(np.float32)
-        imp = None if imp_all is None else imp_all[n].reshape(-1).astype(np.float32)
+        t = src.tensors[n]
+        x = t.fmt.dequantize(t.data).astype(np.float32).reshape(-1, t.shape[-1])
+        imp = None
+        if imp_all is not None:  # per matrix (per expert for a stack): broadcast over its rows
+            per = imp_all[n].astype(np.float32).reshape(-1, 1, t.shape[-1])
+            imp = np.broadcast_to(per, (per.shape[0], x.shape[0] // per.shape[0], t.shape[-1])).reshape(x.shape)
         t0 = time.perf_counter()
         ours = fmt.dequantize(fmt.quantize(x, imp))
         t_strata += time.perf_counter() - t0
         tq = theirs.tensors[n]
         if tq.fmt.name != fmt_name:
             raise RuntimeError(f"{dst}: llama.cpp wrote {n} as {tq.fmt.name}, not {fmt_name}")
-        ref = tq.fmt.dequantize(tq.data)
+        ref = tq.fmt.dequantize(tq.data).reshape(x.shape)
         wi = np.ones_like(x) if imp is None else np.broadcast_to(imp, x.shape)
         wo = weights(x.reshape(-1, 256), None if imp is None else wi.reshape(-1, 256)).reshape(x.shape)
         rows.append((n, wrmse(x, ours, wi), wrmse(x, ref, wi), wrmse(x, ours, wo), wrmse(x, ref, wo),

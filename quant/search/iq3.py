@@ -92,7 +92,7 @@ def pick(y: np.ndarray, nw: np.ndarray, tab: GridTables) -> tuple[np.ndarray, np
     if off.size:
         uo = u[off]
         cls = tab.width_class[uo]
-        for c, width in enumerate(WIDTHS):
+        for c, _width in enumerate(WIDTHS):
             sel = np.flatnonzero(cls == c)
             if not sel.size:
                 continue

@@ -13,7 +13,6 @@ cancelled request leaves at once, and its KV state goes to the conversation cach
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
