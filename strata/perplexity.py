@@ -88,6 +88,10 @@ def _module_docs(name: str) -> str:
                 f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
                 if member.startswith("_") or not (inspect.isroutine(f) or isinstance(f, property)):
                     continue
+                # a method some other package patched in (transformers adds logging.Logger
+                # .warning_once on import) would make the text depend on what was imported
+                if getattr(f.fget if isinstance(f, property) else f, "__module__", name) not in (name, None):
+                    continue
                 if doc := _own_doc(f):
                     out.append(f"{name}.{attr}.{member}\n\n{doc}")
     return "\n\n".join(out)
