@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -40,7 +41,10 @@ def model_options(args, g, path) -> dict:
     opts = {"qsa": getattr(args, "qsa", "on") != "off"}
     if getattr(args, "experts", None):
         opts["expert_opts"] = store_kwargs(args)
-    if "per_layer_token_embd.weight" in g.tensors or getattr(args, "ple_gguf", None):
+    # commands without the PLE flags (perplexity, imatrix, bench) take their defaults
+    args = SimpleNamespace(**{"ple_io": "auto", "ple_gguf": None, "no_ple_prefetch": False,
+                              "ple_io_depth": 16, **vars(args)})
+    if "per_layer_token_embd.weight" in g.tensors or args.ple_gguf:
         from strata.models.qwen4exp import StoredTable
         from strata.storage.ple import open_from_args
         # ram is a candidate only when the table fits beside the rest of the model
