@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.gguf_writer import WriterState
 
-from strata.gguf.writer import MAX_NAME_BYTES, _typed
+from strata.gguf.writer import MAX_NAME_BYTES, _typed, complete_or_absent
 
 
 class Progress:
@@ -80,7 +80,7 @@ def write_streamed(path: str | os.PathLike, arch: str, metadata: Iterable[tuple[
         w.add_tensor_info(name, (*shape[:-1], row), np.dtype(np.uint8), nbytes,
                           raw_dtype=GGMLQuantizationType(fmt.type_id))
         sizes.append(nbytes)
-    try:
+    with complete_or_absent(w, tmp, path):
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -99,12 +99,6 @@ def write_streamed(path: str | os.PathLike, arch: str, metadata: Iterable[tuple[
             w.state = WriterState.WEIGHTS
             if progress is not None:
                 progress.tensor(name, fmt.name, n)
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
     if progress is not None:
         progress.finish(path)
     return path

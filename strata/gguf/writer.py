@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -177,14 +178,22 @@ def write_gguf(path: str | os.PathLike, arch: str, metadata: Mapping[str, Any],
         seen.add(name)
         data, byte_shape = _check_tensor(where, name, t)
         w.add_tensor(name, data, raw_shape=byte_shape, raw_dtype=GGMLQuantizationType(t.fmt.type_id))
-    try:
+    with complete_or_absent(w, tmp, path):
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
+    return path
+
+
+@contextmanager
+def complete_or_absent(w: GGUFWriter, tmp: Path, path: Path):
+    """The block writes `w` to `tmp`; on success it becomes `path`, on any error `tmp` goes:
+    a reader never meets a half-written file at `path`."""
+    try:
+        yield
         w.close()
         os.replace(tmp, path)
     except BaseException:
         w.close()
         tmp.unlink(missing_ok=True)
         raise
-    return path
