@@ -110,8 +110,14 @@ def flash_tiny_path() -> Path:
     return cache_dir() / "flash-tiny" / "flash-tiny.f32.gguf"
 
 
+def flash_tiny_checkpoint() -> Path:
+    """The Hugging Face checkpoint flash-tiny's GGUF was converted from (its name, as a
+    release's directory would give it, becomes general.name)."""
+    return flash_tiny_path().parent / "Flash-Tiny"
+
+
 def synth_flash_tiny(force: bool = False, quiet: bool = False) -> Path:
-    """Build flash-tiny (checkpoint in cache/flash-tiny/hf, GGUF beside it) unless cached."""
+    """Build flash-tiny (checkpoint in cache/flash-tiny/Flash-Tiny, GGUF beside it) unless cached."""
     dest = flash_tiny_path()
     if dest.is_file() and not force:
         return dest
@@ -132,7 +138,7 @@ def _build_flash_tiny(dest: Path, quiet: bool) -> Path:
         raise HubError(f"building flash-tiny needs transformers ({e}); pip install 'strata-engine[test]'") from e
     if not quiet:
         print(f"strata: building flash-tiny into {dest.parent}", file=sys.stderr)
-    hf = build_qwen4exp_checkpoint(dest.parent / "hf", FLASH_TINY, seed=FLASH_TINY_SEED, dtype="float32",
+    hf = build_qwen4exp_checkpoint(flash_tiny_checkpoint(), FLASH_TINY, seed=FLASH_TINY_SEED, dtype="float32",
                                    tokenizer_gguf=pull_smollm2(quiet=quiet))
     part = dest.with_name(dest.name + ".part")
     convert(hf, part, "f32", progress=not quiet)

@@ -105,9 +105,9 @@ def bench_transformers(hf_dir, args, vocab: int) -> dict:
 def _hf_dir(path, args):
     if getattr(args, "hf_dir", None):
         return args.hf_dir
-    from strata.hub import flash_tiny_path
+    from strata.hub import flash_tiny_checkpoint, flash_tiny_path
     if path == flash_tiny_path():
-        return path.parent / "hf"
+        return flash_tiny_checkpoint()
     raise ValueError("--peer transformers: give --hf-dir, the Hugging Face checkpoint this GGUF was "
                      "converted from")
 

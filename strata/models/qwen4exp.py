@@ -200,6 +200,26 @@ class Qwen4ExpState:
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+class MTPHead(torch.nn.Module):
+    """The multi-token-prediction block's weights: the embedding and the hidden state, each
+    normed, joined and projected (eh_proj), one attention + MoE block with its
+    hyper-connections, a final norm before the shared lm_head. Loaded so that a speculative
+    decoder can use it; nothing runs it yet."""
+
+    def __init__(self, eh_proj: QuantLinear, enorm, hnorm, head_norm, block: Layer):
+        super().__init__()
+        self.eh_proj, self.block = eh_proj, block
+        p = (lambda t: torch.nn.Parameter(t.float(), requires_grad=False))
+        self.enorm, self.hnorm, self.head_norm = p(enorm), p(hnorm), p(head_norm)
+
+
+def _sidecar(g: GGUFFile) -> GGUFFile | None:
+    """`mtp-<name>` beside the model's file (where `strata convert` writes the MTP block)."""
+    from strata.gguf import open_gguf
+    path = g.path.with_name(f"mtp-{g.path.name}")
+    return open_gguf(path) if path.is_file() else None
+
+
 class Qwen4Exp(torch.nn.Module):
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                  budget: DenseBudget | None = None, qsa: bool = True, expert_tier: str | None = None,
@@ -213,19 +233,47 @@ class Qwen4Exp(torch.nn.Module):
         self.gguf, self.cfg, self.dtype, self.device = g, Qwen4ExpConfig.from_gguf(g), dtype, device
         c = self.cfg
         self.budget = budget = budget or DenseBudget()
-        lin = (lambda name: QuantLinear(g.tensor(name), dtype, device, budget=budget))
-        vec = (lambda name: torch.from_numpy(g.tensor(name).numpy().reshape(-1).copy()))
+        lin = (lambda name, f=g: QuantLinear(f.tensor(name), dtype, device, budget=budget))
+        vec = (lambda name, f=g: torch.from_numpy(f.tensor(name).numpy().reshape(-1).copy()))
         self.embedding = g.tensor("token_embd.weight")
         rope = Rope(c.rope_dim, c.rope_theta, max_pos=min(c.context_length, 8192))
 
-        def fused(names: list[str]) -> QuantLinear:
+        def fused(names: list[str], f=g) -> QuantLinear:
             # one matmul for projections of the same input (a decode step is per-op overhead)
-            return QuantLinear([g.tensor(n) for n in names], dtype, device, budget=budget)
+            return QuantLinear([f.tensor(n) for n in names], dtype, device, budget=budget)
 
-        def hc(prefix: str, inject: bool) -> HyperConnection:
+        def hc(prefix: str, inject: bool, f=g) -> HyperConnection:
             down = [f"{prefix}_down.weight"] + ([f"{prefix}_inject.weight"] if inject else [])
-            return HyperConnection(vec(f"{prefix}_norm.weight"), fused(down), lin(f"{prefix}_up.weight"),
+            return HyperConnection(vec(f"{prefix}_norm.weight", f), fused(down, f), lin(f"{prefix}_up.weight", f),
                                    c.hc_rank, c.streams, c.norm_eps)
+
+        def attention(f: GGUFFile, i: int, ratio: int) -> GatedAttention:
+            p = f"blk.{i}."
+            has_idx = (p + "indexer.q_proj.weight") in f.tensors
+            if has_idx and ratio == 0:
+                ratio, self.qsa_fallback = QSA_BLOCK, True
+            names = ["attn_q.weight", "attn_k.weight", "attn_v.weight"]
+            idx = {}
+            if has_idx:
+                names += ["indexer.q_proj.weight", "indexer.k_proj.weight"]
+                idx = dict(idx_q_norm=vec(p + "indexer.q_norm.weight", f),
+                           idx_k_norm=vec(p + "indexer.k_norm.weight", f), n_idx=c.idx_heads,
+                           idx_dim=c.idx_dim, budget=c.idx_budget, ratio=ratio)
+            mixer = GatedAttention(fused([p + n for n in names], f), lin(p + "attn_output.weight", f),
+                                   vec(p + "attn_q_norm.weight", f), vec(p + "attn_k_norm.weight", f),
+                                   c.n_heads, c.n_kv_heads, c.head_dim, rope, c.norm_eps, **idx)
+            mixer.dense_only = not qsa
+            return mixer
+
+        def moe(f: GGUFFile, i: int) -> MoE:
+            p = f"blk.{i}."
+            opts = dict(expert_opts or {})
+            tier = opts.pop("tier", None) or expert_tier
+            experts = ExpertStore(f.tensor(p + "ffn_gate_exps.weight"), f.tensor(p + "ffn_up_exps.weight"),
+                                  f.tensor(p + "ffn_down_exps.weight"), dtype, device, budget, tier, **opts)
+            return MoE(fused([p + n for n in ("ffn_gate_inp.weight", "ffn_gate_shexp.weight",
+                                              "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight")], f),
+                       experts, c.n_experts, c.top_k, c.shared_dim, lin(p + "ffn_down_shexp.weight", f))
 
         self.qsa_fallback = False
         self.ple = None
@@ -240,29 +288,7 @@ class Qwen4Exp(torch.nn.Module):
                                       vec(p + "ssm_dt.bias"), vec(p + "ssm_a"), vec(p + "ssm_norm.weight"),
                                       c.k_heads, c.v_heads, c.dk, c.dv, c.norm_eps)
             else:
-                has_idx = (p + "indexer.q_proj.weight") in g.tensors
-                ratio = c.compress_ratios[i] if i < len(c.compress_ratios) else 0
-                if has_idx and ratio == 0:
-                    ratio, self.qsa_fallback = QSA_BLOCK, True
-                names = ["attn_q.weight", "attn_k.weight", "attn_v.weight"]
-                idx = {}
-                if has_idx:
-                    names += ["indexer.q_proj.weight", "indexer.k_proj.weight"]
-                    idx = dict(idx_q_norm=vec(p + "indexer.q_norm.weight"),
-                               idx_k_norm=vec(p + "indexer.k_norm.weight"), n_idx=c.idx_heads,
-                               idx_dim=c.idx_dim, budget=c.idx_budget, ratio=ratio)
-                proj = fused([p + n for n in names])
-                mixer = GatedAttention(proj, lin(p + "attn_output.weight"),
-                                       vec(p + "attn_q_norm.weight"), vec(p + "attn_k_norm.weight"),
-                                       c.n_heads, c.n_kv_heads, c.head_dim, rope, c.norm_eps, **idx)
-                mixer.dense_only = not qsa
-            opts = dict(expert_opts or {})
-            tier = opts.pop("tier", None) or expert_tier
-            experts = ExpertStore(g.tensor(p + "ffn_gate_exps.weight"), g.tensor(p + "ffn_up_exps.weight"),
-                                  g.tensor(p + "ffn_down_exps.weight"), dtype, device, budget, tier, **opts)
-            moe = MoE(fused([p + n for n in ("ffn_gate_inp.weight", "ffn_gate_shexp.weight",
-                                             "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight")]),
-                      experts, c.n_experts, c.top_k, c.shared_dim, lin(p + "ffn_down_shexp.weight"))
+                mixer = attention(g, i, c.compress_ratios[i] if i < len(c.compress_ratios) else 0)
             ple = None
             if i in c.ple_layers:
                 if not c.recurrent[i]:
@@ -275,9 +301,25 @@ class Qwen4Exp(torch.nn.Module):
                                           vec(p + "ple_norm_key.weight"), vec(p + "ple_norm_query.weight"),
                                           vec(p + "ple_norm_conv.weight"), torch.from_numpy(conv.copy()),
                                           c.streams, c.norm_eps, dilation=len(c.ple["multipliers"]))
-            layer = Layer(mixer, hc(p + "hc_attn", True), moe, hc(p + "hc_ffn", True), ple)
+            layer = Layer(mixer, hc(p + "hc_attn", True), moe(g, i), hc(p + "hc_ffn", True), ple)
             layer._i = i
             layers.append(layer)
+
+        # The MTP head (the speculative draft): held, not yet run. Its block follows the last
+        # layer (blk.<n_layers>), in the file itself or in the sidecar `strata convert` writes.
+        self.mtp, self.mtp_file = None, None
+        n = c.n_layers
+        for f in (g, _sidecar(g)):
+            if f is not None and f"blk.{n}.nextn.eh_proj.weight" in f.tensors:
+                p = f"blk.{n}."
+                ratios = f.get(f"{g.arch}.attention.compress_ratios") or []
+                block = Layer(attention(f, n, int(ratios[n]) if len(ratios) > n else 0),
+                              hc(p + "hc_attn", True, f), moe(f, n), hc(p + "hc_ffn", True, f), None)
+                self.mtp = MTPHead(lin(p + "nextn.eh_proj.weight", f), vec(p + "nextn.enorm.weight", f),
+                                   vec(p + "nextn.hnorm.weight", f), vec(p + "nextn.shared_head_norm.weight", f),
+                                   block)
+                self.mtp_file = f.path
+                break
         self.layers = torch.nn.ModuleList(layers)
         self.out_hc = hc("output_hc", False)
         self.output = lin("output.weight")
@@ -301,13 +343,14 @@ class Qwen4Exp(torch.nn.Module):
                     if qsa_on else "dense attention (QSA off)")
         ple = (f"PLE table {self.ple.table.where} at layer {c.ple_layers[0]}" if self.ple is not None
                else "no PLE")
+        mtp = f"MTP head loaded from {self.mtp_file.name} (not run)" if self.mtp is not None else "no MTP head"
         return (f"{g.get('general.name', g.path.name)} ({g.arch}, {c.n_layers} layers: "
                 f"{c.n_layers - n_attn} DeltaNet + {n_attn} attention, dim {c.dim} x {c.streams} streams, "
                 f"{c.n_experts} experts top-{c.top_k}, {n_weights / 1e6:.1f}M weights in {file_mib:.0f} MiB: "
                 + ", ".join(f"{k} x{v}" for k, v in fmts.most_common())
                 + f") on {self.device}, {str(self.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads; "
                 f"experts: " + ", ".join(f"{k} x{v}" for k, v in tiers.items()) + f" ({exp_mib:.0f} MiB held); "
-                f"{ple}; {qsa_text}")
+                f"{ple}; {qsa_text}; {mtp}")
 
     # -- running ---------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from strata.gguf import open_gguf, write_gguf  # noqa: E402
-from strata.hub import synth_flash_tiny  # noqa: E402
+from strata.hub import flash_tiny_checkpoint, synth_flash_tiny  # noqa: E402
 from strata.models import load_model  # noqa: E402
 from strata.tensors import QTensor  # noqa: E402
 
@@ -50,7 +50,7 @@ def _hf(path: Path, **overrides):
 @pytest.fixture(scope="module")
 def reference(tiny, prompt) -> torch.Tensor:
     with torch.no_grad():
-        return _hf(tiny.parent / "hf")(prompt[None], use_cache=False).logits[0]
+        return _hf(flash_tiny_checkpoint())(prompt[None], use_cache=False).logits[0]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,7 +80,7 @@ def test_chunks_and_decode_steps_equal_one_pass(model, prompt, reference):
 def test_qsa_off_is_dense_attention(tiny, prompt):
     # transformers with a budget beyond the prompt never drops a block: dense attention
     with torch.no_grad():
-        ref = _hf(tiny.parent / "hf", indexer_budget=512)(prompt[None], use_cache=False).logits[0]
+        ref = _hf(flash_tiny_checkpoint(), indexer_budget=512)(prompt[None], use_cache=False).logits[0]
     m = load_model(tiny, dtype=torch.float32, qsa=False)
     assert "QSA off" in m.plan_line()
     assert _rel(m(prompt, m.new_cache()), ref) < REL
@@ -99,7 +99,8 @@ def test_qsa_keeps_the_budget_plus_the_open_block(model, prompt):
 def test_plan_line_says_where_parts_are(model):
     line = model.plan_line()
     for part in ("qwen4exp", "8 layers", "6 DeltaNet + 2 attention", "64 experts top-8",
-                 "experts: dense", "PLE table", "QSA on (top 64 tokens in blocks of 4"):
+                 "experts: dense", "PLE table", "QSA on (top 64 tokens in blocks of 4",
+                 "MTP head loaded from mtp-flash-tiny.f32.gguf"):
         assert part in line, (part, line)
 
 
@@ -124,7 +125,7 @@ def test_iq3_xxs_experts_equal_transformers_on_dequantized_experts(tiny, prompt,
     path = _iq3_experts_file(tiny, tmp_path_factory.mktemp("iq3") / "tiny-iq3.gguf")
     m = load_model(path, dtype=torch.float32)
     g = open_gguf(path)
-    hf = _hf(tiny.parent / "hf")
+    hf = _hf(flash_tiny_checkpoint())
     with torch.no_grad():
         for i in IQ3_LAYERS:
             ex = hf.model.layers[i].mlp.experts
@@ -149,7 +150,7 @@ def test_llama_cpp_converted_file_gives_the_same_logits(tiny, prompt, model, tmp
         pytest.skip("llama.cpp's converter not found: set STRATA_LLAMA_CPP_SRC to a llama.cpp checkout "
                     "(the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp)")
     out = tmp_path / "tiny-llama-cpp.gguf"
-    subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(tiny.parent / "hf"),
+    subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(flash_tiny_checkpoint()),
                     "--outfile", str(out), "--outtype", "f32"], check=True, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(src / "gguf-py")})
     other = load_model(out, dtype=torch.float32)
