@@ -31,6 +31,7 @@ from strata.nn.linear import DenseBudget
 from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
 from strata.storage.experts import ExpertStore
+from strata.tensors import QTensor
 from triton_kernels.dequant import dequantize_torch
 
 # The architecture's QSA block size: llama.cpp's converter writes a per-layer ratio only
@@ -238,9 +239,14 @@ class Qwen4Exp(torch.nn.Module):
         self.embedding = g.tensor("token_embd.weight")
         rope = Rope(c.rope_dim, c.rope_theta, max_pos=min(c.context_length, 8192))
 
+        def matrix(t: QTensor) -> QTensor:
+            # a one-row weight (the shared expert's gate) may be stored 1-D: llama-quantize
+            # writes ne [H] where the converter wrote [H, 1]
+            return QTensor(t.name, t.fmt, (1, t.shape[0]), t.data.reshape(1, -1)) if len(t.shape) == 1 else t
+
         def fused(names: list[str], f=g) -> QuantLinear:
             # one matmul for projections of the same input (a decode step is per-op overhead)
-            return QuantLinear([f.tensor(n) for n in names], dtype, device, budget=budget)
+            return QuantLinear([matrix(f.tensor(n)) for n in names], dtype, device, budget=budget)
 
         def hc(prefix: str, inject: bool, f=g) -> HyperConnection:
             down = [f"{prefix}_down.weight"] + ([f"{prefix}_inject.weight"] if inject else [])

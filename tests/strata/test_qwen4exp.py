@@ -187,28 +187,40 @@ def _greedy(model, prompt, n=12) -> list[int]:
     return out
 
 
-def test_same_tokens_whatever_the_ple_io_mode(tiny, prompt, model, capsys):
+def test_same_tokens_whatever_the_ple_io_mode(tiny, prompt, model):
     from strata.models.qwen4exp import StoredTable
     from strata.runtime.timing import StepTimer
     from strata.storage.ple import PleTable
-    want = _greedy(model, prompt[:24], 8)
-    for mode in ("ram", "mmap", "direct"):
-        table = PleTable.open(tiny, mode, depth=4)
-        m = load_model(tiny, dtype=torch.float32, ple_table=StoredTable(table))
-        timer = StepTimer(m)
-        assert _greedy(m, prompt[:24], 8) == want, mode
-        line = timer.line(1, 1.0)
-        assert "PLE: " in line and " rows" in line, line
-        assert m.io_stats()["ple"]["rows"] == 16 * (24 + 8)  # every token's 16 rows, once
-        assert mode in m.plan_line()
-        table.close()
+    want = _greedy(model, prompt[:24], 8)  # the table's blocks in memory
+    held = model.ple.table
+    try:
+        for mode in ("ram", "mmap", "direct"):
+            model.ple.table = StoredTable(PleTable.open(tiny, mode, depth=4))
+            timer = StepTimer(model)
+            assert _greedy(model, prompt[:24], 8) == want, mode
+            line = timer.line(1, 1.0)
+            assert "PLE: " in line and " rows" in line, line
+            assert model.io_stats()["ple"]["rows"] == 16 * (24 + 8)  # every token's 16 rows, once
+            assert mode in model.plan_line()
+            model.ple.table.table.close()
+    finally:
+        model.ple.table = held
 
 
 def test_same_tokens_whatever_the_expert_tier(tiny, prompt, model):
+    from strata.storage.experts import ExpertStore
+    g = open_gguf(tiny)
     want = _greedy(model, prompt[:24], 8)  # experts dense in RAM (the CPU default)
-    for tier in ("device", "host", "cache:8:file"):
-        m = load_model(tiny, dtype=torch.float32, expert_tier=tier)
-        assert _greedy(m, prompt[:24], 8) == want, tier
-        assert tier.split(":")[0] in m.plan_line()
-    stats = m.io_stats()["experts"]  # the cache: 8 slots a layer, the 8 experts a token takes
-    assert stats["misses"] > 0 and stats["hits"] > 0 and stats["evictions"] > 0
+    held = [l.moe.experts for l in model.layers]
+    try:
+        for tier in ("device", "host", "cache:8:file"):
+            for i, l in enumerate(model.layers):
+                l.moe.experts = ExpertStore(*(g.tensor(f"blk.{i}.ffn_{w}_exps.weight") for w in ("gate", "up", "down")),
+                                            torch.float32, "cpu", None, tier)
+            assert _greedy(model, prompt[:24], 8) == want, tier
+            assert tier.split(":")[0] in model.plan_line()
+        stats = model.io_stats()["experts"]  # the cache: 8 slots a layer, the 8 experts a token takes
+        assert stats["misses"] > 0 and stats["hits"] > 0 and stats["evictions"] > 0
+    finally:
+        for l, e in zip(model.layers, held):
+            l.moe.experts = e
