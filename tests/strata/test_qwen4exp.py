@@ -137,6 +137,18 @@ def test_iq3_xxs_experts_equal_transformers_on_dequantized_experts(tiny, prompt,
     assert _rel(m(prompt[:120], m.new_cache()), ref) < REL
 
 
+def test_a_file_without_qsa_ratios_runs_qsa_with_the_architecture_block(tiny, prompt, model, tmp_path):
+    # what llama.cpp's converter writes when transformers 5 is installed: all ratios 0
+    g = open_gguf(tiny)
+    meta = g.typed_metadata()
+    key = "qwen4exp.attention.compress_ratios"
+    meta[key] = ([0] * len(meta[key][0]), meta[key][1])
+    path = write_gguf(tmp_path / "no-ratios.gguf", g.arch, meta, g.tensors)
+    other = load_model(path, dtype=torch.float32)
+    assert "block size from the architecture" in other.plan_line()
+    assert torch.equal(other(prompt[:120], other.new_cache()), model(prompt[:120], model.new_cache()))
+
+
 def _llama_cpp_src() -> Path | None:
     for p in (os.environ.get("STRATA_LLAMA_CPP_SRC"), "/tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"):
         if p and (Path(p) / "convert_hf_to_gguf.py").is_file():
