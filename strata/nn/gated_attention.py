@@ -22,19 +22,49 @@ from .rope import Rope
 
 
 class AttentionState:
-    """One layer's keys and values (kv_heads, n, head_dim) and raw indexer keys (n, idx_dim)."""
+    """One layer's keys and values (kv_heads, n, head_dim) and raw indexer keys (n, idx_dim),
+    in buffers that grow by doubling (a decode step appends one token without copying all)."""
 
     def __init__(self):
-        self.k = self.v = self.idx = None
+        self._k = self._v = self._idx = None
+        self.n = 0
+
+    @staticmethod
+    def _grow(buf, new, n):
+        need = n + new.shape[-2]
+        if buf is None or buf.shape[-2] < need:
+            shape = list(new.shape)
+            shape[-2] = max(need, 2 * (buf.shape[-2] if buf is not None else 0), 64)
+            grown = new.new_empty(shape)
+            if buf is not None:
+                grown[..., :n, :] = buf[..., :n, :]
+            buf = grown
+        buf[..., n:need, :] = new
+        return buf
 
     def append(self, k, v, idx):
-        cat = (lambda a, b: b if a is None else torch.cat([a, b], dim=-2))
-        self.k, self.v = cat(self.k, k), cat(self.v, v)
-        self.idx = cat(self.idx, idx) if idx is not None else self.idx
+        n = self.n
+        self._k, self._v = self._grow(self._k, k, n), self._grow(self._v, v, n)
+        if idx is not None:
+            self._idx = self._grow(self._idx, idx, n)
+        self.n = n + k.shape[-2]
+
+    @property
+    def k(self):
+        return None if self._k is None else self._k[..., :self.n, :]
+
+    @property
+    def v(self):
+        return None if self._v is None else self._v[..., :self.n, :]
+
+    @property
+    def idx(self):
+        return None if self._idx is None else self._idx[:self.n]
 
     def copy(self) -> "AttentionState":
         c = AttentionState()
-        c.k, c.v, c.idx = self.k, self.v, self.idx  # appends build new tensors: sharing is safe
+        c._k, c._v, c._idx = (None if t is None else t.clone() for t in (self._k, self._v, self._idx))
+        c.n = self.n
         return c
 
 
