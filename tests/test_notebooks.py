@@ -13,9 +13,11 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs(path):
+def test_notebook_runs(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
-    # the kernel inherits TRITON_INTERPRET=1 from tests/conftest.py
+    # the kernel inherits TRITON_INTERPRET=1 from tests/conftest.py, and STRATA_NB_SLICE=1: the
+    # notebooks that measure whole models (02) then run on a small slice (02: about 100 s)
+    monkeypatch.setenv("STRATA_NB_SLICE", "1")
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
