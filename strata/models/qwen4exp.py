@@ -164,12 +164,13 @@ class Layer(torch.nn.Module):
         self.mixer, self.attn_hc, self.moe, self.ffn_hc, self.ple = mixer, attn_hc, moe, ffn_hc, ple
         self.recurrent = isinstance(mixer, GatedDeltaNet)
 
-    def forward(self, x, tokens, st, start, ple_ids=None):
+    def forward(self, x, tokens, mixer_state, ple_state, start, ple_ids=None):
+        """x (T, S*H) continuing at `start`; the states are this layer's, updated in place."""
         if self.ple is not None:
-            x = self.ple(x, tokens, st.ple, ple_ids)
+            x = self.ple(x, tokens, ple_state, ple_ids)
         a, w = self.attn_hc.read(x)
-        x = HyperConnection.write(x, self.mixer(a, st.layers[self._i]) if self.recurrent
-                                  else self.mixer(a, st.layers[self._i], start), w)
+        x = HyperConnection.write(x, self.mixer(a, mixer_state) if self.recurrent
+                                  else self.mixer(a, mixer_state, start), w)
         m, w = self.ffn_hc.read(x)
         return HyperConnection.write(x, self.moe(m), w)
 
@@ -307,9 +308,7 @@ class Qwen4Exp(torch.nn.Module):
                                           vec(p + "ple_norm_key.weight"), vec(p + "ple_norm_query.weight"),
                                           vec(p + "ple_norm_conv.weight"), torch.from_numpy(conv.copy()),
                                           c.streams, c.norm_eps, dilation=len(c.ple["multipliers"]))
-            layer = Layer(mixer, hc(p + "hc_attn", True), moe(g, i), hc(p + "hc_ffn", True), ple)
-            layer._i = i
-            layers.append(layer)
+            layers.append(Layer(mixer, hc(p + "hc_attn", True), moe(g, i), hc(p + "hc_ffn", True), ple))
 
         # The MTP head (the speculative draft): held, not yet run. Its block follows the last
         # layer (blk.<n_layers>), in the file itself or in the sidecar `strata convert` writes.
@@ -381,8 +380,8 @@ class Qwen4Exp(torch.nn.Module):
             # so the drive reads them while layer 0 computes
             ple_ids = self.ple.ids(tokens, state.ple)
             self.ple.table.prefetch(ple_ids)
-        for layer in self.layers:
-            x = layer(x, tokens, state, start, ple_ids)
+        for layer, st in zip(self.layers, state.layers):
+            x = layer(x, tokens, st, state.ple, start, ple_ids)
         state.length = start + tokens.numel()
         if last_only:
             x = x[-1:]
