@@ -178,6 +178,8 @@ class Layer(torch.nn.Module):
 class Qwen4ExpState:
     """One sequence's state: `length` tokens seen."""
 
+    rewindable = False  # the DeltaNet and conv states cannot be cut back to fewer tokens
+
     def __init__(self, model: "Qwen4Exp"):
         dev = model.device
         self.layers = [l.mixer.new_state(dev) if l.recurrent else AttentionState() for l in model.layers]

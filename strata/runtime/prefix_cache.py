@@ -44,8 +44,10 @@ class PrefixCache:
         """A cache holding the longest cached prefix of `prompt` (a copy: the entry stays)
         and its length; at least one prompt token is left to evaluate, for its logits."""
         best, best_n = None, 0
-        for key, (toks, _) in self.entries.items():
+        for key, (toks, cache) in self.entries.items():
             n = min(common_prefix(toks, prompt), len(prompt) - 1)
+            if n < len(toks) and not getattr(cache, "rewindable", True):
+                continue  # a recurrent state summarises all its tokens: usable whole or not at all
             if n > best_n:
                 best, best_n = key, n
         if best is None:

@@ -79,3 +79,19 @@ def test_batched_forward_equals_one_sequence_at_a_time(smollm2_bf16):
         want = [m([5 + step + i], c, last_only=True) for i, c in enumerate(alone)]
         got = m.forward_batch([([5 + step + i], c) for i, c in enumerate(together)])
         assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_recurrent_state_is_reused_whole_or_not_at_all():
+    class State:  # as a qwen4exp state: cannot be cut back to fewer tokens
+        rewindable = False
+
+        def nbytes(self):
+            return 1
+
+        def copy(self, n):
+            return ("copy", n)
+
+    cache = PrefixCache(1 << 20)
+    cache.put([1, 2, 3, 4], State())
+    assert cache.take([1, 2, 3, 9, 9]) == (None, 0)          # shares 3 of 4: not usable
+    assert cache.take([1, 2, 3, 4, 5, 6]) == (("copy", 4), 4)  # extends it: reused whole
