@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -206,7 +205,7 @@ def test_qsa_off_agrees_with_llama_cpp_at_any_length(model):
 
 def test_generate_runs_from_the_command_line(tiny):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([shutil.which("strata") or "strata", "generate", "Hello", "--model", "flash-tiny", "-n", "8",
+    r = subprocess.run([sys.executable, "-m", "strata", "generate", "Hello", "--model", "flash-tiny", "-n", "8",
                         "--raw", "--temperature", "0"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "strata: " in r.stderr and "qwen4exp" in r.stderr  # the plan line
