@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     dq.add_argument("--no-peer", action="store_true", help="skip gguf-py (it is slow on large sizes)")
     dq.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
+    from strata.bench import kernels as bench_kernels
+    bench_kernels.add_args(bsub)
+
     bm = bsub.add_parser("model", help="llama-bench's pp/tg tests, optionally against llama.cpp")
     bm.add_argument("--model", "-m", default="smollm2")
     bm.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
@@ -239,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             from strata.bench import ple
             return ple.run(args)
         if args.command == "bench":
-            from strata.bench import dequant, model, serve
-            return {"dequant": dequant.run, "model": model.run, "serve": serve.run}[args.what](args)
+            from strata.bench import dequant, kernels, model, serve
+            return {"dequant": dequant.run, "kernels": kernels.run, "model": model.run,
+                    "serve": serve.run}[args.what](args)
         return {"pull": commands.pull, "generate": commands.generate_cmd,
                 "chat": commands.chat_cmd, "serve": commands.serve_cmd}[args.command](args)
     except (ValueError, HubError) as e:  # bad input or file, named by the code that found it

@@ -17,3 +17,10 @@ def interpreter_on() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreter_on()
+
+
+def device_name(device: torch.device) -> str | None:
+    """The GPU's name (triton_kernels.configs keys its tuned tables by it); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device)

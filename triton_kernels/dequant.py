@@ -4,9 +4,11 @@
 
 `q` is a uint8 tensor of whole blocks along its last axis (1-D, or row-major 2-D with one
 tensor row per row); the result has the same leading axes and `k * block_elems` values
-per row. One generic Triton kernel serves every format: the format's decode function
-(triton_kernels.decode) is a constexpr argument. `dequantize_torch` is the same
-computation in vectorised torch, the CPU fast path.
+per row. Formats with an int8 unit decode (triton_kernels.decode.UNITS: Q8_0, Q4_0,
+IQ4_NL, Q4_K, IQ3_XXS, IQ3_S) run `_dequant_units_kernel`: each thread decodes whole
+units (32 or 64 weights) from whole-word loads and scales each code once. The others run
+`_dequant_kernel`, one weight a lane through the format's per-weight decode function.
+`dequantize_torch` is the same computation in vectorised torch, the CPU fast path.
 """
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ import triton.language as tl
 
 import quant
 
+from .asm import asm_for
 from .backend import use_triton
-from .decode import decoder, table
+from .decode import decoder, launch_args, table, unit, unit_table
+from .decode.common import round_to_bf16_bits
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# units a program of _dequant_units_kernel: one a thread at 4 warps
+DEQUANT_UNITS_BLOCK = 128
 
 
 @triton.jit
@@ -35,12 +41,35 @@ def _dequant_kernel(q_ptr, tab_ptr, out_ptr, n_elements,
     if OUT_BF16:
         # Round to nearest even by hand and store the bits: the interpreter holds bf16 as
         # raw uint16, so a bf16 cast there is not to be trusted.
-        u = v.to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
-        tl.store(out_ptr + offs, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(out_ptr + offs, round_to_bf16_bits(v), mask=mask)
     else:
         tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_units_kernel(q_ptr, tab_ptr, out_ptr, n_units,
+                          UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
+                          BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+                          BLOCK: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
+    v = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = v < n_units
+    v = tl.where(live, v, 0)  # lanes past the end decode unit 0 and store nothing
+    p = q_ptr + (v // UPB) * BLOCK_HW
+    words, a, b = UNIT(p, (v % UPB).to(tl.int32), tab_ptr, ASM)
+    dst = out_ptr + v * UW
+    for w in tl.static_range(UW // 4):
+        for i in tl.static_range(4):
+            code = (((words[w] << (24 - 8 * i)) >> 24) - ZERO).to(tl.float32)
+            val = a[w // 8] * code
+            if OFFSET:
+                val = val - b[w // 8]
+            if OUT == "bf16":
+                if ASM == "":
+                    tl.store(dst + (4 * w + i), round_to_bf16_bits(val), mask=live)
+                else:  # the device's own round-to-nearest-even; any NaN stays a NaN
+                    tl.store(dst + (4 * w + i), val.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=live)
+            else:
+                tl.store(dst + (4 * w + i), val.to(out_ptr.dtype.element_ty), mask=live)
 
 
 def check_blocks(q: torch.Tensor, fmt: quant.Format) -> None:
@@ -72,9 +101,19 @@ def dequantize(q: torch.Tensor, fmt: str | int | quant.Format,
     q = q.contiguous()
     out = torch.empty(_out_shape(q, fmt), dtype=dtype, device=q.device)
     n = out.numel()
-    if n:
+    dst = out.view(torch.int16) if dtype == torch.bfloat16 else out
+    u = unit(fmt)
+    if n and u is not None:
+        n_units = n // u.weights
+        block = DEQUANT_UNITS_BLOCK
+        # No FMA contraction: Q4_K's a * q - b must round twice, as numpy does.
+        _dequant_units_kernel[(triton.cdiv(n_units, block),)](
+            q.reshape(-1).view(torch.uint16), unit_table(fmt, q.device), dst, n_units,
+            **launch_args(fmt, u), BLOCK=block,
+            OUT="bf16" if dtype == torch.bfloat16 else "", ASM=asm_for(q.device),
+            enable_fp_fusion=False)
+    elif n:
         grid = (triton.cdiv(n, block),)
-        dst = out.view(torch.int16) if dtype == torch.bfloat16 else out
         # No FMA contraction: Q4_1's d*q+m must round twice, as numpy does.
         _dequant_kernel[grid](q, table(fmt, q.device), dst, n, DECODE=decoder(fmt),
                               QK=fmt.block_elems, BLOCK=block,

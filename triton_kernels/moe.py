@@ -41,6 +41,12 @@ Two Triton kernels then walk the blocks (grid: blocks x output tiles):
    multiplies each row by its slot's routing weight and writes the float32 (T * k, H)
    buffer, one row per slot.
 
+Decoding (at most MOE_DP4A_MAX_TOKENS tokens, every format with an int8 unit decode)
+takes the dp4a path instead: x and then h are rounded to int8 per 32 values
+(triton_kernels.int8.quantize_x) and each (slot, BLOCK_N rows) program runs the dp4a
+GEMV's inner loop (int8.dot_units) over its expert's rows, gate and up in one loop; no
+block alignment, no padding rows, one read of each chosen expert's weights a slot.
+
 The k rows of each token are then summed by torch in a fixed order: deterministic, unlike
 atomic adds into (T, H), at the price of the (T, k, H) float32 buffer (420 MB for 4096
 tokens of the real model: chunk long prefills). Slots whose expert id lies outside
@@ -65,9 +71,12 @@ import triton.language as tl
 
 import quant
 
-from .backend import use_triton
-from .decode import decoder, table
+from . import configs
+from .asm import asm_for
+from .backend import device_name, use_triton
+from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
+from .int8 import dot_units, quantize_x
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -76,6 +85,9 @@ X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_N_DEFAULT = 64
 BLOCK_K_DEFAULT = 64
 _CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# At most this many tokens take the dp4a decode path (each slot reads its expert's rows
+# once; past a few tokens, slots share experts and the tl.dot path reads them once a block).
+MOE_DP4A_MAX_TOKENS = 4
 
 
 # --- routing -----------------------------------------------------------------------------
@@ -284,6 +296,108 @@ def _down_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
     tl.store(out, acc * rw[:, None], mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
+                         ids_ptr, top_k, E, I, H, gate_se, gate_sr, up_se, up_sr, stride_h,
+                         UNIT_G: tl.constexpr, UW_G: tl.constexpr, UPB_G: tl.constexpr,
+                         HW_G: tl.constexpr, ZERO_G: tl.constexpr, OFFSET_G: tl.constexpr,
+                         UNIT_U: tl.constexpr, UW_U: tl.constexpr, UPB_U: tl.constexpr,
+                         HW_U: tl.constexpr, ZERO_U: tl.constexpr, OFFSET_U: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK: tl.constexpr,
+                         ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1).to(tl.int64)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    if (e < 0) | (e >= E):
+        return  # an expert held elsewhere: the slot's output stays zero
+    tok = slot // top_k
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.minimum(rows, I - 1).to(tl.int64)[:, None]  # rows past I re-read row I - 1
+    pg = wg_ptr + (e * gate_se + r * gate_sr) * HW_G     # strides in blocks
+    pu = wu_ptr + (e * up_se + r * up_sr) * HW_U
+    xq = xq_ptr + tok * (H // 4)
+    xd = xd_ptr + tok * (H // 32)
+    xs = xs_ptr + tok * (H // 32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K // UW_G), tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K // UW_U), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        vg = (k0 // UW_G + tl.arange(0, BLOCK_K // UW_G))[None, :]
+        acc_g += dot_units(pg, vg, vg < H // UW_G, xq, xd, xs, tab_g_ptr, UNIT_G, UW_G, UPB_G,
+                           HW_G, ZERO_G, OFFSET_G, MASK, ASM)
+        vu = (k0 // UW_U + tl.arange(0, BLOCK_K // UW_U))[None, :]
+        acc_u += dot_units(pu, vu, vu < H // UW_U, xq, xd, xs, tab_u_ptr, UNIT_U, UW_U, UPB_U,
+                           HW_U, ZERO_U, OFFSET_U, MASK, ASM)
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    tl.store(h_ptr + slot * stride_h + rows, g * tl.sigmoid(g) * u, mask=rows < I)
+
+
+@triton.jit
+def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, ids_ptr,
+                      E, H, I, down_se, down_sr, stride_o,
+                      UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
+                      BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK: tl.constexpr,
+                      ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1).to(tl.int64)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    if (e < 0) | (e >= E):
+        return
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.minimum(rows, H - 1).to(tl.int64)[:, None]
+    p = wd_ptr + (e * down_se + r * down_sr) * BLOCK_HW
+    hq = hq_ptr + slot * (I // 4)
+    hd = hd_ptr + slot * (I // 32)
+    hs = hs_ptr + slot * (I // 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // UW), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        v = (k0 // UW + tl.arange(0, BLOCK_K // UW))[None, :]
+        acc += dot_units(p, v, v < I // UW, hq, hd, hs, tab_ptr, UNIT, UW, UPB, BLOCK_HW,
+                         ZERO, OFFSET, MASK, ASM)
+    # the routing weight scales the expert's output, as in transformers
+    y = tl.sum(acc, axis=1) * tl.load(rw_ptr + slot)
+    tl.store(out_ptr + slot * stride_o + rows, y, mask=rows < H)
+
+
+def _suffixed(args: dict, suffix: str) -> dict:
+    """launch_args for one of the gate/up kernel's two weights: UNIT_G, HW_G, ..."""
+    return {("HW" if k == "BLOCK_HW" else k) + suffix: v for k, v in args.items()}
+
+
+def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids, per_slot,
+              strides, T, H, I, E, k, tiles):
+    (gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr) = strides
+    dev = x.device
+
+    def tiles_for(op, fmt):  # triton_kernels.configs: per op, format and device
+        if tiles is not None:
+            return tiles
+        cfg = configs.pick(op, fmt.name, device_name(dev))
+        return cfg["block_n"], cfg["block_k"]
+    block_n, block_k = tiles_for("moe_gate_up", fmt_gate)
+    ug, uu, ud = unit(fmt_gate), unit(fmt_up), unit(fmt_down)
+    n_slots = T * k
+    flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
+    x8 = quantize_x(x)
+    h = torch.zeros((n_slots, I), dtype=torch.float32, device=dev)
+    asm = asm_for(dev)
+    _gate_up_dp4a_kernel[(triton.cdiv(I, block_n), n_slots)](
+        x8.q, x8.d, x8.s, w_gate.view(torch.uint16), w_up.view(torch.uint16),
+        unit_table(fmt_gate, dev), unit_table(fmt_up, dev), h, flat_ids, k, E, I, H,
+        gate_se, gate_sr, up_se, up_sr, h.stride(0),
+        **_suffixed(launch_args(fmt_gate, ug), "_G"), **_suffixed(launch_args(fmt_up, uu), "_U"),
+        BLOCK_N=block_n, BLOCK_K=block_k, MASK=H % block_k != 0, ASM=asm)
+    h8 = quantize_x(h)
+    block_n, block_k = tiles_for("moe_down", fmt_down)
+    rw = weights.reshape(-1).to(torch.float32).contiguous()
+    _down_dp4a_kernel[(triton.cdiv(H, block_n), n_slots)](
+        h8.q, h8.d, h8.s, w_down.view(torch.uint16), unit_table(fmt_down, dev), rw,
+        per_slot, flat_ids, E, H, I, down_se, down_sr, per_slot.stride(0),
+        **launch_args(fmt_down, ud), BLOCK_N=block_n, BLOCK_K=block_k,
+        MASK=I % block_k != 0, ASM=asm)
+
+
 def _expert_strides(w: torch.Tensor, fmt: quant.Format, what: str) -> tuple[int, int]:
     """(expert stride, row stride) of w in blocks; ValueError if rows are not whole blocks."""
     se, sr, sb = w.stride()
@@ -354,28 +468,50 @@ def _default_tiles(n_slots: int, E: int) -> tuple[int, int, int]:
 
 def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
         fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor, *,
-        tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+        tiles: tuple[int, int, int] | None = None, path: str | None = None) -> torch.Tensor:
     """Σ_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, H); result (T, H) in x's dtype.
 
-    tiles: (BLOCK_M, BLOCK_N, BLOCK_K), powers of two >= 16, instead of the defaults.
-    CPU tensors without the interpreter run moe_torch.
+    path: "dot" (aligned blocks, tl.dot) or "dp4a" (int8 x, one GEMV a slot); None takes
+    dp4a for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8 units.
+    tiles: for "dot" (BLOCK_M, BLOCK_N, BLOCK_K), powers of two >= 16; for "dp4a"
+    (BLOCK_N, BLOCK_K), BLOCK_K a power of two >= 64. CPU tensors without the
+    interpreter run moe_torch.
     """
     fmt_gate, fmt_up, fmt_down = quant.get(fmt_gate), quant.get(fmt_up), quant.get(fmt_down)
     T, H, I, E, k = _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
     if not use_triton(x):
         return moe_torch(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
     n_slots = T * k
-    if tiles is None:
-        tiles = _default_tiles(n_slots, E)
-    if any(t < 16 or t & (t - 1) for t in tiles):
-        raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
-    block_m, block_n, block_k = tiles
+    has_units = all(unit(f) is not None for f in (fmt_gate, fmt_up, fmt_down))
+    if path is None:
+        path = "dp4a" if has_units and T <= MOE_DP4A_MAX_TOKENS else "dot"
+    if path not in ("dot", "dp4a"):
+        raise ValueError(f"moe: path must be 'dot', 'dp4a' or None, got {path!r}")
+    if path == "dp4a" and not has_units:
+        names = [f.name for f in (fmt_gate, fmt_up, fmt_down) if unit(f) is None]
+        raise ValueError(f"moe: path='dp4a' needs int8 unit decodes; {', '.join(names)} "
+                         f"has none (use path='dot')")
+    if path == "dp4a":
+        if tiles is not None and (len(tiles) != 2 or tiles[1] < 64
+                                  or any(t < 1 or t & (t - 1) for t in tiles)):
+            raise ValueError(f"moe: dp4a tiles must be (BLOCK_N, BLOCK_K), powers of two with "
+                             f"BLOCK_K >= 64, got {tiles}")
+    else:
+        if tiles is None:
+            tiles = _default_tiles(n_slots, E)
+        if len(tiles) != 3 or any(t < 16 or t & (t - 1) for t in tiles):
+            raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
     dev, out_dtype = x.device, x.dtype
     per_slot = torch.zeros((n_slots, H), dtype=torch.float32, device=dev)  # dropped slots stay 0
     if n_slots and H and I:
         gate_se, gate_sr = _expert_strides(w_gate, fmt_gate, "w_gate")
         up_se, up_sr = _expert_strides(w_up, fmt_up, "w_up")
         down_se, down_sr = _expert_strides(w_down, fmt_down, "w_down")
+        if path == "dp4a":
+            _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids, per_slot,
+                      ((gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr)), T, H, I, E, k, tiles)
+            return per_slot.view(T, k, H).sum(dim=1).to(out_dtype)
+        block_m, block_n, block_k = tiles
         if x.is_cuda:
             dot_dtype, precision = _CUDA_DOT_DTYPES[x.dtype], "tf32"
         else:

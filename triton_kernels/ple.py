@@ -46,6 +46,8 @@ from .decode.common import round_to_bf16_bits
 from .dequant import OUT_DTYPES, check_blocks, dequantize_torch
 
 IntsLike = Sequence[int] | torch.Tensor
+# (token, head) rows a program of the gather
+PLE_BLOCK_ROWS = 16
 
 # --- constants ----------------------------------------------------------------------------
 
@@ -282,7 +284,7 @@ def _gather_args(table, ids, fmt, out_dtype):
 
 def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, *,
                scale: float | torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-               block_rows: int = 16) -> torch.Tensor:
+               block_rows: int = PLE_BLOCK_ROWS) -> torch.Tensor:
     """[T, H * D]: for each token, its H rows of `table` dequantized and laid side by side."""
     fmt, dim = _gather_args(table, ids, fmt, out_dtype)
     if not use_triton(table):

@@ -7,9 +7,14 @@ GGUF file: uint8, (N, K // block_elems * block_bytes), or the same bytes flat (1
 `n` (the row count) checked when given and inferred from K when not. The result is
 (..., N) in x's dtype, accumulated in float32.
 
-Two Triton kernels share the per-format decode functions (triton_kernels.decode):
+Three Triton kernels:
 
-- GEMV ("gemv", the default for M <= GEMV_MAX_M rows, i.e. token-by-token decoding): a
+- dp4a GEMV ("dp4a", the default for M <= GEMV_MAX_M rows, i.e. token-by-token decoding,
+  in every format with an int8 unit decode: Q8_0, Q4_0, IQ4_NL, Q4_K, IQ3_XXS, IQ3_S):
+  x is rounded to int8 per 32 values, as llama.cpp's q8_1, and each weight is read once
+  as whole int8 words and multiplied four at a time (triton_kernels/int8.py). Its result
+  is x̂ @ W.T, x̂ the rounded x: within float32 rounding of that, not of x @ W.T.
+- float GEMV ("gemv", the default for few rows in the other formats): a
   program owns BLOCK_N outputs of up to BLOCK_M rows of x. Each [BLOCK_N, BLOCK_K] weight
   tile is decoded once and multiplied with every row, reduced with tl.sum. The work is
   bound by reading the weight bytes, and tensor cores would idle at M this small.
@@ -19,7 +24,7 @@ Two Triton kernels share the per-format decode functions (triton_kernels.decode)
   interpreter, which holds bf16 as raw uint16 and so cannot multiply it. With fp16 x the
   decoded weights are rounded to fp16 too, which assumes |w| < 65504 (true of real models).
 
-Neither splits K: a GEMV over a weight with few rows (N / BLOCK_N programs) leaves part
+The two GEMVs run one program per BLOCK_N rows (and, for dp4a, per row of x). None splits K: a GEMV over a weight with few rows (N / BLOCK_N programs) leaves part
 of a large GPU idle; a split-K variant would add programs along K and an fp32 reduction.
 
 Neither kernel is bit-exact with the torch path (different summation orders, FMA
@@ -42,7 +47,9 @@ import quant
 
 from .backend import use_triton
 from .decode import decoder, table
+from .decode import unit
 from .dequant import check_blocks, dequantize_torch
+from .int8 import gemv_dp4a, quantize_x
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -169,20 +176,27 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
             tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x @ W.T for W (N, K) stored as `fmt` blocks in `q`; result (..., N) in x's dtype.
 
-    path: "gemv" or "gemm" forces a kernel; None takes GEMV for at most GEMV_MAX_M rows.
+    path: "dp4a", "gemv" or "gemm" forces a kernel; None takes dp4a (formats with int8
+    units) or gemv for at most GEMV_MAX_M rows, gemm after.
     tiles: (BLOCK_M, BLOCK_N, BLOCK_K) powers of two instead of the path's defaults
-    (GEMM needs each >= 16 for tl.dot). CPU tensors without the interpreter ignore both
-    and run qmatmul_torch.
+    (GEMM needs each >= 16 for tl.dot); for dp4a (BLOCK_N, BLOCK_U). CPU tensors without
+    the interpreter ignore both and run qmatmul_torch.
     """
     fmt = quant.get(fmt)
-    if path not in (None, "gemv", "gemm"):
-        raise ValueError(f"{fmt.name}: path must be 'gemv', 'gemm' or None, got {path!r}")
+    if path not in (None, "dp4a", "gemv", "gemm"):
+        raise ValueError(f"{fmt.name}: path must be 'dp4a', 'gemv', 'gemm' or None, got {path!r}")
     x2, N, K = _check(x, q, fmt, n)
     if not use_triton(x):
         return qmatmul_torch(x, q, fmt, n=n)
     M = x2.shape[0]
     if path is None:
-        path = "gemv" if M <= GEMV_MAX_M else "gemm"
+        path = ("dp4a" if unit(fmt) is not None else "gemv") if M <= GEMV_MAX_M else "gemm"
+    if path == "dp4a":
+        if tiles is not None and (len(tiles) != 2 or any(t < 1 or t & (t - 1) for t in tiles)):
+            raise ValueError(f"{fmt.name}: dp4a tiles must be (BLOCK_N, BLOCK_U), powers of two, "
+                             f"got {tiles}")
+        y = gemv_dp4a(quantize_x(x2), q.contiguous(), fmt, N, tiles)
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
     if tiles is None:
         tiles = GEMV_TILES if path == "gemv" else GEMM_TILES
     block_m, block_n, block_k = tiles

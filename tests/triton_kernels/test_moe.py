@@ -155,7 +155,8 @@ def check(fmts, x, wg, wu, wd, weights, ids, tiles=None):
     weights = scaled(weights, terms)
     ref, bound = reference(terms, weights)
     args = (torch.from_numpy(wg), torch.from_numpy(wu), torch.from_numpy(wd), *fmts, weights, ids)
-    assert_close(moe(x, *args, tiles=tiles), ref, bound, x.dtype, "moe")
+    # the float bound is the dot path's; the dp4a path (int8 x and h) has its own test below
+    assert_close(moe(x, *args, tiles=tiles, path="dot"), ref, bound, x.dtype, "moe")
     assert_close(moe_torch(x, *args), ref, bound, x.dtype, "moe_torch")
 
 

@@ -142,15 +142,19 @@ def _case(fmt_name="Q4_0", m=3, n=5, nb=2, seed=0):
     return fmt, x, q
 
 
-@pytest.mark.parametrize("m,path", [(1, "gemv"), (GEMV_MAX_M, "gemv"), (GEMV_MAX_M + 1, "gemm")])
-def test_default_path_is_gemv_for_few_rows_and_gemm_after(m, path):
-    fmt, x, q = _case(m=m)
+@pytest.mark.parametrize("fmt_name,m,path", [
+    ("Q4_0", 1, "dp4a"), ("Q4_0", GEMV_MAX_M, "dp4a"), ("Q4_0", GEMV_MAX_M + 1, "gemm"),
+    ("Q5_0", 1, "gemv"), ("Q5_0", GEMV_MAX_M, "gemv"), ("Q5_0", GEMV_MAX_M + 1, "gemm")])
+def test_default_path_is_a_gemv_for_few_rows_and_gemm_after(fmt_name, m, path):
+    # dp4a where the format has int8 units (test_int8.py checks its bound), the float GEMV
+    # elsewhere
+    fmt, x, q = _case(fmt_name, m=m)
     qt = torch.from_numpy(q)
     # the interpreter is deterministic: the same kernel gives the same bits
     assert torch.equal(qmatmul(x, qt, fmt), qmatmul(x, qt, fmt, path=path))
 
 
-@pytest.mark.parametrize("path", ["gemv", "gemm"])
+@pytest.mark.parametrize("path", ["dp4a", "gemv", "gemm"])
 def test_leading_axes_flat_weights_and_strided_x(path):
     fmt, x, q = _case("IQ4_NL", m=6, n=7)
     qt = torch.from_numpy(q)
@@ -168,7 +172,7 @@ def test_leading_axes_flat_weights_and_strided_x(path):
     assert torch.equal(qmatmul(xt, qt, fmt, path=path), want)
 
 
-@pytest.mark.parametrize("path", ["gemv", "gemm"])
+@pytest.mark.parametrize("path", ["gemv", "gemm"])  # dp4a's bound: test_int8.py
 def test_bfloat16_x_gives_a_bfloat16_result(path):
     fmt, x, q = _case("Q8_0", m=4, n=9)
     xb = x.to(torch.bfloat16)
@@ -228,8 +232,12 @@ def test_bad_input_raises_value_error_naming_the_format(fn):
 def test_bad_path_and_tiles():
     fmt, x, q = _case()
     qt = torch.from_numpy(q)
-    with pytest.raises(ValueError, match=r"Q4_0: path must be 'gemv', 'gemm' or None, got 'dot'"):
+    with pytest.raises(ValueError, match=r"Q4_0: path must be 'dp4a', 'gemv', 'gemm' or None, got 'dot'"):
         qmatmul(x, qt, fmt, path="dot")
+    with pytest.raises(ValueError, match=r"Q4_0: dp4a tiles must be \(BLOCK_N, BLOCK_U\), powers of two, got \(16, 16, 16\)"):
+        qmatmul(x, qt, fmt, path="dp4a", tiles=(16, 16, 16))
+    with pytest.raises(ValueError, match=r"Q5_0: no int8 unit decode for this format; use path='gemv'"):
+        qmatmul(x, torch.from_numpy(quant.get("Q5_0").quantize(x.numpy()[:2])), "Q5_0", path="dp4a")
     with pytest.raises(ValueError, match=r"Q4_0: tiles must be powers of two >= 16 for gemm, got \(16, 8, 16\)"):
         qmatmul(x, qt, fmt, path="gemm", tiles=(16, 8, 16))
     with pytest.raises(ValueError, match=r"Q4_0: tiles must be powers of two, got \(3, 16, 16\)"):

@@ -13,6 +13,8 @@ results are bit-exact with quant/ (on a GPU, when launched with enable_fp_fusion
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -22,10 +24,10 @@ from .floats import decode_bf16, decode_f16, decode_f32
 from .fp8 import decode_fp8_e4m3
 from .iq1 import decode_iq1_m, decode_iq1_s
 from .iq2 import decode_iq2_s, decode_iq2_xs, decode_iq2_xxs
-from .iq3 import decode_iq3_s, decode_iq3_xxs
-from .iq4 import decode_iq4_nl, decode_iq4_xs
-from .kquants import decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k
-from .legacy import decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0
+from .iq3 import decode_iq3_s, decode_iq3_xxs, unit_iq3_s, unit_iq3_xxs
+from .iq4 import decode_iq4_nl, decode_iq4_xs, unit_iq4_nl
+from .kquants import decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k, unit_q4_k
+from .legacy import decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0, unit_q4_0, unit_q8_0
 
 DECODERS = {
     "F32": decode_f32, "F16": decode_f16, "BF16": decode_bf16,
@@ -71,3 +73,75 @@ def decoder(fmt: quant.Format):
         return DECODERS[fmt.name]
     except KeyError:
         raise ValueError(f"{fmt.name}: no Triton decode function for this format yet") from None
+
+
+# --- int8 units: the decode of the dp4a GEMV, the MoE decode kernels and dequant ----------
+
+@dataclass(frozen=True)
+class Unit:
+    """A format's int8 unit decode (decode/common.py): `fn(p, u, tab_ptr, ASM)` returns
+    the int8 words, scales a and offsets b of unit u of each block; weight = a * (code -
+    zero), minus b when `offset`."""
+    fn: object
+    weights: int          # weights a unit: 32 or 64 (two 32-weight groups)
+    zero: int = 0         # subtracted from each code before scaling (Q4_0: 8)
+    offset: bool = False  # weight = a * code - b (the K-quants' minimum)
+
+    @property
+    def words(self) -> int:
+        return self.weights // 4
+
+    @property
+    def groups(self) -> int:
+        return self.weights // 32
+
+
+UNITS = {
+    "Q8_0": Unit(unit_q8_0, 32),
+    "Q4_0": Unit(unit_q4_0, 32, zero=8),
+    "IQ4_NL": Unit(unit_iq4_nl, 32),
+    "Q4_K": Unit(unit_q4_k, 64, offset=True),
+    "IQ3_XXS": Unit(unit_iq3_xxs, 32),
+    "IQ3_S": Unit(unit_iq3_s, 32),
+}
+
+
+def unit(fmt: quant.Format) -> Unit | None:
+    """The format's unit decode, or None where only the per-weight decode exists."""
+    return UNITS.get(fmt.name)
+
+
+def launch_args(fmt: quant.Format, u: Unit) -> dict:
+    """A format's unit constexprs, as every unit kernel takes them: the decode, weights a
+    unit, units a block, halfwords a block, ZERO and OFFSET."""
+    return dict(UNIT=u.fn, UW=u.weights, UPB=fmt.block_elems // u.weights,
+                BLOCK_HW=fmt.block_bytes // 2, ZERO=u.zero, OFFSET=u.offset)
+
+
+def _sign_words(patterns: np.ndarray) -> np.ndarray:
+    """(n,) sign bytes (bit i set: weight i negative) -> (n, 2) int32 of 0x00/0x01 bytes."""
+    bits = (patterns[:, None].astype(np.uint32) >> np.arange(8, dtype=np.uint32)) & 1
+    return bits.astype(np.uint8).reshape(-1, 2, 4).copy().view("<i4").reshape(-1, 2)
+
+
+def _unit_table_words(fmt: quant.Format) -> np.ndarray:
+    """The unit decode's table as int32 words (layouts in decode/iq3.py and iq4.py)."""
+    if fmt.name == "IQ3_XXS":
+        grid = fmt.tables["grid"].astype(np.uint8).reshape(-1, 4).copy().view("<i4").reshape(-1)
+        return np.concatenate([grid, _sign_words(fmt.tables["ksigns"]).reshape(-1)])
+    if fmt.name == "IQ3_S":
+        grid = fmt.tables["grid"].astype(np.uint8).reshape(-1, 4).copy().view("<i4").reshape(-1)
+        return np.concatenate([grid, _sign_words(np.arange(256)).reshape(-1)])
+    if fmt.name == "IQ4_NL":
+        return fmt.tables["kvalues"].astype(np.int8).copy().view("<i4")
+    return np.zeros(1, dtype=np.int32)
+
+
+_UNIT_TABLES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def unit_table(fmt: quant.Format, device: torch.device) -> torch.Tensor:
+    key = (fmt.name, str(device))
+    if key not in _UNIT_TABLES:
+        _UNIT_TABLES[key] = torch.from_numpy(_unit_table_words(fmt).astype(np.int32)).to(device)
+    return _UNIT_TABLES[key]

@@ -2,6 +2,8 @@
 import triton
 import triton.language as tl
 
+from ..asm import pack16
+
 
 @triton.jit
 def load_u16(q_ptr, off, mask):
@@ -32,3 +34,38 @@ def round_to_bf16_bits(v):
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, (u >> 16) | 0x40, r)
     return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+# --- int8 units (the dp4a kernels' decode) -------------------------------------------------
+# A unit decode reads one unit (32 or 64 weights) of every block that a pointer tensor `p`
+# (uint16: blocks are 2-byte aligned, so two 16-bit loads and one PRMT make a word) points
+# at, and returns (words, a, b): a tuple of int32 words, each four signed 8-bit codes of
+# consecutive weights, and per 32-weight group the float32 scale a and offset b, such that
+#     weight = a * (code - ZERO) - b          (the format's ZERO and OFFSET, decode.UNITS)
+# with the float operations in the numpy codec's order, so dequant stays bit-exact.
+
+@triton.jit
+def hw(p, off):
+    """The uint16 at halfword offset `off` of each block."""
+    return tl.load(p + off)
+
+
+@triton.jit
+def f16_at(p, off):
+    return tl.load(p + off).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def word_at(p, off, ASM: tl.constexpr):
+    """The int32 at halfword offset `off` (2-byte aligned) of each block."""
+    return pack16(tl.load(p + off), tl.load(p + off + 1), ASM)
+
+
+@triton.jit
+def lo_nibbles(r):
+    return r & 0x0F0F0F0F
+
+
+@triton.jit
+def hi_nibbles(r):
+    return (r >> 4) & 0x0F0F0F0F

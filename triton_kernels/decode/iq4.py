@@ -3,8 +3,9 @@ per 32); layouts in quant/iq4.py. Table: the 16 int8 values."""
 import triton
 import triton.language as tl
 
-from .common import load_f16, load_u16
-from .legacy import _nibble
+from ..asm import prmt
+from .common import f16_at, load_f16, load_u16
+from .legacy import _nibble, nibble_words
 
 
 @triton.jit
@@ -28,3 +29,36 @@ def decode_iq4_xs(q_ptr, tab_ptr, blk, j, mask):
     code = _nibble(q_ptr, base + 8 + ib * 16, j % 32, mask)
     v = tl.load(tab_ptr + code, mask=mask, other=0).to(tl.int8, bitcast=True)
     return dl * v.to(tl.float32)
+
+
+# --- int8 units (decode/common.py) ---------------------------------------------------------
+
+@triton.jit
+def _lut16(r, t0, t1, t2, t3, ASM: tl.constexpr):
+    """Eight nibbles of r (byte k: weight k low, k + 16 high) looked up in the 16-byte
+    table t0..t3 with byte permutes, as llama.cpp's get_int_from_table_16 does: returns
+    (weights 0-3, weights 16-19) as int32 words of table bytes."""
+    sel = r & 0x77777777
+    half = ((r >> 1) & 0x44444444) | 0x32103210   # picks the table half by bit 3
+    a = prmt(prmt(t0, t1, sel, ASM), prmt(t2, t3, sel, ASM), half, ASM)
+    sel_b = sel >> 16
+    half_b = half >> 16
+    b = prmt(prmt(t0, t1, sel_b, ASM), prmt(t2, t3, sel_b, ASM), half_b, ASM)
+    # a holds weights 0, 16, 1, 17 and b 2, 18, 3, 19: deinterleave
+    return prmt(a, b, 0x6420, ASM), prmt(a, b, 0x7531, ASM)
+
+
+@triton.jit
+def unit_iq4_nl(p, u, tab_ptr, ASM: tl.constexpr):
+    """IQ4_NL: d | 16 nibble bytes; weight = d * KVALUES[q]. Table: KVALUES as 4 int32."""
+    d = f16_at(p, 0)
+    t0 = tl.load(tab_ptr)
+    t1 = tl.load(tab_ptr + 1)
+    t2 = tl.load(tab_ptr + 2)
+    t3 = tl.load(tab_ptr + 3)
+    r = nibble_words(p, 1, ASM)
+    l0, h0 = _lut16(r[0], t0, t1, t2, t3, ASM)
+    l1, h1 = _lut16(r[1], t0, t1, t2, t3, ASM)
+    l2, h2 = _lut16(r[2], t0, t1, t2, t3, ASM)
+    l3, h3 = _lut16(r[3], t0, t1, t2, t3, ASM)
+    return (l0, l1, l2, l3, h0, h1, h2, h3), (d,), (d,)

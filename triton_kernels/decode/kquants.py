@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .common import load_f16
+from .common import f16_at, hi_nibbles, hw, lo_nibbles, load_f16, word_at
 
 
 @triton.jit
@@ -94,3 +94,46 @@ def decode_q6_k(q_ptr, tab_ptr, blk, j, mask):
     dl = d * sc.to(tl.float32)
     q = (_nibble(q_ptr, base, j, mask, 64) | (_crumb(q_ptr, base + 128, j, mask) << 4)) - 32
     return dl * q.to(tl.float32)
+
+
+# --- int8 units (decode/common.py) ---------------------------------------------------------
+
+@triton.jit
+def _k_scale_min(a, b, c, j: tl.constexpr, low):
+    """6-bit scale and min of sub-block 2u + j from the halfwords a, b, c that hold bytes
+    4 + i % 4, 8 + i % 4, 12 + i % 4 of its pair of sub-blocks (k_scale_min in quant/)."""
+    a = (a >> (8 * j)) & 0xFF
+    b = (b >> (8 * j)) & 0xFF
+    c = (c >> (8 * j)) & 0xFF
+    sc = tl.where(low, a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30))
+    m = tl.where(low, b & 0x3F, (c >> 4) | ((b >> 2) & 0x30))
+    return sc, m
+
+
+@triton.jit
+def unit_q4_k(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q4_K unit u (0..3): 64 weights, sub-blocks 2u (low nibbles of bytes 16 + 32u..) and
+    2u + 1 (high nibbles); weight = (d * sc) * q - dmin * m, OFFSET."""
+    d = f16_at(p, 0)
+    dmin = f16_at(p, 1)
+    ha = hw(p, 2 + u % 2).to(tl.int32)
+    hb = hw(p, 4 + u % 2).to(tl.int32)
+    hc = hw(p, 6 + u % 2).to(tl.int32)
+    low = u < 2
+    sc0, m0 = _k_scale_min(ha, hb, hc, 0, low)
+    sc1, m1 = _k_scale_min(ha, hb, hc, 1, low)
+    q = 8 + 16 * u
+    r0 = word_at(p, q, ASM)
+    r1 = word_at(p, q + 2, ASM)
+    r2 = word_at(p, q + 4, ASM)
+    r3 = word_at(p, q + 6, ASM)
+    r4 = word_at(p, q + 8, ASM)
+    r5 = word_at(p, q + 10, ASM)
+    r6 = word_at(p, q + 12, ASM)
+    r7 = word_at(p, q + 14, ASM)
+    return ((lo_nibbles(r0), lo_nibbles(r1), lo_nibbles(r2), lo_nibbles(r3),
+             lo_nibbles(r4), lo_nibbles(r5), lo_nibbles(r6), lo_nibbles(r7),
+             hi_nibbles(r0), hi_nibbles(r1), hi_nibbles(r2), hi_nibbles(r3),
+             hi_nibbles(r4), hi_nibbles(r5), hi_nibbles(r6), hi_nibbles(r7)),
+            (d * sc0.to(tl.float32), d * sc1.to(tl.float32)),
+            (dmin * m0.to(tl.float32), dmin * m1.to(tl.float32)))

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .common import load_f16
+from .common import f16_at, hi_nibbles, lo_nibbles, load_f16, word_at
 
 
 @triton.jit
@@ -59,3 +59,34 @@ def decode_q5_1(q_ptr, tab_ptr, blk, j, mask):
     m = load_f16(q_ptr, base + 2, mask)
     q = _q5(q_ptr, base + 4, j, mask).to(tl.float32)
     return d * q + m  # exact only without FMA contraction (enable_fp_fusion=False)
+
+
+# --- int8 units (decode/common.py) ---------------------------------------------------------
+
+@triton.jit
+def unit_q8_0(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q8_0: d | 32 int8; one unit a block. weight = d * q."""
+    d = f16_at(p, 0)
+    return ((word_at(p, 1, ASM), word_at(p, 3, ASM), word_at(p, 5, ASM), word_at(p, 7, ASM),
+             word_at(p, 9, ASM), word_at(p, 11, ASM), word_at(p, 13, ASM), word_at(p, 15, ASM)),
+            (d,), (d,))
+
+
+@triton.jit
+def nibble_words(p, off, ASM: tl.constexpr):
+    """32 weights of 16 nibble bytes at halfword `off` (byte i: weight i low, i + 16 high)."""
+    r0 = word_at(p, off, ASM)
+    r1 = word_at(p, off + 2, ASM)
+    r2 = word_at(p, off + 4, ASM)
+    r3 = word_at(p, off + 6, ASM)
+    return (r0, r1, r2, r3)
+
+
+@triton.jit
+def unit_q4_0(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q4_0: d | 16 nibble bytes; weight = d * (q - 8), ZERO = 8."""
+    d = f16_at(p, 0)
+    r = nibble_words(p, 1, ASM)
+    return ((lo_nibbles(r[0]), lo_nibbles(r[1]), lo_nibbles(r[2]), lo_nibbles(r[3]),
+             hi_nibbles(r[0]), hi_nibbles(r[1]), hi_nibbles(r[2]), hi_nibbles(r[3])),
+            (d,), (d,))

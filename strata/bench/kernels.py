@@ -1,0 +1,171 @@
+"""`strata bench kernels`: what every weight-streaming kernel costs, statically and measured.
+
+--static (no GPU needed): every op x format compiled for each --target at the engine's
+configuration (triton_kernels.static): registers, spills, shared memory, main-loop and
+whole-kernel instructions per weight, and the predicted fraction of bandwidth on named
+GPUs. On CUDA without --static: the decode GEMV of a 4096 x 14336 weight per format,
+checked against the torch path and timed with triton.testing.do_bench, as GB/s of weight
+bytes read against the device-to-device copy measured in the same run, the static
+prediction beside it. --tune (CUDA): times candidate GEMV tiles per format and writes the
+fastest into triton_kernels/configs/<device>.json.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import quant
+from strata.bench.report import emit, machine, markdown
+from triton_kernels import configs, static
+from triton_kernels.decode import unit
+
+TABLE_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "IQ4_NL", "IQ3_S", "IQ3_XXS")
+GEMV_SHAPE = (4096, 14336)  # (N, K): a Llama-3-8B ffn_down
+TUNE_TILES = [(bn, bu) for bn in (1, 2, 4, 8, 16) for bu in (4, 8, 16, 32, 64) if bn * bu >= 32]
+
+
+def add_args(sub) -> None:
+    bk = sub.add_parser("kernels", help="instructions per weight, registers and spills of every "
+                        "kernel from its machine code (--static, no GPU); GB/s on a GPU")
+    bk.add_argument("--static", action="store_true",
+                    help="compile for --target with no GPU and read the machine code")
+    bk.add_argument("--target", default="sm_90",
+                    help=f"comma-separated targets for --static: {', '.join(static.TARGETS)}")
+    bk.add_argument("--ops", default=",".join(static.OPS), help="comma-separated ops")
+    bk.add_argument("--formats", default=None,
+                    help=f"comma-separated formats (default: {','.join(TABLE_FORMATS)}; 'all' for every one)")
+    bk.add_argument("--tune", action="store_true",
+                    help="CUDA: time GEMV tiles per format, write the fastest to the device's config table")
+    bk.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _formats(arg: str | None) -> list[str]:
+    if arg is None:
+        return list(TABLE_FORMATS)
+    if arg == "all":
+        return [f.name for f in quant.FORMATS.values()]
+    return [quant.get(f.strip()).name for f in arg.split(",")]
+
+
+def run(args) -> int:
+    formats = _formats(args.formats)
+    if args.static:
+        return _run_static(args, formats)
+    if not torch.cuda.is_available():
+        raise ValueError("bench kernels: no CUDA device here; add --static to read the kernels' "
+                         "machine code without one")
+    if args.tune:
+        return _run_tune(args, formats)
+    return _run_measured(args, formats)
+
+
+def _run_static(args, formats) -> int:
+    targets = [t.strip() for t in args.target.split(",")]
+    ops = [o.strip() for o in args.ops.split(",")]
+    for t in targets:
+        if t not in static.TARGETS:
+            raise ValueError(f"bench kernels: unknown target {t!r}; targets: {', '.join(static.TARGETS)}")
+    for o in ops:
+        if o not in static.OPS:
+            raise ValueError(f"bench kernels: unknown op {o!r}; ops: {', '.join(static.OPS)}")
+    rows = [r.as_dict() for r in static.rows(ops, formats, targets)]
+    if args.json:
+        emit(rows, "", True)
+        return 0
+    for t in targets:
+        sel = [r for r in rows if r["target"] == t]
+        gpus = [g.name for g in static.GPUS if (static.TARGETS[g.target].backend == "hip")
+                == (static.TARGETS[t].backend == "hip")]
+        for r in sel:
+            for g in gpus:
+                r[f"bw_{g}"] = r["pred_bw"].get(g)
+            top = sorted(r["mix"].items(), key=lambda kv: -kv[1])[:4]
+            r["top"] = " ".join(f"{k}:{v}" for k, v in top)
+        cols = [("op", "op"), ("format", "format"), ("kernel", "kernel"), ("regs", "regs"),
+                ("spill_bytes", "spill B"), ("instr_per_weight", "instr/w loop"),
+                ("instr_per_weight_whole", "instr/w 4096x14336")]
+        cols += [(f"bw_{g}", f"{g} bw") for g in gpus] + [("top", "loop mix")]
+        print(f"## {t}\n")
+        print(markdown(sel, cols))
+        print()
+    return 0
+
+
+def _copy_gbps(nbytes: int = 1 << 30) -> float:
+    import triton
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), quantiles=[0.5, 0.2, 0.8])[0]
+    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
+
+
+def _gemv_case(fmt: quant.Format, rng: np.random.Generator):
+    from strata.bench.dequant import random_blocks
+    N, K = GEMV_SHAPE
+    raw = random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1)
+    q = torch.from_numpy(raw).cuda()
+    x = torch.from_numpy(rng.uniform(-1, 1, (1, K)).astype(np.float32)).to("cuda", torch.bfloat16)
+    return q, x
+
+
+def _time_gemv(fmt, q, x, tiles=None) -> float:
+    import triton
+
+    from triton_kernels import qmatmul
+    return triton.testing.do_bench(lambda: qmatmul(x, q, fmt, tiles=tiles),
+                                   quantiles=[0.5, 0.2, 0.8])[0]
+
+
+def _run_measured(args, formats) -> int:
+    from triton_kernels import qmatmul, qmatmul_torch
+    from triton_kernels.int8 import gemv_dp4a_torch, quantize_x
+    rng = np.random.default_rng(0)
+    copy = _copy_gbps()
+    rows = []
+    for name in formats:
+        fmt = quant.get(name)
+        q, x = _gemv_case(fmt, rng)
+        N, K = GEMV_SHAPE
+        y = qmatmul(x, q, fmt).float()
+        if unit(fmt) is not None:
+            ref = gemv_dp4a_torch(quantize_x(x.float()), q, fmt, N)
+        else:
+            ref = qmatmul_torch(x.float(), q, fmt)
+        rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        ms = _time_gemv(fmt, q, x)
+        gbps = q.numel() / (ms * 1e-3) / 1e9
+        st = static.analyse("gemv", fmt, "sm_90")
+        rows.append({"op": "gemv", "format": name, "N": N, "K": K, "us": ms * 1e3,
+                     "gb_per_s": gbps, "pct_copy": 100 * gbps / copy, "max_rel_err": rel,
+                     "instr_per_weight": st.instr_per_weight, "pred_bw_h200": st.pred_bw.get("H200")})
+        del q, x
+    result = {"machine": machine(), "copy_gb_per_s": copy, "rows": rows}
+    cols = [("format", "format"), ("us", "µs"), ("gb_per_s", "GB/s"), ("pct_copy", "% copy"),
+            ("max_rel_err", "max rel err"), ("instr_per_weight", "instr/w (sm_90)"),
+            ("pred_bw_h200", "predicted (H200)")]
+    emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write)",
+         args.json)
+    return 0
+
+
+def _run_tune(args, formats) -> int:
+    name = torch.cuda.get_device_name()
+    rng = np.random.default_rng(0)
+    table: dict = {"gemv": {}}
+    rows = []
+    for f in formats:
+        fmt = quant.get(f)
+        if unit(fmt) is None:
+            continue
+        q, x = _gemv_case(fmt, rng)
+        times = {t: _time_gemv(fmt, q, x, tiles=t) for t in TUNE_TILES}
+        best = min(times, key=times.get)
+        table["gemv"][f] = {"block_n": best[0], "block_u": best[1]}
+        rows.append({"format": f, "tiles": str(best), "us": times[best] * 1e3,
+                     "default_us": times.get(tuple(configs.pick("gemv", f).get(k) for k in ("block_n", "block_u")), float("nan")) * 1e3})
+        del q, x
+    path = configs.write(name, table)
+    emit({"device": name, "path": str(path), "rows": rows},
+         markdown(rows, [("format", "format"), ("tiles", "best tiles"), ("us", "µs"),
+                         ("default_us", "default µs")]) + f"\n\nwrote {path}", args.json)
+    return 0

@@ -1,0 +1,48 @@
+"""Launch configurations as data: the one place that picks tiles and warps.
+
+    pick(op, fmt, device=None) -> dict     e.g. {"block_n": 4, "block_u": 32, "num_warps": 4}
+
+`default.json` beside this file holds, per op, a configuration for every format and any
+per-format overrides; `<device>.json` (the device name as torch reports it, spaces and
+slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kernels
+--tune` on that device, overrides it. Later entries win: op defaults, then the op's
+format entry, then the device file's op defaults and format entry.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import re
+
+HERE = pathlib.Path(__file__).parent
+
+
+def device_file(device_name: str) -> pathlib.Path:
+    return HERE / (re.sub(r"[^A-Za-z0-9_.-]+", "_", device_name.strip()) + ".json")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> dict:
+    p = pathlib.Path(path)
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def pick(op: str, fmt: str, device: str | None = None) -> dict:
+    tables = [_load(str(HERE / "default.json"))]
+    if device:
+        tables.append(_load(str(device_file(device))))
+    out: dict = {}
+    for t in tables:
+        entry = t.get(op, {})
+        out.update({k: v for k, v in entry.items() if not isinstance(v, dict)})
+        out.update(entry.get(fmt, {}))
+    return out
+
+
+def write(device_name: str, table: dict) -> pathlib.Path:
+    """Store a tuned table for one device; returns its path."""
+    path = device_file(device_name)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    _load.cache_clear()
+    return path

@@ -1,0 +1,237 @@
+"""Int8 activations and the dp4a GEMV: the decode-time matmul at the memory roof.
+
+    quantize_x(x) -> Q8X(q, d, s)        x (M, K) -> int8 per 32 values, as llama.cpp's q8_1
+    gemv_dp4a(q8x, q, fmt, n, tiles)     (M, N) float32 = x̂ @ W.T, W as GGUF blocks
+
+x̂ is x rounded to int8 per group of 32 consecutive values: d = max|x| / 127, q =
+round(x / d) (half away from zero), x̂ = d * q; s = d * Σq, the group's sum of x̂. The
+GEMV then reads each weight once as the format's int8 units (triton_kernels.decode.UNITS)
+and multiplies four weights at a time with `dp4a`:
+
+    y[n] = Σ_groups  a * d * dp4a-sum(code, q)  -  (a * ZERO + b) * s
+
+(a, b the group's scale and offset, ZERO the format's code offset: Q4_0's -8 and the
+K-quants' minimum are applied once a group, through s, never per weight). The only error
+beyond float32 rounding is x's rounding to int8; tests/triton_kernels/test_int8.py states
+both bounds.
+
+Work per thread: a program owns BLOCK_N rows and walks K in steps of BLOCK_U units; each
+thread decodes whole units (32 or 64 weights), sums their dp4a results in int32 and
+scales them once a group; the accumulator [BLOCK_N, BLOCK_U] is reduced across lanes once,
+after the loop. Rows past N are clamped (read, never stored), so the main loop carries no
+masks; K that is no whole number of steps takes masked loads (MASK_K).
+
+`quantize_x_torch` repeats quantize_x's float operations (equal bits); `gemv_dp4a_torch`
+computes the same product, x̂ @ W.T, as one float32 torch matmul with the dequantized W.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+import quant
+
+from . import configs
+from .asm import asm_for, dp4a
+from .backend import device_name, use_triton
+from .decode import launch_args, unit, unit_table
+
+GROUP = 32
+
+
+class Q8X(NamedTuple):
+    """x rounded to int8 per 32 values: q (M, K // 4) int32 words of four int8 codes,
+    d (M, K // 32) float32 scales, s (M, K // 32) float32 sums d * Σq."""
+    q: torch.Tensor
+    d: torch.Tensor
+    s: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """x̂ as float32 (M, K)."""
+        codes = self.q.contiguous().view(torch.int8).float()
+        M = codes.shape[0]
+        return (codes.view(M, -1, GROUP) * self.d[:, :, None]).view(M, -1)
+
+
+# --- quantizing x ------------------------------------------------------------------------
+
+@triton.jit
+def _round_away(v):
+    a = tl.floor(tl.abs(v) + 0.5)
+    return tl.where(v < 0, -a, a)
+
+
+@triton.jit
+def _quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_xk,
+                       BLOCK_G: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    G = K // 32
+    gmask = g < G
+    i = tl.arange(0, 32)
+    x = tl.load(x_ptr + m * stride_xm + (g[:, None] * 32 + i[None, :]) * stride_xk,
+                mask=gmask[:, None], other=0.0).to(tl.float32)
+    d = tl.max(tl.abs(x), axis=1) / 127.0
+    safe = tl.where(d == 0, 1.0, d)
+    code = tl.where(d[:, None] == 0, 0.0, _round_away(tl.math.div_rn(x, safe[:, None])))
+    c = code.to(tl.int32)
+    s = d * tl.sum(c, axis=1).to(tl.float32)
+    shift = (tl.arange(0, 4) * 8)[None, None, :]
+    words = tl.sum((tl.reshape(c, (BLOCK_G, 8, 4)) & 0xFF) << shift, axis=2)
+    w = tl.arange(0, 8)
+    tl.store(q_ptr + m * (K // 4) + g[:, None] * 8 + w[None, :], words, mask=gmask[:, None])
+    tl.store(d_ptr + m * G + g, d, mask=gmask)
+    tl.store(s_ptr + m * G + g, s, mask=gmask)
+
+
+def _check_x(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] % GROUP:
+        raise ValueError(f"quantize_x: x must be (M, K) with K a multiple of {GROUP}, "
+                         f"got shape {tuple(x.shape)}")
+    return x
+
+
+def quantize_x(x: torch.Tensor) -> Q8X:
+    """x (M, K), any float dtype -> Q8X. Triton on CUDA or under the interpreter."""
+    _check_x(x)
+    if not use_triton(x):
+        return quantize_x_torch(x)
+    M, K = x.shape
+    if not x.is_cuda and x.dtype == torch.bfloat16:
+        x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
+    q = torch.empty((M, K // 4), dtype=torch.int32, device=x.device)
+    d = torch.empty((M, K // GROUP), dtype=torch.float32, device=x.device)
+    s = torch.empty_like(d)
+    if M and K:
+        block_g = 4
+        _quantize_x_kernel[(M, triton.cdiv(K // GROUP, block_g))](
+            x, q, d, s, K, x.stride(0), x.stride(1), BLOCK_G=block_g)
+    return Q8X(q, d, s)
+
+
+def quantize_x_torch(x: torch.Tensor) -> Q8X:
+    """quantize_x in torch, the same float operations: equal bits."""
+    _check_x(x)
+    M, K = x.shape
+    xg = x.float().reshape(M, K // GROUP, GROUP)
+    d = xg.abs().amax(dim=2) / 127.0 if K else torch.zeros((M, 0))
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    v = xg / safe[:, :, None]
+    code = torch.where(v < 0, -torch.floor(v.abs() + 0.5), torch.floor(v.abs() + 0.5))
+    code = torch.where(d[:, :, None] == 0, torch.zeros_like(code), code).to(torch.int32)
+    s = d * code.sum(dim=2).float()
+    q = code.to(torch.int8).reshape(M, K).contiguous().view(torch.int32)
+    return Q8X(q, d, s)
+
+
+# --- the dp4a GEMV -----------------------------------------------------------------------
+
+@triton.jit
+def dot_units(p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
+              UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr, BLOCK_HW: tl.constexpr,
+              ZERO: tl.constexpr, OFFSET: tl.constexpr, MASK: tl.constexpr, ASM: tl.constexpr):
+    """Σ over units v (a [1, BLOCK_U] tensor of unit indices along K) of rows p_row (a
+    [BLOCK_N, 1] uint16 pointer tensor at each row's first block) · x̂: float32
+    [BLOCK_N, BLOCK_U], one partial sum per (row, unit), scaled, not yet reduced."""
+    if UPB == 1:
+        p = p_row + v * BLOCK_HW
+        u = 0
+    else:
+        p = p_row + (v // UPB) * BLOCK_HW
+        u = v % UPB
+    if MASK:
+        # the last step's units past K re-read unit 0 of the row: in bounds, and x's
+        # masked scale zeroes them below
+        p = tl.where(vmask, p, p_row)
+    words, a, b = UNIT(p, u, tab_ptr, ASM)
+    part = tl.zeros(p.shape, tl.float32)
+    for g in tl.static_range(UW // 32):
+        gi = v * (UW // 32) + g
+        s = tl.zeros(p.shape, tl.int32)
+        for w in tl.static_range(8):
+            if MASK:
+                xw = tl.load(xq_ptr + gi * 8 + w, mask=vmask, other=0)
+            else:
+                xw = tl.load(xq_ptr + gi * 8 + w)
+            s = dp4a(words[g * 8 + w], xw, s, ASM)
+        if MASK:
+            xd = tl.load(xd_ptr + gi, mask=vmask, other=0.0)
+        else:
+            xd = tl.load(xd_ptr + gi)
+        term = s.to(tl.float32) * (a[g] * xd)
+        if ZERO != 0 or OFFSET:
+            if MASK:
+                xs = tl.load(xs_ptr + gi, mask=vmask, other=0.0)
+            else:
+                xs = tl.load(xs_ptr + gi)
+            if ZERO != 0:
+                term -= (a[g] * ZERO) * xs
+            if OFFSET:
+                term -= b[g] * xs
+        if MASK:
+            term = tl.where(vmask, term, 0.0)  # a clamped unit's scale may be Inf or NaN
+        part += term
+    return part
+
+
+@triton.jit
+def _gemv_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, N, K, stride_om,
+                      UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
+                      BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, MASK: tl.constexpr,
+                      ASM: tl.constexpr):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    units = K // UW
+    # rows past N read row N - 1 (in bounds) and are not stored: no masks in the loop
+    p_row = q_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * (units // UPB * BLOCK_HW)
+    xq = xq_ptr + m * (K // 4)
+    xd = xd_ptr + m * (K // 32)
+    xs = xs_ptr + m * (K // 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
+    for v0 in range(0, units, BLOCK_U):
+        v = (v0 + tl.arange(0, BLOCK_U))[None, :]
+        acc += dot_units(p_row, v, v < units, xq, xd, xs, tab_ptr, UNIT, UW, UPB, BLOCK_HW,
+                         ZERO, OFFSET, MASK, ASM)
+    y = tl.sum(acc, axis=1)  # the one cross-lane reduction
+    tl.store(out_ptr + m * stride_om + rows, y, mask=rows < N)
+
+
+def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: quant.Format, N: int,
+              tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """(M, N) float32 = x̂ @ W.T for W's N rows of GGUF blocks in q (contiguous uint8,
+    2-D or flat). tiles: (BLOCK_N rows, BLOCK_U units along K) a program, powers of two;
+    by default triton_kernels.configs' "gemv" entry for the format and device."""
+    u = unit(fmt)
+    if u is None:
+        raise ValueError(f"{fmt.name}: no int8 unit decode for this format; use path='gemv'")
+    cfg = configs.pick("gemv", fmt.name, device_name(q.device))
+    if tiles is None:
+        tiles = (cfg["block_n"], cfg["block_u"])
+    M = x8.q.shape[0]
+    K = x8.q.shape[1] * 4
+    out = torch.empty((M, N), dtype=torch.float32, device=q.device)
+    if not (M and N):
+        return out
+    if K == 0:
+        return out.zero_()
+    block_n, block_u = tiles
+    units = K // u.weights
+    grid = (triton.cdiv(N, block_n), M)
+    _gemv_dp4a_kernel[grid](
+        x8.q, x8.d, x8.s, q.reshape(-1).view(torch.uint16), unit_table(fmt, q.device), out,
+        N, K, out.stride(0), **launch_args(fmt, u), BLOCK_N=block_n, BLOCK_U=block_u,
+        MASK=units % block_u != 0, ASM=asm_for(q.device), num_warps=cfg.get("num_warps", 4))
+    return out
+
+
+def gemv_dp4a_torch(x8: Q8X, q: torch.Tensor, fmt: quant.Format, N: int) -> torch.Tensor:
+    """gemv_dp4a's product in torch: x̂ @ W.T in float32."""
+    from .dequant import dequantize_torch
+    K = x8.q.shape[1] * 4
+    w = dequantize_torch(q.reshape(N, K // fmt.block_elems * fmt.block_bytes), fmt)
+    return x8.dequantize() @ w.T

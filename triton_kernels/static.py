@@ -1,0 +1,373 @@
+"""What a kernel costs on a GPU, read from its machine code, with no GPU.
+
+    analyse(op, fmt, target) -> Row      one kernel, compiled as the engine launches it
+    rows(ops, formats, targets) -> list[Row]
+
+Triton compiles for any target on any machine (`triton.compile(ASTSource(...),
+target=GPUTarget(...))`); ptxas, cuobjdump and nvdisasm ship with it. From the cubin
+(NVIDIA) or the AMDGCN text (AMD) this module reads the registers, the spilled bytes, the
+shared memory and the instructions, finds the main loop (the longest span closed by a
+backward branch) and divides its instructions by the weights one thread (lane) handles in
+an iteration: **instructions per weight**. Kernels without a loop (dequant, the PLE
+gather) divide the whole kernel's count.
+
+A GPU streaming weights at its memory bandwidth B (bytes/s) at `bpw` bits a weight (plus
+16 for the bf16 values that dequant and the PLE gather write) must
+issue B * 8 / bpw * ipw lane-instructions a second; it can issue units * lanes * clock
+(SMs x 4 schedulers x 32 lanes on NVIDIA, CUs x 4 SIMDs x 16 lanes on AMD CDNA3). The
+predicted fraction of bandwidth is the smaller of 1 and their ratio:
+
+    pred_bw = min(1, units * lanes * clock / (B * 8 / bpw * ipw))
+
+It bounds from above: memory latency, occupancy, the integer pipe's narrower width on
+Hopper and L1 traffic for table look-ups all cost more. It says which kernels cannot be
+memory-bound, and how far a change moves them, in seconds on a laptop.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import quant
+
+from . import configs
+from .decode import decoder, launch_args, unit
+
+OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather")
+TARGETS = {
+    "sm_80": GPUTarget("cuda", 80, 32),
+    "sm_89": GPUTarget("cuda", 89, 32),
+    "sm_90": GPUTarget("cuda", 90, 32),
+    "gfx942": GPUTarget("hip", "gfx942", 64),
+}
+# The weight of the whole-kernel count: a Llama-3-8B ffn_down, W (N, K) = (4096, 14336).
+WHOLE_N, WHOLE_K = 4096, 14336
+
+
+@dataclass(frozen=True)
+class GPU:
+    """Published figures: compute units, lanes issued a unit a clock, boost clock, bandwidth."""
+    name: str
+    target: str
+    units: int
+    lanes: int
+    clock_hz: float
+    bandwidth: float   # bytes/s
+
+    @property
+    def issue(self) -> float:
+        return self.units * self.lanes * self.clock_hz
+
+
+GPUS = (
+    GPU("A100", "sm_80", 108, 4 * 32, 1.41e9, 2.039e12),
+    GPU("H100", "sm_90", 132, 4 * 32, 1.98e9, 3.35e12),
+    GPU("H200", "sm_90", 132, 4 * 32, 1.98e9, 4.8e12),
+    GPU("RTX 4090", "sm_89", 128, 4 * 32, 2.52e9, 1.008e12),
+    GPU("MI300X", "gfx942", 304, 4 * 16, 2.1e9, 5.3e12),
+)
+
+
+def budget(gpu: GPU, bpw: float) -> float:
+    """Instructions a weight that `gpu` can issue while streaming weights at full bandwidth."""
+    return gpu.issue / (gpu.bandwidth * 8 / bpw)
+
+
+def pred_bw(gpu: GPU, bpw: float, ipw: float) -> float:
+    return min(1.0, budget(gpu, bpw) / ipw) if ipw > 0 else 1.0
+
+
+@dataclass
+class Row:
+    op: str
+    format: str
+    target: str
+    kernel: str
+    config: dict
+    regs: int
+    spill_bytes: int
+    shared_bytes: int
+    instructions: int          # the whole kernel, as compiled
+    loop_instructions: int     # the main loop's body (0: no loop)
+    weights_per_iter: float    # weights a thread (lane) handles an iteration (or in all)
+    instr_per_weight: float
+    instr_per_weight_whole: float  # prologue + iterations + epilogue for WHOLE_N x WHOLE_K
+    mix: dict = field(default_factory=dict)
+    pred_bw: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- what the engine launches --------------------------------------------------------------
+
+@dataclass
+class Spec:
+    """One kernel as launched: the function, signature, constexprs, options, and the
+    weights one thread covers per main-loop iteration (or in all, without a loop), and
+    per program how many iterations a WHOLE_N x WHOLE_K weight takes and how many programs."""
+    kernel: object
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    weights_per_iter_per_program: int
+    iters: int
+    programs: int
+    options: dict = field(default_factory=dict)
+
+
+def _sig(names_types: str, **constexprs) -> tuple[dict, dict]:
+    sig = {}
+    for item in names_types.split(","):
+        name, _, ty = item.strip().partition(":")
+        sig[name] = ty
+    for k in constexprs:
+        sig[k] = "constexpr"
+    return sig, constexprs
+
+
+def _spec(op: str, fmt: quant.Format, asm: str) -> Spec:
+    # by module path: the package re-exports functions under the names moe and ple
+    dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
+                                        ("dequant", "int8", "moe", "ple", "qmatmul"))
+    u = unit(fmt)
+    cfg = configs.pick(op, fmt.name)
+    nw = cfg.get("num_warps", 4)
+    N, K = WHOLE_N, WHOLE_K
+    if op == "dequant":
+        if u is not None:
+            block = dequant.DEQUANT_UNITS_BLOCK
+            sig, cx = _sig("q_ptr:*u16,tab_ptr:*i32,out_ptr:*i16,n_units:i32",
+                           **launch_args(fmt, u), BLOCK=block, OUT="bf16", ASM=asm)
+            return Spec(dequant._dequant_units_kernel, sig, cx, nw, block * u.weights, 1,
+                        N * K // (block * u.weights), {"enable_fp_fusion": False})
+        block = 1024
+        sig, cx = _sig("q_ptr:*u8,tab_ptr:*u8,out_ptr:*i16,n_elements:i32",
+                       DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK=block, OUT_BF16=True)
+        return Spec(dequant._dequant_kernel, sig, cx, nw, block, 1, N * K // block,
+                    {"enable_fp_fusion": False})
+    if op == "gemv":
+        if u is not None:
+            bn, bu = cfg["block_n"], cfg["block_u"]
+            sig, cx = _sig("xq_ptr:*i32,xd_ptr:*fp32,xs_ptr:*fp32,q_ptr:*u16,tab_ptr:*i32,"
+                           "out_ptr:*fp32,N:i32,K:i32,stride_om:i32",
+                           **launch_args(fmt, u), BLOCK_N=bn, BLOCK_U=bu, MASK=False, ASM=asm)
+            step = bu * u.weights
+            return Spec(int8._gemv_dp4a_kernel, sig, cx, nw, bn * step, -(-K // step), -(-N // bn))
+        bm, bn, bk = 1, *qmatmul.GEMV_TILES[1:]
+        sig, cx = _sig("x_ptr:*bf16,q_ptr:*u8,tab_ptr:*u8,out_ptr:*bf16,M:i32,N:i32,K:i32,"
+                       "stride_xm:i32,stride_xk:i32,stride_om:i32",
+                       DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        return Spec(qmatmul._gemv_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
+    if op == "gemm":
+        bm, bn, bk = qmatmul.GEMM_TILES
+        sig, cx = _sig("x_ptr:*bf16,q_ptr:*u8,tab_ptr:*u8,out_ptr:*bf16,M:i32,N:i32,K:i32,"
+                       "stride_xm:i32,stride_xk:i32,stride_om:i32",
+                       DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_M=bm, BLOCK_N=bn,
+                       BLOCK_K=bk, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32")
+        return Spec(qmatmul._gemm_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
+    if op in ("moe_gate_up", "moe_down"):
+        if u is not None:
+            bn, bk = cfg["block_n"], cfg["block_k"]
+            if op == "moe_gate_up":
+                sig, cx = _sig("xq_ptr:*i32,xd_ptr:*fp32,xs_ptr:*fp32,wg_ptr:*u16,wu_ptr:*u16,"
+                               "tab_g_ptr:*i32,tab_u_ptr:*i32,h_ptr:*fp32,ids_ptr:*i32,top_k:i32,"
+                               "E:i32,I:i32,H:i32,gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,"
+                               "stride_h:i32",
+                               **moe._suffixed(launch_args(fmt, u), "_G"),
+                               **moe._suffixed(launch_args(fmt, u), "_U"),
+                               BLOCK_N=bn, BLOCK_K=bk, MASK=False, ASM=asm)
+                return Spec(moe._gate_up_dp4a_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk),
+                            -(-N // bn))
+            sig, cx = _sig("hq_ptr:*i32,hd_ptr:*fp32,hs_ptr:*fp32,wd_ptr:*u16,tab_ptr:*i32,"
+                           "rw_ptr:*fp32,out_ptr:*fp32,ids_ptr:*i32,E:i32,H:i32,I:i32,"
+                           "down_se:i32,down_sr:i32,stride_o:i32",
+                           **launch_args(fmt, u), BLOCK_N=bn, BLOCK_K=bk, MASK=False, ASM=asm)
+            return Spec(moe._down_dp4a_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
+        bm, bn, bk = 16, moe.BLOCK_N_DEFAULT, moe.BLOCK_K_DEFAULT
+        common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=tl.bfloat16,
+                      INPUT_PRECISION="tf32")
+        if op == "moe_gate_up":
+            sig, cx = _sig("x_ptr:*bf16,wg_ptr:*u8,wu_ptr:*u8,tab_g_ptr:*u8,tab_u_ptr:*u8,"
+                           "h_ptr:*fp32,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
+                           "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh:i32,"
+                           "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
+                           DECODE_G=decoder(fmt), QK_G=fmt.block_elems, DECODE_U=decoder(fmt),
+                           QK_U=fmt.block_elems, **common)
+            return Spec(moe._gate_up_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk), -(-N // bn))
+        sig, cx = _sig("h_ptr:*fp32,wd_ptr:*u8,tab_ptr:*u8,rw_ptr:*fp32,out_ptr:*fp32,"
+                       "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
+                       "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32",
+                       DECODE=decoder(fmt), QK=fmt.block_elems, **common)
+        return Spec(moe._down_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
+    if op == "ple_gather":
+        dim, rows = 160, ple.PLE_BLOCK_ROWS  # the real table's rows: 160 values
+        if dim % fmt.block_elems:
+            dim = fmt.block_elems
+        p2 = triton.next_power_of_2(dim)
+        sig, cx = _sig("q_ptr:*u8,tab_ptr:*u8,ids_ptr:*i64,scale_ptr:*fp32,out_ptr:*i16,n_rows:i32",
+                       DECODE=decoder(fmt), QK=fmt.block_elems, ROW_BLOCKS=dim // fmt.block_elems,
+                       ROW_DIM=dim, DIM_P2=p2, BLOCK_ROWS=rows, HAS_SCALE=False, OUT_BF16=True)
+        # counted over the padded tile: the lanes past ROW_DIM are masked, not free
+        return Spec(ple._ple_gather_kernel, sig, cx, nw, rows * dim, 1, 1,
+                    {"enable_fp_fusion": False})
+    raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+
+
+# --- compiling and reading machine code ----------------------------------------------------
+
+def _nvidia_bin(tool: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(kernel, sig_items, cx_items, target: str, num_warps: int, opt_items):
+    sig = dict(sig_items)
+    names = list(sig)
+    cx = {(names.index(k),): v for k, v in cx_items}
+    src = ASTSource(kernel, sig, cx)
+    return triton.compile(src, target=TARGETS[target],
+                          options={"num_warps": num_warps, **dict(opt_items)})
+
+
+_NV_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_NV_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_NV_BRANCH = re.compile(r"\bBRA\s+(?:\S+\s+)?`?\(?(\.L_x_\d+)")
+_GCN_INSTR = re.compile(r"^\s+([a-z_][a-z0-9_]*(?:_[a-z0-9]+)*)\b(.*)$")
+_GCN_LABEL = re.compile(r"^(\.LBB\d+_\d+):")
+_GCN_BRANCH = re.compile(r"^s_(?:cbranch_\w+|branch)$")
+
+
+def _opcode(text: str) -> str:
+    text = re.sub(r"^@!?U?P\w+\s+", "", text)  # predicate guard
+    return text.split()[0].split(".")[0]
+
+
+def _parse_sass(sass: str) -> tuple[list[str], tuple[int, int] | None]:
+    ins, labels, branches = [], {}, []
+    for line in sass.splitlines():
+        m = _NV_LABEL.match(line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = _NV_INSTR.match(line)
+        if m:
+            text = m.group(2)
+            b = _NV_BRANCH.search(text)
+            if b:
+                branches.append((len(ins), b.group(1)))
+            ins.append(text)
+    # drop the padding after the last EXIT: the self-branch and NOPs that align the code
+    while ins and (_opcode(ins[-1]) in ("NOP", "BRA")):
+        ins.pop()
+    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i < len(ins)]
+    return ins, (max(loops, key=lambda lo_hi: lo_hi[1] - lo_hi[0]) if loops else None)
+
+
+def _parse_gcn(text: str) -> tuple[list[str], tuple[int, int] | None]:
+    ins, labels, branches = [], {}, []
+    in_code = False
+    for line in text.splitlines():
+        if re.match(r"^[A-Za-z_][\w.]*:\s*(;.*)?$", line) and not line.startswith(".L"):
+            in_code = True  # the kernel's entry label
+            continue
+        if line.strip().startswith(".Lfunc_end"):
+            in_code = False
+        if not in_code:
+            continue
+        m = _GCN_LABEL.match(line)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        m = _GCN_INSTR.match(line)
+        if m and not m.group(1).startswith("."):
+            op = m.group(1)
+            if _GCN_BRANCH.match(op):
+                t = re.search(r"(\.LBB\d+_\d+)", m.group(2))
+                if t:
+                    branches.append((len(ins), t.group(1)))
+            ins.append(op)
+    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i]
+    return ins, (max(loops, key=lambda lo_hi: lo_hi[1] - lo_hi[0]) if loops else None)
+
+
+def _nvidia_resources(cubin: bytes) -> tuple[str, dict]:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-resource-usage", path],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_nvidia_bin("nvdisasm"), "-c", path],
+                              capture_output=True, text=True, check=True).stdout
+
+    def field_(name):
+        m = re.search(rf"\b{name}:(\d+)", usage)
+        return int(m.group(1)) if m else 0
+    return sass, {"regs": field_("REG"), "spill": field_("LOCAL"), "shared": field_("SHARED")}
+
+
+def _gcn_resources(text: str) -> dict:
+    def num(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+    return {"regs": num(r"\.vgpr_count:\s+(\d+)") or num(r"NumVgprs:\s+(\d+)"),
+            "spill": num(r"\.vgpr_spill_count:\s+(\d+)") * 4 + num(r"\.sgpr_spill_count:\s+(\d+)") * 4,
+            "shared": num(r"\.group_segment_fixed_size:\s+(\d+)")}
+
+
+def _mix(ins: list[str]) -> dict:
+    return dict(Counter(_opcode(i) if " " in i or "." in i else i for i in ins).most_common(12))
+
+
+def analyse(op: str, fmt: str | quant.Format, target: str = "sm_90") -> Row:
+    """Compile `op` for `fmt` at the engine's configuration for `target` and read it."""
+    fmt = quant.get(fmt)
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
+    amd = TARGETS[target].backend == "hip"
+    spec = _spec(op, fmt, "gcn" if amd else "ptx")
+    k = _compile(spec.kernel, tuple(spec.signature.items()), tuple(spec.constexprs.items()),
+                 target, spec.num_warps, tuple(spec.options.items()))
+    if amd:
+        ins, loop = _parse_gcn(k.asm["amdgcn"])
+        res = _gcn_resources(k.asm["amdgcn"])
+    else:
+        sass, res = _nvidia_resources(k.asm["cubin"])
+        ins, loop = _parse_sass(sass)
+    threads = spec.num_warps * TARGETS[target].warp_size
+    per_thread = spec.weights_per_iter_per_program / threads
+    body = (loop[1] - loop[0] + 1) if loop else 0
+    ipw = (body if loop else len(ins)) / per_thread
+    dynamic = len(ins) - body + body * spec.iters
+    whole = dynamic * threads * spec.programs / (spec.weights_per_iter_per_program * spec.iters
+                                                  * spec.programs)
+    bpw = fmt.block_bytes * 8 / fmt.block_elems
+    if op in ("dequant", "ple_gather"):
+        bpw += 16  # the bf16 values written move through the same memory
+    row = Row(op=op, format=fmt.name, target=target, kernel=spec.kernel.__name__,
+              config={k_: v for k_, v in spec.constexprs.items()
+                      if k_.startswith("BLOCK") or k_ in ("MASK",)} | {"num_warps": spec.num_warps},
+              regs=res["regs"], spill_bytes=res["spill"], shared_bytes=res["shared"],
+              instructions=len(ins), loop_instructions=body, weights_per_iter=per_thread,
+              instr_per_weight=round(ipw, 3), instr_per_weight_whole=round(whole, 3),
+              mix=_mix(ins[loop[0]:loop[1] + 1] if loop else ins))
+    row.pred_bw = {g.name: round(pred_bw(g, bpw, ipw), 3) for g in GPUS
+                   if (TARGETS[g.target].backend == "hip") == amd}
+    return row
+
+
+def rows(ops=OPS, formats=None, targets=("sm_90",)) -> list[Row]:
+    formats = formats or [f.name for f in quant.FORMATS.values()]
+    return [analyse(op, f, t) for t in targets for op in ops for f in formats]
