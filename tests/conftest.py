@@ -1,8 +1,11 @@
 import os
 
 # The Triton kernels run through the interpreter on the CPU: this must be set before
-# anything imports triton.
-os.environ["TRITON_INTERPRET"] = "1"
+# anything imports triton. STRATA_TEST_DEVICE=cuda (scripts/gpu_check.sh) leaves it off, so
+# that the tests marked `cuda` run the compiled kernels on the GPU.
+ON_DEVICE = os.environ.get("STRATA_TEST_DEVICE") == "cuda"
+if not ON_DEVICE:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -20,3 +23,17 @@ settings.load_profile("strata-ci" if os.environ.get("CI") else "strata")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch  # noqa: E402
     torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a GPU and the compiled kernels: skipped elsewhere, with the
+    command that runs them."""
+    import pytest
+    if ON_DEVICE:
+        import torch
+        if torch.cuda.is_available():
+            return
+    skip = pytest.mark.skip(reason="needs a CUDA device: scripts/gpu_check.sh")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

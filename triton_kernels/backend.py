@@ -24,3 +24,8 @@ def device_name(device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_name(device)
+
+
+def backend_name() -> str:
+    """"hip" on a ROCm build of torch, else "cuda": the configuration family."""
+    return "hip" if torch.version.hip else "cuda"

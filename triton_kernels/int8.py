@@ -4,7 +4,7 @@
     gemv_dp4a(q8x, q, fmt, n, tiles)     (M, N) float32 = x̂ @ W.T, W as GGUF blocks
 
 x̂ is x rounded to int8 per group of 32 consecutive values: d = max|x| / 127, q =
-round(x / d) (half away from zero), x̂ = d * q; s = d * Σq, the group's sum of x̂. The
+round(x / d) (half away from zero, clamped to ±127), x̂ = d * q; s = d * Σq, the group's sum of x̂. The
 GEMV then reads each weight once as the format's int8 units (triton_kernels.decode.UNITS)
 and multiplies four weights at a time with `dp4a`:
 
@@ -36,7 +36,7 @@ import quant
 
 from . import configs
 from .asm import asm_for, dp4a
-from .backend import device_name, use_triton
+from .backend import backend_name, device_name, use_triton
 from .decode import launch_args, unit, unit_table
 
 GROUP = 32
@@ -74,9 +74,12 @@ def _quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_xk,
     i = tl.arange(0, 32)
     x = tl.load(x_ptr + m * stride_xm + (g[:, None] * 32 + i[None, :]) * stride_xk,
                 mask=gmask[:, None], other=0.0).to(tl.float32)
-    d = tl.max(tl.abs(x), axis=1) / 127.0
+    # div_rn: IEEE division, as torch's (Triton's `/` may approximate on a GPU)
+    d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
     safe = tl.where(d == 0, 1.0, d)
     code = tl.where(d[:, None] == 0, 0.0, _round_away(tl.math.div_rn(x, safe[:, None])))
+    # a subnormal max|x| rounds d down so far that the largest code reaches 128
+    code = tl.minimum(tl.maximum(code, -127.0), 127.0)
     c = code.to(tl.int32)
     s = d * tl.sum(c, axis=1).to(tl.float32)
     shift = (tl.arange(0, 4) * 8)[None, None, :]
@@ -121,7 +124,7 @@ def quantize_x_torch(x: torch.Tensor) -> Q8X:
     safe = torch.where(d == 0, torch.ones_like(d), d)
     v = xg / safe[:, :, None]
     code = torch.where(v < 0, -torch.floor(v.abs() + 0.5), torch.floor(v.abs() + 0.5))
-    code = torch.where(d[:, :, None] == 0, torch.zeros_like(code), code).to(torch.int32)
+    code = torch.where(d[:, :, None] == 0, torch.zeros_like(code), code).clamp(-127, 127).to(torch.int32)
     s = d * code.sum(dim=2).float()
     q = code.to(torch.int8).reshape(M, K).contiguous().view(torch.int32)
     return Q8X(q, d, s)
@@ -209,7 +212,7 @@ def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: quant.Format, N: int,
     u = unit(fmt)
     if u is None:
         raise ValueError(f"{fmt.name}: no int8 unit decode for this format; use path='gemv'")
-    cfg = configs.pick("gemv", fmt.name, device_name(q.device))
+    cfg = configs.pick("gemv", fmt.name, device_name(q.device), backend_name())
     if tiles is None:
         tiles = (cfg["block_n"], cfg["block_u"])
     M = x8.q.shape[0]

@@ -73,7 +73,7 @@ import quant
 
 from . import configs
 from .asm import asm_for
-from .backend import device_name, use_triton
+from .backend import backend_name, device_name, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
 from .int8 import dot_units, quantize_x
@@ -373,7 +373,7 @@ def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
     def tiles_for(op, fmt):  # triton_kernels.configs: per op, format and device
         if tiles is not None:
             return tiles
-        cfg = configs.pick(op, fmt.name, device_name(dev))
+        cfg = configs.pick(op, fmt.name, device_name(dev), backend_name())
         return cfg["block_n"], cfg["block_k"]
     block_n, block_k = tiles_for("moe_gate_up", fmt_gate)
     ug, uu, ud = unit(fmt_gate), unit(fmt_up), unit(fmt_down)

@@ -142,7 +142,7 @@ def _spec(op: str, fmt: quant.Format, asm: str) -> Spec:
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))
     u = unit(fmt)
-    cfg = configs.pick(op, fmt.name)
+    cfg = configs.pick(op, fmt.name, backend="hip" if asm == "gcn" else "cuda")
     nw = cfg.get("num_warps", 4)
     N, K = WHOLE_N, WHOLE_K
     if op == "dequant":
@@ -322,8 +322,10 @@ def _gcn_resources(text: str) -> dict:
     def num(pattern):
         m = re.search(pattern, text)
         return int(m.group(1)) if m else 0
+    # spills are scratch memory (ScratchSize, bytes a lane); SGPRs parked in VGPR lanes
+    # (".sgpr_spill_count") touch no memory and are not counted
     return {"regs": num(r"\.vgpr_count:\s+(\d+)") or num(r"NumVgprs:\s+(\d+)"),
-            "spill": num(r"\.vgpr_spill_count:\s+(\d+)") * 4 + num(r"\.sgpr_spill_count:\s+(\d+)") * 4,
+            "spill": num(r"ScratchSize:\s+(\d+)"),
             "shared": num(r"\.group_segment_fixed_size:\s+(\d+)")}
 
 

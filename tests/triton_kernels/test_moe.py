@@ -481,3 +481,93 @@ def test_align_bad_input():
         moe_align_block_size(torch.zeros((2, 2)), 4, 16)
     with pytest.raises(ValueError, match=r"moe_align_block_size: block_m must be >= 1, got 0"):
         moe_align_block_size(torch.zeros((2, 2), dtype=torch.int32), 4, 0)
+
+
+# --- the dp4a decode path -------------------------------------------------------------------
+# x and h rounded to int8 per 32 values (triton_kernels.int8.quantize_x), then one GEMV a
+# slot. Reference in float64 through the same roundings: x̂ = quantize_x_torch(x) (the
+# kernel's quantize_x gives the same bits, test_int8.py), g = x̂ W_g^T, u = x̂ W_u^T,
+# h = silu(g) u, ĥ = quantize_x_torch(h), y_slot = ĥ W_d^T. The kernel's h differs from
+# the float64 one by at most dh (the bound of the dot path above, with x̂ for x), so its
+# ĥ lies within d + 2 max(dh) of the reference's at each element (each within half a step
+# of its own h; the steps d, d' = max|h| / 127 differ by max(dh) / 127): the down
+# product's error is that times |W_d|, plus its own float32 sum, gamma(I) (|ĥ| + Δĥ) |W_d|^T.
+
+DP4A_FORMATS = [quant.get(n) for n in ("Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "IQ3_XXS", "IQ3_S")]
+
+
+def dp4a_reference(x, wg, wu, wd, fmts, ids, weights):
+    from triton_kernels.int8 import quantize_x_torch
+    fg, fu, fd = fmts
+    T, H = x.shape
+    xh = quantize_x_torch(x.float()).dequantize().double()
+    k = ids.shape[1]
+    y1, e1 = (torch.zeros((T, k, H), dtype=torch.float64) for _ in range(2))
+    idn = ids.numpy()
+    for e in np.unique(idn[idn >= 0]):
+        t, j = np.nonzero(idn == e)
+        Wg, Wu, Wd = (torch.from_numpy(f.dequantize(w[e])).double()
+                      for f, w in ((fg, wg), (fu, wu), (fd, wd)))
+        xe = xh[t]
+        g, up = xe @ Wg.T, xe @ Wu.T
+        dg = gamma(H) * (xe.abs() @ Wg.abs().T)
+        du = gamma(H) * (xe.abs() @ Wu.abs().T)
+        s = torch.nn.functional.silu(g)
+        ds = 1.1 * dg + 8 * U * (s.abs() + 1.1 * dg)
+        h = s * up
+        dh = (1 + U) * (s.abs() * du + (up.abs() + du) * ds) + U * h.abs()
+        q = quantize_x_torch(h.float())
+        hh = q.dequantize().double()
+        I = h.shape[1]
+        d = q.d.double().repeat_interleave(32, dim=1)
+        dh_max = dh.view(len(t), I // 32, 32).amax(dim=2).repeat_interleave(32, dim=1)
+        dhh = 1.001 * d + 2 * dh_max
+        y1[t, j] = hh @ Wd.T
+        e1[t, j] = dhh @ Wd.abs().T + gamma(I) * ((hh.abs() + dhh) @ Wd.abs().T)
+    return reference((y1, None, e1), weights)
+
+
+@pytest.mark.parametrize("fmts", [(f, f, f) for f in DP4A_FORMATS] + [
+    tuple(quant.get(n) for n in names) for names in MIXES], ids=lambda fs: "-".join(f.name for f in fs))
+def test_dp4a_path_agrees_with_the_rounded_reference(fmts):
+    big = max(f.block_elems for f in fmts) == 256
+
+    # The interpreter's time goes with the number of programs: wide tiles (one or two
+    # programs a slot) for the 256-weight formats, the defaults (16 rows) on small sizes;
+    # K of 96 against steps of 64 or 512 takes the masked path.
+    @given(E=st.integers(1, 3), H=st.sampled_from([256, 512] if big else [64, 96]),
+           I=st.sampled_from([256] if big else [64, 96]), T=st.integers(1, 3),
+           dtype=st.sampled_from(DTYPES),
+           tiles=st.sampled_from([(256, 512)] if big else [None, (128, 64)]),
+           seed=st.integers(0, 2 ** 32 - 1), data=st.data())
+    @settings(max_examples=2 if big else 3)
+    def prop(E, H, I, T, dtype, tiles, seed, data):
+        k = data.draw(st.integers(1, E))
+        rows = [data.draw(st.permutations(range(E)))[:k] for _ in range(T)]
+        ids = torch.tensor(rows, dtype=torch.int32)
+        if data.draw(st.booleans()):
+            ids[0, 0] = -1  # an expert held by another rank contributes nothing
+        x, wg, wu, wd, rng = make(fmts, E, H, I, T, seed, dtype)
+        weights = routing_weights(rng, T, k)
+        ref, bound = dp4a_reference(x, wg, wu, wd, fmts, ids, weights)
+        args = (torch.from_numpy(wg), torch.from_numpy(wu), torch.from_numpy(wd), *fmts, weights, ids)
+        assert_close(moe(x, *args, tiles=tiles, path="dp4a"), ref, bound, x.dtype, "moe dp4a")
+    prop()
+
+
+def test_decoding_takes_the_dp4a_path_and_prefill_the_dot_path():
+    fmts = (quant.get("Q8_0"),) * 3
+    x, wg, wu, wd, rng = make(fmts, 4, 64, 64, 6, seed=3)
+    args = (torch.from_numpy(wg), torch.from_numpy(wu), torch.from_numpy(wd), *fmts)
+    ids = torch.tensor([[0, 1], [1, 3], [3, 0], [2, 1], [0, 2], [3, 2]], dtype=torch.int32)
+    w = routing_weights(rng, 6, 2)
+    one = moe(x[:1], *args, w[:1], ids[:1])
+    assert torch.equal(one, moe(x[:1], *args, w[:1], ids[:1], path="dp4a"))
+    assert not torch.equal(one, moe(x[:1], *args, w[:1], ids[:1], path="dot"))
+    assert torch.equal(moe(x, *args, w, ids), moe(x, *args, w, ids, path="dot"))
+    with pytest.raises(ValueError, match=r"moe: path='dp4a' needs int8 unit decodes; Q5_0 has none"):
+        q5 = quant.get("Q5_0")
+        moe(x[:1], torch.from_numpy(quantized(q5, (4, 64, 64), rng)), args[1], args[2], q5,
+            *fmts[1:], w[:1], ids[:1], path="dp4a")
+    with pytest.raises(ValueError, match=r"moe: path must be 'dot', 'dp4a' or None, got 'x'"):
+        moe(x[:1], *args, w[:1], ids[:1], path="x")

@@ -1,9 +1,10 @@
 """Launch configurations as data: the one place that picks tiles and warps.
 
-    pick(op, fmt, device=None) -> dict     e.g. {"block_n": 4, "block_u": 32, "num_warps": 4}
+    pick(op, fmt, device=None, backend="cuda") -> dict   e.g. {"block_n": 8, "block_u": 16, "num_warps": 4}
 
 `default.json` beside this file holds, per op, a configuration for every format and any
-per-format overrides; `<device>.json` (the device name as torch reports it, spaces and
+per-format overrides, and under "hip" the same for AMD GPUs (64-lane wavefronts: twice
+the lanes a program, so twice the rows for the same work a lane); `<device>.json` (the device name as torch reports it, spaces and
 slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kernels
 --tune` on that device, overrides it. Later entries win: op defaults, then the op's
 format entry, then the device file's op defaults and format entry.
@@ -28,8 +29,11 @@ def _load(path: str) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def pick(op: str, fmt: str, device: str | None = None) -> dict:
-    tables = [_load(str(HERE / "default.json"))]
+def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda") -> dict:
+    default = _load(str(HERE / "default.json"))
+    tables = [default]
+    if backend == "hip":
+        tables.append(default.get("hip", {}))
     if device:
         tables.append(_load(str(device_file(device))))
     out: dict = {}

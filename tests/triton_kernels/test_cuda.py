@@ -1,0 +1,106 @@
+"""The same properties on a GPU: the compiled kernels (inline PTX, the device's own
+rounding) against the numpy references, with device tensors. Marked `cuda`: they run under
+scripts/gpu_check.sh (STRATA_TEST_DEVICE=cuda, no interpreter) and are skipped elsewhere.
+
+Bounds are the interpreter tests' own: dequant bit for bit (test_dequant.py), quantize_x
+bit for bit with its torch twin (test_int8.py), the dp4a GEMV within test_int8.py's float32
+bound of x̂ @ W.T, the MoE dp4a path within test_moe.py's rounded reference. The float
+GEMV and the GEMM round x and the weights to bf16 for the tensor cores on a GPU: their
+check here is the bf16 bound, 2^-8 S (inputs rounded once each) plus float32's gamma_K S.
+"""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import quant
+from tests.blocks import blocks, same_bits
+from tests.triton_kernels.test_int8 import assert_within, gemv_x, reference
+from tests.triton_kernels.test_qmatmul import weights
+from triton_kernels import dequantize, moe, qmatmul
+from triton_kernels.decode import UNITS
+from triton_kernels.int8 import gemv_dp4a, quantize_x, quantize_x_torch
+
+pytestmark = pytest.mark.cuda
+FORMATS = list(quant.FORMATS.values())
+UNIT_FORMATS = [quant.get(n) for n in UNITS]
+U = 2.0 ** -24
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_dequant_on_the_gpu_is_bit_exact(fmt, dtype):
+    @given(blocks(fmt, max_blocks=64))
+    @settings(max_examples=50)
+    def prop(raw):
+        want = torch.from_numpy(fmt.dequantize(raw)).to(dtype)
+        got = dequantize(torch.from_numpy(raw).cuda(), fmt, dtype).cpu()
+        assert same_bits(got.float().numpy(), want.float().numpy())
+    prop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_quantize_x_on_the_gpu_equals_the_torch_twin(dtype):
+    @given(m=st.integers(1, 8), g=st.integers(1, 64), seed=st.integers(0, 2 ** 32 - 1))
+    @settings(max_examples=50)
+    def prop(m, g, seed):
+        x = gemv_x(np.random.default_rng(seed), m, 32 * g).to(dtype)
+        a, b = quantize_x(x.cuda()), quantize_x_torch(x)
+        for got, want in zip(a, b):
+            assert torch.equal(got.cpu(), want)
+    prop()
+
+
+@pytest.mark.parametrize("fmt", UNIT_FORMATS, ids=lambda f: f.name)
+def test_gemv_dp4a_on_the_gpu_within_the_bound(fmt):
+    @given(n=st.integers(1, 300), nb=st.integers(1, 24), m=st.integers(1, 4),
+           tiles=st.sampled_from([None, (4, 32), (16, 8)]), seed=st.integers(0, 2 ** 32 - 1),
+           data=st.data())
+    @settings(max_examples=30)
+    def prop(n, nb, m, tiles, seed, data):
+        K = nb * fmt.block_elems
+        q = data.draw(weights(fmt, n, nb))
+        x8 = quantize_x_torch(gemv_x(np.random.default_rng(seed), m, K))
+        ref, _, t = reference(x8, q, fmt)
+        x8c = type(x8)(*(v.cuda() for v in x8))
+        y = gemv_dp4a(x8c, torch.from_numpy(q).cuda(), fmt, n, tiles=tiles).cpu()
+        assert_within(y, ref, 2 * (K / 16 + 8) * U * t + K * 2.0 ** -149, f"n={n} K={K}")
+    prop()
+
+
+@pytest.mark.parametrize("path", ["gemv", "gemm"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_float_paths_on_the_gpu_within_the_bf16_bound(fmt, path):
+    @given(m=st.integers(1, 40), n=st.integers(1, 200), nb=st.integers(1, 8),
+           seed=st.integers(0, 2 ** 32 - 1), data=st.data())
+    @settings(max_examples=10)
+    def prop(m, n, nb, seed, data):
+        K = nb * fmt.block_elems
+        q = data.draw(weights(fmt, n, nb))
+        x = torch.from_numpy(np.random.default_rng(seed).uniform(-1, 1, (m, K))).to(torch.bfloat16)
+        w = torch.from_numpy(fmt.dequantize(q)).double()
+        ref, s = x.double() @ w.T, x.double().abs() @ w.abs().T
+        y = qmatmul(x.cuda(), torch.from_numpy(q).cuda(), fmt, path=path).cpu()
+        tol = 2.0 ** -8 * s + 2 * (K + 2) * U * s + 2.0 ** -8 * ref.abs()
+        err = (y.double() - ref).abs()
+        assert (err <= tol).all(), float((err - tol).max())
+    prop()
+
+
+@pytest.mark.parametrize("fmts", [(f, f, f) for f in UNIT_FORMATS], ids=lambda fs: fs[0].name)
+def test_moe_dp4a_on_the_gpu(fmts):
+    from tests.triton_kernels.test_moe import assert_close, dp4a_reference, make, routing_weights
+
+    @given(E=st.integers(1, 16), T=st.integers(1, 4), seed=st.integers(0, 2 ** 32 - 1), data=st.data())
+    @settings(max_examples=10)
+    def prop(E, T, seed, data):
+        H, I = 512, 256 if fmts[0].block_elems == 256 else 96
+        k = data.draw(st.integers(1, E))
+        ids = torch.tensor([data.draw(st.permutations(range(E)))[:k] for _ in range(T)], dtype=torch.int32)
+        x, wg, wu, wd, rng = make(fmts, E, H, I, T, seed, torch.float32)
+        w = routing_weights(rng, T, k)
+        ref, bound = dp4a_reference(x, wg, wu, wd, fmts, ids, w)
+        args = [torch.from_numpy(a).cuda() for a in (wg, wu, wd)]
+        y = moe(x.cuda(), *args, *fmts, w.cuda(), ids.cuda(), path="dp4a").cpu()
+        assert_close(y, ref, bound, torch.float32, "moe dp4a (cuda)")
+    prop()
