@@ -47,6 +47,30 @@ def _dequant_kernel(q_ptr, tab_ptr, out_ptr, n_elements,
 
 
 @triton.jit
+def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.constexpr,
+                OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, OUT: tl.constexpr,
+                ASM: tl.constexpr):
+    """Write one decoded unit a lane at dst (UW consecutive values): a * (code - ZERO)
+    [- b] [* scale], in the numpy codec's order; OUT "bf16" stores bf16 bits (int16)."""
+    for w in tl.static_range(UW // 4):
+        for i in tl.static_range(4):
+            code = (((words[w] << (24 - 8 * i)) >> 24) - ZERO).to(tl.float32)
+            val = a[w // 8] * code
+            if OFFSET:
+                val = val - b[w // 8]
+            if HAS_SCALE:
+                val = val * scale
+            if OUT == "bf16":
+                if ASM == "":
+                    tl.store(dst + (4 * w + i), round_to_bf16_bits(val), mask=live)
+                else:  # the device's own round-to-nearest-even; any NaN stays a NaN
+                    tl.store(dst + (4 * w + i), val.to(tl.bfloat16).to(tl.int16, bitcast=True),
+                             mask=live)
+            else:
+                tl.store(dst + (4 * w + i), val.to(dst.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def _dequant_units_kernel(q_ptr, tab_ptr, out_ptr, n_units,
                           UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                           BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
@@ -56,20 +80,7 @@ def _dequant_units_kernel(q_ptr, tab_ptr, out_ptr, n_units,
     v = tl.where(live, v, 0)  # lanes past the end decode unit 0 and store nothing
     p = q_ptr + (v // UPB) * BLOCK_HW
     words, a, b = UNIT(p, (v % UPB).to(tl.int32), tab_ptr, ASM)
-    dst = out_ptr + v * UW
-    for w in tl.static_range(UW // 4):
-        for i in tl.static_range(4):
-            code = (((words[w] << (24 - 8 * i)) >> 24) - ZERO).to(tl.float32)
-            val = a[w // 8] * code
-            if OFFSET:
-                val = val - b[w // 8]
-            if OUT == "bf16":
-                if ASM == "":
-                    tl.store(dst + (4 * w + i), round_to_bf16_bits(val), mask=live)
-                else:  # the device's own round-to-nearest-even; any NaN stays a NaN
-                    tl.store(dst + (4 * w + i), val.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=live)
-            else:
-                tl.store(dst + (4 * w + i), val.to(out_ptr.dtype.element_ty), mask=live)
+    store_units(out_ptr + v * UW, words, a, b, live, 1.0, UW, ZERO, OFFSET, False, OUT, ASM)
 
 
 def check_blocks(q: torch.Tensor, fmt: quant.Format) -> None:

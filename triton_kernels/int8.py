@@ -51,9 +51,9 @@ class Q8X(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """x̂ as float32 (M, K)."""
+        M, G = self.d.shape
         codes = self.q.contiguous().view(torch.int8).float()
-        M = codes.shape[0]
-        return (codes.view(M, -1, GROUP) * self.d[:, :, None]).view(M, -1)
+        return (codes.view(M, G, GROUP) * self.d[:, :, None]).view(M, G * GROUP)
 
 
 # --- quantizing x ------------------------------------------------------------------------
@@ -126,6 +126,8 @@ def quantize_x_torch(x: torch.Tensor) -> Q8X:
     code = torch.where(v < 0, -torch.floor(v.abs() + 0.5), torch.floor(v.abs() + 0.5))
     code = torch.where(d[:, :, None] == 0, torch.zeros_like(code), code).clamp(-127, 127).to(torch.int32)
     s = d * code.sum(dim=2).float()
+    if K == 0:  # an empty int8 tensor cannot be viewed as int32
+        return Q8X(torch.zeros((M, 0), dtype=torch.int32, device=x.device), d, s)
     q = code.to(torch.int8).reshape(M, K).contiguous().view(torch.int32)
     return Q8X(q, d, s)
 
@@ -204,11 +206,12 @@ def _gemv_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, N, K, str
     tl.store(out_ptr + m * stride_om + rows, y, mask=rows < N)
 
 
-def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: quant.Format, N: int,
+def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: str | quant.Format, N: int,
               tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """(M, N) float32 = x̂ @ W.T for W's N rows of GGUF blocks in q (contiguous uint8,
     2-D or flat). tiles: (BLOCK_N rows, BLOCK_U units along K) a program, powers of two;
     by default triton_kernels.configs' "gemv" entry for the format and device."""
+    fmt = quant.get(fmt)
     u = unit(fmt)
     if u is None:
         raise ValueError(f"{fmt.name}: no int8 unit decode for this format; use path='gemv'")
@@ -232,9 +235,10 @@ def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: quant.Format, N: int,
     return out
 
 
-def gemv_dp4a_torch(x8: Q8X, q: torch.Tensor, fmt: quant.Format, N: int) -> torch.Tensor:
+def gemv_dp4a_torch(x8: Q8X, q: torch.Tensor, fmt: str | quant.Format, N: int) -> torch.Tensor:
     """gemv_dp4a's product in torch: x̂ @ W.T in float32."""
     from .dequant import dequantize_torch
+    fmt = quant.get(fmt)
     K = x8.q.shape[1] * 4
     w = dequantize_torch(q.reshape(N, K // fmt.block_elems * fmt.block_bytes), fmt)
     return x8.dequantize() @ w.T

@@ -39,15 +39,17 @@ import triton.language as tl
 
 import quant
 
+from .asm import asm_for
 from .backend import use_triton
-from .decode import decoder
+from .decode import decoder, launch_args, unit, unit_table
 from .decode import table as decode_table
 from .decode.common import round_to_bf16_bits
-from .dequant import OUT_DTYPES, check_blocks, dequantize_torch
+from .dequant import OUT_DTYPES, check_blocks, dequantize_torch, store_units
 
 IntsLike = Sequence[int] | torch.Tensor
-# (token, head) rows a program of the gather
+# (token, head) rows a program of the gather; units a program where the format has them
 PLE_BLOCK_ROWS = 16
+PLE_UNITS_BLOCK = 128
 
 # --- constants ----------------------------------------------------------------------------
 
@@ -257,6 +259,26 @@ def _ple_gather_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_rows,
         tl.store(dst, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_units,
+                             UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
+                             BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+                             ROW_UNITS: tl.constexpr, BLOCK: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
+    # Formats with int8 units: a lane decodes one unit of one (token, head) row; unit v is
+    # unit v % ROW_UNITS of pair v // ROW_UNITS, whose values land at out[v * UW:]
+    v = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = v < n_units
+    v = tl.where(live, v, 0)
+    pair = v // ROW_UNITS
+    ur = v % ROW_UNITS
+    row = tl.load(ids_ptr + pair)
+    p = q_ptr + (row * (ROW_UNITS // UPB) + ur // UPB) * BLOCK_HW
+    words, a, b = UNIT(p, (ur % UPB).to(tl.int32), tab_ptr, ASM)
+    scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
+    store_units(out_ptr + v * UW, words, a, b, live, scale, UW, ZERO, OFFSET, HAS_SCALE, OUT, ASM)
+
+
 def _gather_args(table, ids, fmt, out_dtype):
     fmt = quant.get(fmt)
     check_blocks(table, fmt)
@@ -300,6 +322,17 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
         dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
         s = (torch.as_tensor(scale, dtype=torch.float32, device=table.device).reshape(1)
              if scale is not None else out)  # unused without a scale
+        u = unit(fmt)
+        if u is not None:
+            row_units = dim // u.weights
+            n_units = n * row_units
+            _ple_gather_units_kernel[(triton.cdiv(n_units, PLE_UNITS_BLOCK),)](
+                table.view(-1).view(torch.uint16), unit_table(fmt, table.device),
+                ids.to(torch.int64).contiguous(), s, dst, n_units, **launch_args(fmt, u),
+                ROW_UNITS=row_units, BLOCK=PLE_UNITS_BLOCK, HAS_SCALE=scale is not None,
+                OUT="bf16" if out_dtype == torch.bfloat16 else "", ASM=asm_for(table.device),
+                enable_fp_fusion=False)
+            return out
         _ple_gather_kernel[(triton.cdiv(n, block_rows),)](
             table, decode_table(fmt, table.device), ids.to(torch.int64).contiguous(), s, dst, n,
             DECODE=decoder(fmt), QK=fmt.block_elems, ROW_BLOCKS=dim // fmt.block_elems,

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -42,6 +44,7 @@ from triton.compiler import ASTSource
 import quant
 
 from . import configs
+from .backend import interpreter_on
 from .decode import decoder, launch_args, unit
 
 OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather")
@@ -137,12 +140,12 @@ def _sig(names_types: str, **constexprs) -> tuple[dict, dict]:
     return sig, constexprs
 
 
-def _spec(op: str, fmt: quant.Format, asm: str) -> Spec:
+def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> Spec:
     # by module path: the package re-exports functions under the names moe and ple
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))
     u = unit(fmt)
-    cfg = configs.pick(op, fmt.name, backend="hip" if asm == "gcn" else "cuda")
+    cfg = configs.pick(op, fmt.name, backend="hip" if asm == "gcn" else "cuda") | (config or {})
     nw = cfg.get("num_warps", 4)
     N, K = WHOLE_N, WHOLE_K
     if op == "dequant":
@@ -215,6 +218,13 @@ def _spec(op: str, fmt: quant.Format, asm: str) -> Spec:
         dim, rows = 160, ple.PLE_BLOCK_ROWS  # the real table's rows: 160 values
         if dim % fmt.block_elems:
             dim = fmt.block_elems
+        if u is not None:
+            block = ple.PLE_UNITS_BLOCK
+            sig, cx = _sig("q_ptr:*u16,tab_ptr:*i32,ids_ptr:*i64,scale_ptr:*fp32,out_ptr:*i16,"
+                           "n_units:i32", **launch_args(fmt, u), ROW_UNITS=dim // u.weights,
+                           BLOCK=block, HAS_SCALE=False, OUT="bf16", ASM=asm)
+            return Spec(ple._ple_gather_units_kernel, sig, cx, nw, block * u.weights, 1, 1,
+                        {"enable_fp_fusion": False})
         p2 = triton.next_power_of_2(dim)
         sig, cx = _sig("q_ptr:*u8,tab_ptr:*u8,ids_ptr:*i64,scale_ptr:*fp32,out_ptr:*i16,n_rows:i32",
                        DECODE=decoder(fmt), QK=fmt.block_elems, ROW_BLOCKS=dim // fmt.block_elems,
@@ -333,13 +343,40 @@ def _mix(ins: list[str]) -> dict:
     return dict(Counter(_opcode(i) if " " in i or "." in i else i for i in ins).most_common(12))
 
 
-def analyse(op: str, fmt: str | quant.Format, target: str = "sm_90") -> Row:
-    """Compile `op` for `fmt` at the engine's configuration for `target` and read it."""
+def analyse(op: str, fmt: str | quant.Format, target: str = "sm_90",
+            config: dict | None = None) -> Row:
+    """Compile `op` for `fmt` at the engine's configuration for `target` (with `config`'s
+    entries, e.g. {"block_n": 4, "block_u": 32}, over it) and read its machine code."""
+    return rows([op], [quant.get(fmt).name], [target], config)[0]
+
+
+def rows(ops=OPS, formats=None, targets=("sm_90",), config: dict | None = None) -> list[Row]:
+    """analyse() for every target x op x format. Under the Triton interpreter (the tests
+    and notebooks set TRITON_INTERPRET=1, which makes every kernel an interpreted
+    function) the compiling runs in a child process without it."""
+    formats = formats or [f.name for f in quant.FORMATS.values()]
+    for t in targets:
+        if t not in TARGETS:
+            raise ValueError(f"unknown target {t!r}; targets: {', '.join(TARGETS)}")
+    if interpreter_on():
+        return _rows_in_child(list(ops), list(formats), list(targets), config)
+    return [_analyse(op, f, t, config) for t in targets for op in ops for f in formats]
+
+
+def _rows_in_child(ops, formats, targets, config) -> list[Row]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    arg = json.dumps({"ops": ops, "formats": formats, "targets": targets, "config": config})
+    done = subprocess.run([sys.executable, "-m", "triton_kernels.static", arg], env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"static analysis failed in its child process:\n{done.stderr[-4000:]}")
+    return [Row(**r) for r in json.loads(done.stdout)]
+
+
+def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None) -> Row:
     fmt = quant.get(fmt)
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; targets: {', '.join(TARGETS)}")
     amd = TARGETS[target].backend == "hip"
-    spec = _spec(op, fmt, "gcn" if amd else "ptx")
+    spec = _spec(op, fmt, "gcn" if amd else "ptx", config)
     k = _compile(spec.kernel, tuple(spec.signature.items()), tuple(spec.constexprs.items()),
                  target, spec.num_warps, tuple(spec.options.items()))
     if amd:
@@ -370,6 +407,8 @@ def analyse(op: str, fmt: str | quant.Format, target: str = "sm_90") -> Row:
     return row
 
 
-def rows(ops=OPS, formats=None, targets=("sm_90",)) -> list[Row]:
-    formats = formats or [f.name for f in quant.FORMATS.values()]
-    return [analyse(op, f, t) for t in targets for op in ops for f in formats]
+
+if __name__ == "__main__":  # the child process of _rows_in_child
+    args = json.loads(sys.argv[1])
+    out = rows(args["ops"], args["formats"], args["targets"], args["config"])
+    json.dump([r.as_dict() for r in out], sys.stdout)

@@ -74,6 +74,12 @@ def _assert_matches_golden(path: Path, outtype: str) -> None:
         assert (g["type"], g["sha256"]) == (w["type"], w["sha256"]), (g["key"], g.get("value"), w.get("value"))
     assert [t["name"] for t in got["tensors"]] == [t["name"] for t in want["tensors"]]
     for g, w in zip(got["tensors"], want["tensors"]):
+        if g["name"].endswith(".ssm_a"):
+            # -exp(A_log): torch's float32 exp differs in the last bit between CPUs (its
+            # AVX2 and AVX-512 kernels), so llama.cpp's converter writes other bits on
+            # another machine; test_layout checks these values against torch's
+            # exp here. Everything but the digest must match.
+            g, w = ({k: v for k, v in t.items() if k != "sha256"} for t in (g, w))
         assert g == w, g["name"]
 
 
