@@ -51,7 +51,9 @@ def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.conste
                 OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, OUT: tl.constexpr,
                 ASM: tl.constexpr):
     """Write one decoded unit a lane at dst (UW consecutive values): a * (code - ZERO)
-    [- b] [* scale], in the numpy codec's order; OUT "bf16" stores bf16 bits (int16)."""
+    [- b] [* scale], in the numpy codec's order; OUT "bf16" stores bf16 bits (int16).
+    One store a value: a [lanes, 4] store a word costs twice the instructions on sm_90
+    (the layout change goes through shared memory)."""
     for w in tl.static_range(UW // 4):
         for i in tl.static_range(4):
             code = (((words[w] << (24 - 8 * i)) >> 24) - ZERO).to(tl.float32)

@@ -133,7 +133,8 @@ def _unit_table_words(fmt: quant.Format) -> np.ndarray:
         grid = fmt.tables["grid"].astype(np.uint8).reshape(-1, 4).copy().view("<i4").reshape(-1)
         return np.concatenate([grid, _sign_words(np.arange(256)).reshape(-1)])
     if fmt.name == "IQ4_NL":
-        return fmt.tables["kvalues"].astype(np.int8).copy().view("<i4")
+        kv = fmt.tables["kvalues"].astype(np.int8)
+        return np.concatenate([kv.copy().view("<i4"), kv.astype(np.int32)])
     return np.zeros(1, dtype=np.int32)
 
 

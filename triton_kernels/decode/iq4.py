@@ -49,16 +49,34 @@ def _lut16(r, t0, t1, t2, t3, ASM: tl.constexpr):
 
 
 @triton.jit
+def _lut16_loads(r, tab_ptr):
+    """_lut16 by table loads (int32 values from word 4 of the unit table): the twin of the
+    byte permutes, cheaper under the interpreter; the device runs the permutes."""
+    lo = (tl.load(tab_ptr + 4 + (r & 0xF)) & 0xFF) | ((tl.load(tab_ptr + 4 + ((r >> 8) & 0xF)) & 0xFF) << 8) \
+        | ((tl.load(tab_ptr + 4 + ((r >> 16) & 0xF)) & 0xFF) << 16) | (tl.load(tab_ptr + 4 + ((r >> 24) & 0xF)) << 24)
+    hi = (tl.load(tab_ptr + 4 + ((r >> 4) & 0xF)) & 0xFF) | ((tl.load(tab_ptr + 4 + ((r >> 12) & 0xF)) & 0xFF) << 8) \
+        | ((tl.load(tab_ptr + 4 + ((r >> 20) & 0xF)) & 0xFF) << 16) | (tl.load(tab_ptr + 4 + ((r >> 28) & 0xF)) << 24)
+    return lo, hi
+
+
+@triton.jit
 def unit_iq4_nl(p, u, tab_ptr, ASM: tl.constexpr):
-    """IQ4_NL: d | 16 nibble bytes; weight = d * KVALUES[q]. Table: KVALUES as 4 int32."""
+    """IQ4_NL: d | 16 nibble bytes; weight = d * KVALUES[q]. Table: KVALUES as 4 int32
+    words (the permutes' operands), then as 16 int32 values (the twin's loads)."""
     d = f16_at(p, 0)
     t0 = tl.load(tab_ptr)
     t1 = tl.load(tab_ptr + 1)
     t2 = tl.load(tab_ptr + 2)
     t3 = tl.load(tab_ptr + 3)
     r = nibble_words(p, 1, ASM)
-    l0, h0 = _lut16(r[0], t0, t1, t2, t3, ASM)
-    l1, h1 = _lut16(r[1], t0, t1, t2, t3, ASM)
-    l2, h2 = _lut16(r[2], t0, t1, t2, t3, ASM)
-    l3, h3 = _lut16(r[3], t0, t1, t2, t3, ASM)
+    if ASM == "":
+        l0, h0 = _lut16_loads(r[0], tab_ptr)
+        l1, h1 = _lut16_loads(r[1], tab_ptr)
+        l2, h2 = _lut16_loads(r[2], tab_ptr)
+        l3, h3 = _lut16_loads(r[3], tab_ptr)
+    else:
+        l0, h0 = _lut16(r[0], t0, t1, t2, t3, ASM)
+        l1, h1 = _lut16(r[1], t0, t1, t2, t3, ASM)
+        l2, h2 = _lut16(r[2], t0, t1, t2, t3, ASM)
+        l3, h3 = _lut16(r[3], t0, t1, t2, t3, ASM)
     return (l0, l1, l2, l3, h0, h1, h2, h3), (d,), (d,)
