@@ -81,6 +81,19 @@ def quantized(fmt, shape: tuple, rng) -> np.ndarray:
     return arr.reshape(*lead, cols // fmt.block_elems * fmt.block_bytes)
 
 
+def swiglu(xe, Wg, Wu):
+    """(h, dh), float64: silu(x W_g^T) (x W_u^T) and the float32 error bound of the kernel's
+    h (the docstring's dg, du, ds, dh)."""
+    H = xe.shape[1]
+    g, up = xe @ Wg.T, xe @ Wu.T
+    dg = gamma(H) * (xe.abs() @ Wg.abs().T)
+    du = gamma(H) * (xe.abs() @ Wu.abs().T)
+    s = torch.nn.functional.silu(g)
+    ds = 1.1 * dg + 8 * U * (s.abs() + 1.1 * dg)
+    h = s * up
+    return h, (1 + U) * (s.abs() * du + (up.abs() + du) * ds) + U * h.abs()
+
+
 def slot_terms(x, wg, wu, wd, fmts, ids):
     """Per slot, for a routing weight of one, float64 (T, k, H): the expert's output
     h W_d^T, its absolute sum |h| |W_d|^T, and its error bound (the docstring's dy_slot
@@ -94,14 +107,7 @@ def slot_terms(x, wg, wu, wd, fmts, ids):
         t, j = np.nonzero(idn == e)
         Wg, Wu, Wd = (torch.from_numpy(f.dequantize(w[e])).double()
                       for f, w in ((fg, wg), (fu, wu), (fd, wd)))
-        xe = xd[t]
-        g, up = xe @ Wg.T, xe @ Wu.T
-        dg = gamma(H) * (xe.abs() @ Wg.abs().T)
-        du = gamma(H) * (xe.abs() @ Wu.abs().T)
-        s = torch.nn.functional.silu(g)
-        ds = 1.1 * dg + 8 * U * (s.abs() + 1.1 * dg)
-        h = s * up
-        dh = (1 + U) * (s.abs() * du + (up.abs() + du) * ds) + U * h.abs()
+        h, dh = swiglu(xd[t], Wg, Wu)
         y1[t, j] = h @ Wd.T
         a1[t, j] = h.abs() @ Wd.abs().T
         e1[t, j] = dh @ Wd.abs().T + gamma(Wg.shape[0]) * (a1[t, j] + dh @ Wd.abs().T)
@@ -508,14 +514,7 @@ def dp4a_reference(x, wg, wu, wd, fmts, ids, weights):
         t, j = np.nonzero(idn == e)
         Wg, Wu, Wd = (torch.from_numpy(f.dequantize(w[e])).double()
                       for f, w in ((fg, wg), (fu, wu), (fd, wd)))
-        xe = xh[t]
-        g, up = xe @ Wg.T, xe @ Wu.T
-        dg = gamma(H) * (xe.abs() @ Wg.abs().T)
-        du = gamma(H) * (xe.abs() @ Wu.abs().T)
-        s = torch.nn.functional.silu(g)
-        ds = 1.1 * dg + 8 * U * (s.abs() + 1.1 * dg)
-        h = s * up
-        dh = (1 + U) * (s.abs() * du + (up.abs() + du) * ds) + U * h.abs()
+        h, dh = swiglu(xh[t], Wg, Wu)
         q = quantize_x_torch(h.float())
         hh = q.dequantize().double()
         I = h.shape[1]
@@ -540,7 +539,7 @@ def test_dp4a_path_agrees_with_the_rounded_reference(fmts):
            dtype=st.sampled_from(DTYPES),
            tiles=st.sampled_from([(256, 512)] if big else [None, (128, 64)]),
            seed=st.integers(0, 2 ** 32 - 1), data=st.data())
-    @settings(max_examples=2 if big else 3)
+    @settings(max_examples=1 if big else 3)
     def prop(E, H, I, T, dtype, tiles, seed, data):
         k = data.draw(st.integers(1, E))
         rows = [data.draw(st.permutations(range(E)))[:k] for _ in range(T)]
