@@ -47,29 +47,61 @@ def _dequant_kernel(q_ptr, tab_ptr, out_ptr, n_elements,
 
 
 @triton.jit
+def _stack(parts, N: tl.constexpr):
+    """A tuple of N = 2^k [lanes] tensors -> one [lanes, N] tensor, in order."""
+    if N == 1:
+        return parts[0][:, None]
+    elif N == 2:
+        return tl.join(parts[0], parts[1])
+    elif N == 8:
+        # each join appends the least significant index: pair the most distant parts first
+        return tl.reshape(tl.join(tl.join(tl.join(parts[0], parts[4]), tl.join(parts[2], parts[6])),
+                                  tl.join(tl.join(parts[1], parts[5]), tl.join(parts[3], parts[7]))),
+                          (parts[0].shape[0], 8))
+    else:
+        return tl.join(_stack(parts[:8], 8), _stack(parts[8:], 8)).permute(0, 2, 1).reshape(
+            (parts[0].shape[0], 16))
+
+
+@triton.jit
 def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.constexpr,
                 OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, OUT: tl.constexpr,
                 ASM: tl.constexpr):
     """Write one decoded unit a lane at dst (UW consecutive values): a * (code - ZERO)
     [- b] [* scale], in the numpy codec's order; OUT "bf16" stores bf16 bits (int16).
-    One store a value: a [lanes, 4] store a word costs twice the instructions on sm_90
-    (the layout change goes through shared memory)."""
-    for w in tl.static_range(UW // 4):
-        for i in tl.static_range(4):
-            code = (((words[w] << (24 - 8 * i)) >> 24) - ZERO).to(tl.float32)
-            val = a[w // 8] * code
-            if OFFSET:
-                val = val - b[w // 8]
-            if HAS_SCALE:
-                val = val * scale
-            if OUT == "bf16":
-                if ASM == "":
-                    tl.store(dst + (4 * w + i), round_to_bf16_bits(val), mask=live)
-                else:  # the device's own round-to-nearest-even; any NaN stays a NaN
+    On a device one store a value (a [lanes, UW] tile costs twice the instructions on
+    sm_90: the layout change goes through shared memory); under the interpreter, whose
+    cost goes with the number of operations, the whole unit as one [lanes, UW] tile."""
+    if ASM == "":
+        i = tl.arange(0, 4)
+        w = _stack(words, UW // 4)                                     # [lanes, UW / 4]
+        code = ((w[:, :, None] << (24 - 8 * i)[None, None, :]) >> 24) - ZERO
+        code = tl.reshape(code, (code.shape[0], UW // 32, 32))
+        val = _stack(a, UW // 32)[:, :, None] * code.to(tl.float32)    # [lanes, groups, 32]
+        if OFFSET:
+            val = val - _stack(b, UW // 32)[:, :, None]
+        if HAS_SCALE:
+            val = val * scale
+        val = tl.reshape(val, (val.shape[0], UW))
+        at = dst[:, None] + tl.arange(0, UW)[None, :]
+        if OUT == "bf16":
+            tl.store(at, round_to_bf16_bits(val), mask=live[:, None])
+        else:
+            tl.store(at, val.to(dst.dtype.element_ty), mask=live[:, None])
+    else:
+        for w in tl.static_range(UW // 4):
+            for i in tl.static_range(4):
+                code = (((words[w] << (24 - 8 * i)) >> 24) - ZERO).to(tl.float32)
+                val = a[w // 8] * code
+                if OFFSET:
+                    val = val - b[w // 8]
+                if HAS_SCALE:
+                    val = val * scale
+                if OUT == "bf16":  # the device's own round-to-nearest-even
                     tl.store(dst + (4 * w + i), val.to(tl.bfloat16).to(tl.int16, bitcast=True),
                              mask=live)
-            else:
-                tl.store(dst + (4 * w + i), val.to(dst.dtype.element_ty), mask=live)
+                else:
+                    tl.store(dst + (4 * w + i), val.to(dst.dtype.element_ty), mask=live)
 
 
 @triton.jit
