@@ -1,11 +1,11 @@
 """Int8 activations and the dp4a GEMV: the decode-time matmul at the memory roof.
 
     quantize_x(x) -> Q8X(q, d, s)        x (M, K) -> int8 per 32 values, as llama.cpp's q8_1
-    gemv_dp4a(q8x, q, fmt, n, tiles)     (M, N) float32 = x̂ @ W.T, W as GGUF blocks
+    gemv_dp4a(x8, q, fmt, N, tiles)      (M, N) float32 = x̂ @ W.T, W as GGUF blocks
 
 x̂ is x rounded to int8 per group of 32 consecutive values: d = max|x| / 127, q =
-round(x / d) (half away from zero, clamped to ±127), x̂ = d * q; s = d * Σq, the group's sum of x̂. The
-GEMV then reads each weight once as the format's int8 units (triton_kernels.decode.UNITS)
+round(x / d) (half away from zero, clamped to ±127), x̂ = d * q; s = d * Σq, the group's
+sum of x̂. The GEMV then reads each weight once as the format's int8 units (triton_kernels.decode.UNITS)
 and multiplies four weights at a time with `dp4a`:
 
     y[n] = Σ_groups  a * d * dp4a-sum(code, q)  -  (a * ZERO + b) * s
@@ -19,7 +19,7 @@ Work per thread: a program owns BLOCK_N rows and walks K in steps of BLOCK_U uni
 thread decodes whole units (32 or 64 weights), sums their dp4a results in int32 and
 scales them once a group; the accumulator [BLOCK_N, BLOCK_U] is reduced across lanes once,
 after the loop. Rows past N are clamped (read, never stored), so the main loop carries no
-masks; K that is no whole number of steps takes masked loads (MASK_K).
+masks; K that is no whole number of steps takes masked loads (MASK).
 
 `quantize_x_torch` repeats quantize_x's float operations (equal bits); `gemv_dp4a_torch`
 computes the same product, x̂ @ W.T, as one float32 torch matmul with the dequantized W.

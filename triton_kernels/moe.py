@@ -80,10 +80,11 @@ from .int8 import dot_units, quantize_x
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# BLOCK_N x BLOCK_K = 64 x 64: qmatmul's GEMM tile (K in quarter 256-weight blocks or two
-# 32-weight ones). BLOCK_M follows the tokens each expert gets (see _default_tiles).
-BLOCK_N_DEFAULT = 64
-BLOCK_K_DEFAULT = 64
+# BLOCK_N x BLOCK_K = 32 x 32 at 4 warps: larger tiles spill registers on sm_90 (64 x 64 in
+# 16 of 23 formats; strata bench kernels --static). BLOCK_M follows the tokens each expert
+# gets (see _default_tiles).
+BLOCK_N_DEFAULT = 32
+BLOCK_K_DEFAULT = 32
 _CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # At most this many tokens take the dp4a decode path (each slot reads its expert's rows
 # once; past a few tokens, slots share experts and the tl.dot path reads them once a block).
@@ -360,6 +361,10 @@ def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, 
     tl.store(out_ptr + slot * stride_o + rows, y, mask=rows < H)
 
 
+def _dot_warps(op: str, fmt: quant.Format, device: torch.device) -> int:
+    return configs.pick(op, fmt.name, device_name(device), backend_name()).get("dot_num_warps", 4)
+
+
 def _suffixed(args: dict, suffix: str) -> dict:
     """launch_args for one of the gate/up kernel's two weights: UNIT_G, HW_G, ..."""
     return {("HW" if k == "BLOCK_HW" else k) + suffix: v for k, v in args.items()}
@@ -529,14 +534,16 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             DECODE_G=decoder(fmt_gate), QK_G=fmt_gate.block_elems,
             DECODE_U=decoder(fmt_up), QK_U=fmt_up.block_elems,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision)
+            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+            num_warps=_dot_warps("moe_gate_up", fmt_gate, dev))
         _down_kernel[(blocks, triton.cdiv(H, block_n))](
             h, w_down, table(fmt_down, dev), rw, per_slot,
             sorted_ids, expert_ids, n_post, n_slots, H, I, h.stride(0),
             down_se, down_sr, per_slot.stride(0),
             DECODE=decoder(fmt_down), QK=fmt_down.block_elems,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision)
+            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+            num_warps=_dot_warps("moe_down", fmt_down, dev))
     return per_slot.view(T, k, H).sum(dim=1).to(out_dtype)
 
 

@@ -39,6 +39,7 @@ import triton.language as tl
 
 import quant
 
+from . import configs
 from .asm import asm_for
 from .backend import use_triton
 from .decode import decoder, launch_args, unit, unit_table
@@ -338,7 +339,8 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
             DECODE=decoder(fmt), QK=fmt.block_elems, ROW_BLOCKS=dim // fmt.block_elems,
             ROW_DIM=dim, DIM_P2=triton.next_power_of_2(dim), BLOCK_ROWS=block_rows,
             HAS_SCALE=scale is not None, OUT_BF16=out_dtype == torch.bfloat16,
-            enable_fp_fusion=False)  # the decode's float steps round as numpy's do
+            enable_fp_fusion=False,  # the decode's float steps round as numpy's do
+            num_warps=configs.pick("ple_gather", fmt.name).get("num_warps", 4))
     return out
 
 

@@ -60,9 +60,11 @@ GEMV_MAX_M = 16
 # and BLOCK_N=16 gives N/16 programs, enough to cover a GPU for N of a few thousand.
 # BLOCK_M caps the rows one program multiplies with a tile (unrolled, so kept small).
 GEMV_TILES = (16, 16, 256)
-# GEMM: 64x64 outputs, K in steps of 64 (two 32-weight blocks, a quarter of a 256-weight
-# one): a usual tensor-core tile at 4 warps; each decoded weight tile serves 64 rows.
-GEMM_TILES = (64, 64, 64)
+# GEMM: 64x64 outputs, K in steps of 32 (one 32-weight block, an eighth of a 256-weight
+# one) at 8 warps (triton_kernels/configs): a step of 64 or 4 warps spills registers on
+# sm_90 in every format (strata bench kernels --static); each decoded weight tile serves
+# 64 rows.
+GEMM_TILES = (64, 64, 32)
 # tensor-core inputs on CUDA: half x keeps its type (the weights are rounded to it), float32
 # x runs as tf32, which keeps float32's range
 _CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -219,7 +221,8 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                 block_m = min(block_m, triton.next_power_of_2(M))
                 grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
                 _gemv_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,
-                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   num_warps=_warps("gemv", fmt, x2.device))
             else:
                 if x2.is_cuda:
                     dot_dtype = _CUDA_DOT_DTYPES[x2.dtype]
@@ -229,8 +232,13 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                 grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
                 _gemm_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,
                                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision)
+                                   DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+                                   num_warps=_warps("gemm", fmt, x2.device))
     return out.to(out_dtype).reshape(*x.shape[:-1], N)
+
+
+def _warps(op: str, fmt: quant.Format, device: torch.device) -> int:
+    return configs.pick(op, fmt.name, device_name(device), backend_name()).get("num_warps", 4)
 
 
 def qmatmul_torch(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,

@@ -199,6 +199,7 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
                            **launch_args(fmt, u), BLOCK_N=bn, BLOCK_K=bk, MASK=False, ASM=asm)
             return Spec(moe._down_dp4a_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
         bm, bn, bk = 16, moe.BLOCK_N_DEFAULT, moe.BLOCK_K_DEFAULT
+        nw = cfg.get("dot_num_warps", 4)
         common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=tl.bfloat16,
                       INPUT_PRECISION="tf32")
         if op == "moe_gate_up":
@@ -325,7 +326,10 @@ def _nvidia_resources(cubin: bytes) -> tuple[str, dict]:
     def field_(name):
         m = re.search(rf"\b{name}:(\d+)", usage)
         return int(m.group(1)) if m else 0
-    return sass, {"regs": field_("REG"), "spill": field_("LOCAL"), "shared": field_("SHARED")}
+    # registers that do not fit spill to the thread's stack frame (STACK; LOCAL counts
+    # local arrays): either is memory traffic the kernel was not written to make
+    return sass, {"regs": field_("REG"), "spill": field_("STACK") + field_("LOCAL"),
+                  "shared": field_("SHARED")}
 
 
 def _gcn_resources(text: str) -> dict:

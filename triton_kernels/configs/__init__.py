@@ -7,7 +7,8 @@ per-format overrides, and under "hip" the same for AMD GPUs (64-lane wavefronts:
 the lanes a program, so twice the rows for the same work a lane); `<device>.json` (the device name as torch reports it, spaces and
 slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kernels
 --tune` on that device, overrides it. Later entries win: op defaults, then the op's
-format entry, then the device file's op defaults and format entry.
+format entry, then the device file's op defaults and format entry. The MoE ops' tiles and
+num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels'.
 """
 from __future__ import annotations
 

@@ -1,6 +1,11 @@
-"""Per-format `@triton.jit` decode functions.
+"""Per-format `@triton.jit` decode functions, of two kinds.
 
-A decode function turns weights of quantized blocks into float32 values:
+Int8 units (`UNITS`, decode/common.py; Q8_0, Q4_0, IQ4_NL, Q4_K, IQ3_XXS, IQ3_S): a whole
+unit of 32 or 64 weights as int8 words plus per-group scales, decoded once a thread; the
+dp4a GEMV and MoE kernels, dequant and the PLE gather run on them.
+
+Per weight (`DECODERS`, every format; the GEMM, the float GEMV and the other formats'
+dequant): a decode function turns weights of quantized blocks into float32 values:
 
     decode(q_ptr, tab_ptr, blk, j, mask) -> float32 tensor shaped like `blk`
 
