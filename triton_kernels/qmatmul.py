@@ -45,9 +45,9 @@ import triton.language as tl
 
 import quant
 
-from .backend import use_triton
-from .decode import decoder, table
-from .decode import unit
+from . import configs
+from .backend import backend_name, device_name, use_triton
+from .decode import decoder, table, unit
 from .dequant import check_blocks, dequantize_torch
 from .int8 import gemv_dp4a, quantize_x
 
