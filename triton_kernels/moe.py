@@ -361,10 +361,6 @@ def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, 
     tl.store(out_ptr + slot * stride_o + rows, y, mask=rows < H)
 
 
-def _dot_warps(op: str, fmt: quant.Format, device: torch.device) -> int:
-    return configs.pick(op, fmt.name, device_name(device), backend_name()).get("dot_num_warps", 4)
-
-
 def _suffixed(args: dict, suffix: str) -> dict:
     """launch_args for one of the gate/up kernel's two weights: UNIT_G, HW_G, ..."""
     return {("HW" if k == "BLOCK_HW" else k) + suffix: v for k, v in args.items()}
@@ -535,7 +531,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             DECODE_U=decoder(fmt_up), QK_U=fmt_up.block_elems,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            num_warps=_dot_warps("moe_gate_up", fmt_gate, dev))
+            num_warps=configs.num_warps("moe_gate_up", fmt_gate.name, dev, "dot_num_warps"))
         _down_kernel[(blocks, triton.cdiv(H, block_n))](
             h, w_down, table(fmt_down, dev), rw, per_slot,
             sorted_ids, expert_ids, n_post, n_slots, H, I, h.stride(0),
@@ -543,7 +539,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             DECODE=decoder(fmt_down), QK=fmt_down.block_elems,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            num_warps=_dot_warps("moe_down", fmt_down, dev))
+            num_warps=configs.num_warps("moe_down", fmt_down.name, dev, "dot_num_warps"))
     return per_slot.view(T, k, H).sum(dim=1).to(out_dtype)
 
 

@@ -340,7 +340,7 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
             ROW_DIM=dim, DIM_P2=triton.next_power_of_2(dim), BLOCK_ROWS=block_rows,
             HAS_SCALE=scale is not None, OUT_BF16=out_dtype == torch.bfloat16,
             enable_fp_fusion=False,  # the decode's float steps round as numpy's do
-            num_warps=configs.pick("ple_gather", fmt.name).get("num_warps", 4))
+            num_warps=configs.num_warps("ple_gather", fmt.name, table.device))
     return out
 
 

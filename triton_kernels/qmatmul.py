@@ -46,7 +46,7 @@ import triton.language as tl
 import quant
 
 from . import configs
-from .backend import backend_name, device_name, use_triton
+from .backend import use_triton
 from .decode import decoder, table, unit
 from .dequant import check_blocks, dequantize_torch
 from .int8 import gemv_dp4a, quantize_x
@@ -222,7 +222,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                 grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
                 _gemv_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,
                                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   num_warps=_warps("gemv", fmt, x2.device))
+                                   num_warps=configs.num_warps("gemv", fmt.name, x2.device))
             else:
                 if x2.is_cuda:
                     dot_dtype = _CUDA_DOT_DTYPES[x2.dtype]
@@ -233,12 +233,8 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                 _gemm_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,
                                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                    DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-                                   num_warps=_warps("gemm", fmt, x2.device))
+                                   num_warps=configs.num_warps("gemm", fmt.name, x2.device))
     return out.to(out_dtype).reshape(*x.shape[:-1], N)
-
-
-def _warps(op: str, fmt: quant.Format, device: torch.device) -> int:
-    return configs.pick(op, fmt.name, device_name(device), backend_name()).get("num_warps", 4)
 
 
 def qmatmul_torch(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,

@@ -45,6 +45,12 @@ def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda") ->
     return out
 
 
+def num_warps(op: str, fmt: str, device, key: str = "num_warps") -> int:
+    """The warps a launch on `device` (a torch.device) takes: `key` of pick(), else 4."""
+    from ..backend import backend_name, device_name
+    return pick(op, fmt, device_name(device), backend_name()).get(key, 4)
+
+
 def write(device_name: str, table: dict) -> pathlib.Path:
     """Store a tuned table for one device; returns its path."""
     path = device_file(device_name)

@@ -92,14 +92,6 @@ class Unit:
     zero: int = 0         # subtracted from each code before scaling (Q4_0: 8)
     offset: bool = False  # weight = a * code - b (the K-quants' minimum)
 
-    @property
-    def words(self) -> int:
-        return self.weights // 4
-
-    @property
-    def groups(self) -> int:
-        return self.weights // 32
-
 
 UNITS = {
     "Q8_0": Unit(unit_q8_0, 32),
