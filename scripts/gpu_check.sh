@@ -5,8 +5,15 @@
 #   2. `strata bench kernels`: the decode GEMV of a 4096 x 14336 weight per format, GB/s
 #      against the device copy, the static prediction beside it;
 #   3. `strata bench dequant --device cuda` for the formats of the decode path;
-#   4. the static table for sm_90, to set beside the measured one.
-# Results go to $OUT (or ./gpu_check.out) as logs and JSON.
+#   4. the static table for sm_90, to set beside the measured one;
+#   5. the engine on the GPU: `strata generate --device cuda` for SmolLM2 (when its GGUF
+#      is in the cache, or .gpu/ holds it split in parts: see below) and flash-tiny (built
+#      there: `strata synth`, which needs transformers 5.23 from .whl/);
+#   6. `strata bench model --device cuda`: pp512, tg128, and the decode step's weight bytes
+#      over its time against the device's copy bandwidth;
+#   7. flash-tiny with --experts cache:8:host: hit rate and PCIe MiB a token
+#      (STRATA_DECODE_TIMING=1 lines).
+# Results go to $OUT (or ./gpu_check.out) as logs and JSON. STEPS=5,7,1 runs those, in that order.
 #
 # A bare machine lacks gguf (strata's GGUF reader needs it): where .whl/ holds wheels
 # (`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.17.1`),
@@ -19,28 +26,77 @@ export PYTHONUNBUFFERED=1 STRATA_TEST_DEVICE=cuda
 unset TRITON_INTERPRET
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+        --target /tmp/site .whl/*.whl
 fi
+[[ -d /tmp/site ]] && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export STRATA_CACHE=${STRATA_CACHE:-$PWD/.gpu/cache}
 FORMATS=Q8_0,Q4_0,Q4_K,IQ4_NL,IQ3_S,IQ3_XXS
+STEPS=${STEPS:-1,2,3,4,5,6,7}
 status=0
+# SmolLM2's GGUF (94 MB) may arrive in parts (.gpu/smollm2.part*, joined in name order)
+SMOL="$STRATA_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [[ ! -f "$SMOL" ]] && compgen -G ".gpu/smollm2.part*" > /dev/null; then
+    mkdir -p "$(dirname "$SMOL")" && cat .gpu/smollm2.part* > "$SMOL"
+    [[ $(stat -c %s "$SMOL") == 98362432 ]] || { echo "SmolLM2 parts incomplete"; rm -f "$SMOL"; }
+fi
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/gpu.txt"
 
+s1() {
 echo "== 1. kernel properties on the device"
 timeout 240 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/triton_kernels \
     2>&1 | tee "$OUT/pytest_cuda.log" || status=1
+}
 
+s2() {
 echo "== 2. decode GEMV, 4096 x 14336, GB/s against the device copy"
 timeout 150 python3 -m strata bench kernels --formats "$FORMATS" --json 2> "$OUT/bench_kernels.err" \
     | tee "$OUT/bench_kernels.json" || status=1
+}
 
+s3() {
 echo "== 3. dequant on the device"
 timeout 90 python3 -m strata bench dequant --device cuda --formats "$FORMATS" --no-peer --mib 256 \
     2>&1 | tee "$OUT/bench_dequant.log" || status=1
+}
 
+s4() {
 echo "== 4. static prediction (sm_90)"
 timeout 120 python3 -m strata bench kernels --static --target sm_90 --formats "$FORMATS" --ops gemv,dequant,moe_gate_up,moe_down \
     2>/dev/null | tee "$OUT/static_sm90.md" || status=1
+}
+
+s5() {
+echo "== 5. the engine on the GPU: strata generate --device cuda"
+if [[ -f "$SMOL" ]]; then
+    timeout 120 python3 -m strata generate --device cuda -m smollm2 --temperature 0 -n 48 \
+        "Write one sentence about the sea." 2>&1 | tee "$OUT/generate_smollm2.log" || status=1
+else
+    echo "no SmolLM2 GGUF here: skipped" | tee "$OUT/generate_smollm2.log"
+fi
+timeout 240 python3 -m strata synth flash-tiny 2>&1 | tail -3 | tee "$OUT/synth.log" || status=1
+timeout 120 python3 -m strata generate --device cuda -m flash-tiny --temperature 0 -n 32 --raw \
+    "The sea is" 2>&1 | tee "$OUT/generate_flash_tiny.log" || status=1
+}
+
+s6() {
+echo "== 6. strata bench model --device cuda (pp512, tg128, decode bytes against the copy roof)"
+for m in smollm2 flash-tiny; do
+    [[ $m == smollm2 && ! -f "$SMOL" ]] && continue
+    timeout 180 python3 -m strata bench model --device cuda -m $m -r 3 --json 2> "$OUT/bench_model_$m.err" \
+        | tee "$OUT/bench_model_$m.json" || status=1
+done
+}
+
+s7() {
+echo "== 7. flash-tiny, experts in a cache of 8 slots a layer filled from pinned host RAM"
+STRATA_DECODE_TIMING=1 timeout 120 python3 -m strata generate --device cuda -m flash-tiny \
+    --experts cache:8:host --temperature 0 -n 24 --raw "The sea is" 2>&1 \
+    | tee "$OUT/experts_cache.log" | grep -v "^strata: step" || status=1
+grep "^strata: step" "$OUT/experts_cache.log" | tail -3
+}
+
+for s in ${STEPS//,/ }; do "s$s"; done
 exit $status

@@ -15,11 +15,20 @@ def _formats(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, metavar="cuda|cpu",
+                   help="where the model computes: cuda[:N] or cpu (default: cuda when torch sees one)")
+    p.add_argument("--kernels", choices=("triton", "torch"), default=None,
+                   help="the ops' implementation (default: triton on a GPU, torch on the CPU; triton on "
+                        "the CPU runs the Triton interpreter: slow, for checking the GPU path)")
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="smollm2",
                    help="a known model (smollm2: pulled on first use) or a .gguf path")
     p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
-                   help="compute dtype on the CPU (bf16: fast; f32: exact weights)")
+                   help="compute dtype (bf16: fast; f32: exact weights)")
+    _device_args(p)
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--qsa", choices=("on", "off"), default="on",
                    help="qwen4exp: QSA sparse attention past the indexer's budget (on, as transformers) "
@@ -108,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--model", "-m", default="smollm2")
     bm.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     bm.add_argument("--threads", "-t", type=int, default=2)
+    _device_args(bm)
     bm.add_argument("--n-prompt", "-p", type=int, default=512)
     bm.add_argument("--n-gen", "-n", type=int, default=128)
     bm.add_argument("--repeats", "-r", type=int, default=3)
@@ -160,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     pp.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     pp.add_argument("--threads", "-t", type=int, default=None)
+    _device_args(pp)
 
     im = sub.add_parser("imatrix", help="llama-imatrix: importance matrix (GGUF) for llama-quantize --imatrix")
     im.add_argument("model", nargs="?", default="smollm2", help="a known model (smollm2) or a .gguf path")
@@ -170,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--process-output", action="store_true", help="also collect output.weight")
     im.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     im.add_argument("--threads", "-t", type=int, default=None)
+    _device_args(im)
 
     qz = sub.add_parser("quantize", help="llama-quantize: requantize a GGUF (IQ3_XXS, IQ3_S, Q4_0, ...)")
     qz.add_argument("input", help="source .gguf (a quantized source is dequantized first)")
@@ -194,7 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="what sits where, what a prompt reads from the drive, the drive's speed")
     pl.add_argument("model", help="a known model or a .gguf path")
-    pl.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model would compute")
+    pl.add_argument("--device", default=None,
+                    help="cpu or cuda[:N]: where the model would compute (default: cuda when torch sees one)")
+    pl.add_argument("--gpu-mem", type=float, default=None, metavar="GIB",
+                    help="plan for a GPU of this many GiB (each, with --gpus) instead of this machine's")
+    pl.add_argument("--gpus", type=int, default=1, help="GPUs the layers are split over (with --gpu-mem)")
+    pl.add_argument("--ram", type=float, default=None, metavar="GIB",
+                    help="plan for this much free host RAM instead of this machine's MemAvailable")
+    pl.add_argument("--vram-reserve-mib", type=int, default=1024,
+                    help="VRAM kept free a GPU (activations, KV, the CUDA context; default 1024)")
     pl.add_argument("--tokens", type=int, default=32768, help="prompt length the drive reads are counted for")
     pl.add_argument("--remeasure", action="store_true", help="measure the drive again (else its cached speed)")
     pl.add_argument("--json", action="store_true")
@@ -210,12 +230,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interpret(argv: list[str] | None) -> None:
+    """`--kernels triton` on the CPU runs the Triton interpreter, which must be on before
+    triton is imported: start again with TRITON_INTERPRET=1."""
+    import os
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    args = sys.argv[1:] if argv is None else argv
+    os.execve(sys.executable, [sys.executable, "-m", "strata", *args], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from strata import commands
     from strata.hub import HubError
+    from triton_kernels import configs
+    from triton_kernels.backend import choose_device, interpreter_on
     if hasattr(args, "dtype"):  # one spelling on the command line, a torch dtype past here
         args.dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
+    if args.command in ("generate", "chat", "serve", "perplexity", "imatrix") or (
+            args.command == "bench" and args.what == "model"):
+        try:
+            args.device = choose_device(args.device)
+        except ValueError as e:
+            print(f"strata: {e}", file=sys.stderr)
+            return 2
+    elif args.command == "plan" and args.device is None:  # a plan may be for another machine
+        args.device = "cuda" if args.gpu_mem else choose_device(None)
+    interpret = getattr(args, "kernels", None) == "triton" and str(args.device).startswith("cpu")
+    if interpret and not interpreter_on():
+        _interpret(argv)
+    with configs.interpreter_tiles(interpret):
+        return _run(args, commands, HubError)
+
+
+def _run(args, commands, HubError) -> int:
     try:
         if args.command in ("pack", "plan", "probe"):
             from strata.storage import experts, plan, probe

@@ -24,7 +24,8 @@ def load(args):
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     g = open_gguf(path)
-    model = load_model(g, dtype=args.dtype, **model_options(args, g, path))
+    model = load_model(g, dtype=args.dtype, device=getattr(args, "device", None) or "cpu",
+                       kernels=getattr(args, "kernels", None), **model_options(args, g, path))
     print(f"strata: {model.plan_line()}", file=sys.stderr)
     if g.arch == "qwen4exp":  # where the parts sit and what a long prompt will read
         from strata.storage.plan import plan_from_args
@@ -45,11 +46,10 @@ def model_options(args, g, path) -> dict:
     args = SimpleNamespace(**{"ple_io": "auto", "ple_gguf": None, "no_ple_prefetch": False,
                               "ple_io_depth": 16, **vars(args)})
     if "per_layer_token_embd.weight" in g.tensors or args.ple_gguf:
-        from strata.models.qwen4exp import StoredTable
         from strata.storage.ple import open_from_args
         # ram is a candidate only when the table fits beside the rest of the model
         rest = sum(t.nbytes for n, t in g.tensors.items() if n != "per_layer_token_embd.weight")
-        opts["ple_table"] = StoredTable(open_from_args(args, path, reserve_bytes=rest))
+        opts["ple_table"] = open_from_args(args, path, reserve_bytes=rest)
     return opts
 
 

@@ -147,7 +147,7 @@ def chunk_logits(model: LogitsModel, chunk, bos_id: int | None = None) -> torch.
     if logits.ndim != 2 or logits.shape[0] != n:
         raise ValueError(f"{type(model).__name__}.forward returned logits of shape "
                          f"{tuple(logits.shape)} for {n} tokens; expected ({n}, vocab)")
-    return logits[n // 2:n - 1].float()
+    return logits[n // 2:n - 1].float().cpu()  # scored on the CPU, whatever the device
 
 
 def _targets(chunk) -> torch.Tensor:

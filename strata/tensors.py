@@ -33,10 +33,11 @@ class QTensor:
         return t if str(device) == "cpu" else t.to(device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
-        """Dequantized in `dtype` on `device`: the Triton kernel on CUDA, the torch path on
-        the CPU (also under the Triton interpreter, which is for the kernels' own tests)."""
-        from triton_kernels import dequantize, dequantize_torch
-        fn = dequantize if torch.device(device).type == "cuda" else dequantize_torch
+        """Dequantized in `dtype` on `device`, by the device's default kernels (Triton on a
+        GPU, torch on the CPU: see triton_kernels.backend.choose_kernels)."""
+        from triton_kernels.backend import choose_kernels
+        from triton_kernels.ops import impl
+        fn = impl("dequantize", choose_kernels(None, device))
         return fn(self.blocks(device), self.fmt, dtype).reshape(self.shape)
 
     def __repr__(self) -> str:

@@ -1,8 +1,13 @@
 """Where a kernel runs: the one place that decides.
 
-CUDA tensors run the Triton kernel. CPU tensors run the op's torch implementation, unless
-the Triton interpreter is on (TRITON_INTERPRET=1, as the tests set it), in which case the
-Triton kernel itself runs on the CPU, slowly, so that CI checks the kernel's code.
+Two decisions, both here:
+- a model's: `choose_kernels(kernels, device)` gives "triton" or "torch" for the whole
+  model (default: triton on a GPU, torch on the CPU); every module records it at load and
+  takes its ops through `triton_kernels.ops.impl`, so nothing re-derives it;
+- a launcher's: a public launcher (qmatmul, moe, ...) called directly runs the Triton
+  kernel for CUDA tensors, and for CPU tensors only under the Triton interpreter
+  (TRITON_INTERPRET=1, as the tests set it), which runs the kernel's code on the CPU,
+  slowly, so that CI checks it; else the op's torch implementation.
 """
 from __future__ import annotations
 
@@ -17,6 +22,41 @@ def interpreter_on() -> bool:
 
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreter_on()
+
+
+KERNELS = ("triton", "torch")
+
+
+def choose_device(device: str | None) -> str:
+    """`--device`: as given, else "cuda" when torch sees a GPU, else "cpu"."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r}: expected cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no GPU here (torch {torch.__version__}, "
+                         f"CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: expected cpu or cuda[:N]")
+    return str(dev)
+
+
+def choose_kernels(kernels: str | None, device) -> str:
+    """"triton" or "torch" for a model on `device` (`--kernels`; None: triton on a GPU,
+    torch on the CPU). Triton on the CPU is the interpreter: it checks the GPU path's code
+    and is slow (minutes a token for a real model)."""
+    dev = torch.device(device)
+    if kernels is None:
+        return "triton" if dev.type == "cuda" else "torch"
+    if kernels not in KERNELS:
+        raise ValueError(f"--kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+    if kernels == "triton" and dev.type == "cpu" and not interpreter_on():
+        raise ValueError("--kernels triton on the CPU runs the Triton interpreter, which must be on "
+                         "before triton is imported: set TRITON_INTERPRET=1 (the command line does "
+                         "this itself), or use --kernels torch")
+    return kernels
 
 
 def device_name(device: torch.device) -> str | None:

@@ -464,19 +464,22 @@ def _default_tiles(n_slots: int, E: int) -> tuple[int, int, int]:
     # tl.dot's minimum, 64 a usual tensor-core tile
     per_expert = -(-n_slots // E)
     block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
-    return block_m, BLOCK_N_DEFAULT, BLOCK_K_DEFAULT
+    _, block_n, block_k = configs.tiles("moe_dot", (block_m, BLOCK_N_DEFAULT, BLOCK_K_DEFAULT))
+    return block_m, block_n, block_k
 
 
 def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
         fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor, *,
-        tiles: tuple[int, int, int] | None = None, path: str | None = None) -> torch.Tensor:
+        tiles: tuple[int, int, int] | None = None, path: str | None = None,
+        tile_slots: int | None = None) -> torch.Tensor:
     """Σ_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, H); result (T, H) in x's dtype.
 
     path: "dot" (aligned blocks, tl.dot) or "dp4a" (int8 x, one GEMV a slot); None takes
     dp4a for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8 units.
     tiles: for "dot" (BLOCK_M, BLOCK_N, BLOCK_K), powers of two >= 16; for "dp4a"
-    (BLOCK_N, BLOCK_K), BLOCK_K a power of two >= 64. CPU tensors without the
-    interpreter run moe_torch.
+    (BLOCK_N, BLOCK_K), BLOCK_K a power of two >= 64. tile_slots: choose the "dot" tiles as
+    for a call of that many slots (an expert store's subsets then run the resident call's
+    blocks). CPU tensors without the interpreter run moe_torch.
     """
     fmt_gate, fmt_up, fmt_down = quant.get(fmt_gate), quant.get(fmt_up), quant.get(fmt_down)
     T, H, I, E, k = _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
@@ -499,7 +502,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
                              f"BLOCK_K >= 64, got {tiles}")
     else:
         if tiles is None:
-            tiles = _default_tiles(n_slots, E)
+            tiles = _default_tiles(tile_slots or n_slots, E)
         if len(tiles) != 3 or any(t < 16 or t & (t - 1) for t in tiles):
             raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
     dev, out_dtype = x.device, x.dtype

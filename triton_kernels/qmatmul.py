@@ -200,7 +200,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
         y = gemv_dp4a(quantize_x(x2), q.contiguous(), fmt, N, tiles)
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
     if tiles is None:
-        tiles = GEMV_TILES if path == "gemv" else GEMM_TILES
+        tiles = configs.tiles(path, GEMV_TILES if path == "gemv" else GEMM_TILES)
     block_m, block_n, block_k = tiles
     for t in (block_m, block_n, block_k):
         if t < 1 or t & (t - 1) or (path == "gemm" and t < 16):

@@ -4,6 +4,9 @@ pp: a fresh context takes `-p` tokens in one batch. tg: from an empty context, `
 tokens decoded one at a time. Both report tok/s as mean +- stddev over `--repeats` runs.
 `--peer llama.cpp` runs the same GGUF through llama-cpp-python in the same process, after
 Strata (so Strata's peak RSS is read before the peer loads), and prints the ratio.
+`--device cuda` runs Strata on the GPU (the Triton kernels by default). The decode
+step's weight bytes over its time, against a copy's bandwidth measured on the same
+device in the same run, says how near the memory roof decode runs.
 `--peer transformers` runs transformers' eager forward (float32, with its cache) on the
 checkpoint the GGUF was converted from (flash-tiny: the checkpoint beside it; else
 `--hf-dir`): the same weights, the reference implementation.
@@ -33,29 +36,73 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes/s a plain copy on `device` moves, counting bytes read and written (the roof a
+    weight-streaming decode step is held against)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - t)
+
+
+def step_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every matmul's weight as held, and per MoE
+    layer top-k experts (a token's; more when a batch routes to more)."""
+    from strata.nn import QuantLinear
+    from strata.nn.moe import MoE
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.mode != "parts":
+            total += m.held_bytes()
+        elif isinstance(m, MoE):
+            total += m.top_k * m.experts.expert_bytes
+    return total
+
+
 def bench_strata(path, args) -> dict:
     from strata.models import load_model
+    device = torch.device(getattr(args, "device", None) or "cpu")
     t = time.perf_counter()
-    model = load_model(path, dtype=args.dtype)
+    model = load_model(path, dtype=args.dtype, device=device, kernels=getattr(args, "kernels", None))
     load_s = time.perf_counter() - t
     vocab = model.cfg.vocab_size
-    model(_tokens(16, vocab), model.new_cache())  # warm-up
+    model(_tokens(16, vocab), model.new_cache())  # warm-up (and the kernels' compiles)
+    model([5], model.new_cache())
     pp, tg = [], []
     for r in range(args.repeats):
         toks = _tokens(args.n_prompt, vocab, r)
         cache = model.new_cache(args.n_prompt)
+        _sync(device)
         t = time.perf_counter()
         model(toks, cache, last_only=True)
+        _sync(device)
         pp.append(args.n_prompt / (time.perf_counter() - t))
     for r in range(args.repeats):
         toks = _tokens(args.n_gen, vocab, 100 + r)
         cache = model.new_cache(args.n_gen)
+        _sync(device)
         t = time.perf_counter()
         for tok in toks:
             model([tok], cache, last_only=True)
+        _sync(device)
         tg.append(args.n_gen / (time.perf_counter() - t))
+    nbytes = step_bytes(model)
+    copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))
+    step_s = 1 / statistics.fmean(tg)
     return {"engine": "strata", "pp": pp, "tg": tg, "load_s": load_s, "peak_rss_mib": _peak_rss_mib(),
-            "vocab": vocab, "dtype": str(args.dtype).replace("torch.", "")}
+            "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),
+            "kernels": model.kernels, "step_bytes": nbytes, "copy_bytes_per_s": copy,
+            "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy}
 
 
 def bench_llama_cpp(path, args, vocab: int) -> dict:
@@ -143,7 +190,12 @@ def run(args) -> int:
     cols = [("engine", "engine"), ("model", "model"), ("threads", "threads"), ("test", "test"), ("t/s", "t/s")]
     if peer:
         cols.append(("vs_peer", f"x {args.peer}"))
-    table = markdown(rows, cols) + (f"\n\nStrata: {ours['dtype']}, load {ours['load_s']:.1f} s, "
-                                    f"peak RSS {ours['peak_rss_mib']:.0f} MiB")
+    for k in ("device", "kernels", "step_bytes", "copy_bytes_per_s", "step_read_bytes_per_s", "fraction_of_copy"):
+        result[k] = ours[k]
+    table = markdown(rows, cols) + (
+        f"\n\nStrata: {ours['dtype']} on {ours['device']} ({ours['kernels']} kernels), load {ours['load_s']:.1f} s, "
+        f"peak RSS {ours['peak_rss_mib']:.0f} MiB; a decode step reads {ours['step_bytes'] / 2**20:.1f} MiB of "
+        f"weights: {ours['step_read_bytes_per_s'] / 1e9:.1f} GB/s, {ours['fraction_of_copy']:.1%} of the "
+        f"{ours['copy_bytes_per_s'] / 1e9:.0f} GB/s a copy moves on {ours['device']} (read + written)")
     emit(result, table, args.json)
     return 0

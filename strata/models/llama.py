@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from strata.gguf import GGUFFile
 from strata.nn import Attention, KVCache, QuantLinear, RMSNorm, Rope
 from strata.nn.linear import DenseBudget
+from triton_kernels.backend import choose_kernels
 from triton_kernels.dequant import dequantize_torch
 
 
@@ -58,10 +59,10 @@ def _unpermute(n_heads: int, rows: int) -> np.ndarray:
 
 
 class Block(torch.nn.Module):
-    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, rope: Rope, dtype, device, budget):
+    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, rope: Rope, dtype, device, budget, kernels):
         super().__init__()
         t = lambda n: g.tensor(f"blk.{i}.{n}.weight")  # noqa: E731
-        lin = lambda w, **kw: QuantLinear(w, dtype, device, budget=budget, **kw)  # noqa: E731
+        lin = lambda w, **kw: QuantLinear(w, dtype, device, budget=budget, kernels=kernels, **kw)  # noqa: E731
         self.attn_norm = RMSNorm(torch.from_numpy(t("attn_norm").numpy()), cfg.norm_eps)
         self.ffn_norm = RMSNorm(torch.from_numpy(t("ffn_norm").numpy()), cfg.norm_eps)
         qkv = lin([t("attn_q"), t("attn_k"), t("attn_v")],
@@ -80,19 +81,23 @@ class Block(torch.nn.Module):
 
 class Llama(torch.nn.Module):
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                 budget: DenseBudget | None = None):
+                 budget: DenseBudget | None = None, kernels: str | None = None):
+        """`kernels`: "triton" or "torch" for every op (None: the device's default, see
+        triton_kernels.backend.choose_kernels)."""
         super().__init__()
-        self.gguf, self.cfg, self.dtype, self.device = g, LlamaConfig.from_gguf(g), dtype, device
+        self.gguf, self.cfg, self.dtype, self.device = g, LlamaConfig.from_gguf(g), dtype, torch.device(device)
+        self.kernels = kernels = choose_kernels(kernels, device)
         cfg = self.cfg
         self.budget = budget = budget or DenseBudget()
         self.embedding = g.tensor("token_embd.weight")
         rope = Rope(cfg.rope_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 8192))
-        self.blocks = torch.nn.ModuleList(Block(g, i, cfg, rope, dtype, device, budget)
+        self.blocks = torch.nn.ModuleList(Block(g, i, cfg, rope, dtype, device, budget, kernels)
                                           for i in range(cfg.n_layers))
         self.norm = RMSNorm(torch.from_numpy(g.tensor("output_norm.weight").numpy()), cfg.norm_eps)
         out = g.tensors.get("output.weight", self.embedding)  # none in the file: tied
-        self.output = QuantLinear(out, dtype, device, budget=budget)
+        self.output = QuantLinear(out, dtype, device, budget=budget, kernels=kernels)
         self.tied = "output.weight" not in g.tensors
+        self.to(self.device)  # norms and RoPE tables (the weights went to `device` as loaded)
 
     def plan_line(self) -> str:
         """One line: what the model is and where/how its weights are held."""
@@ -112,7 +117,8 @@ class Llama(torch.nn.Module):
                 f"{n_weights / 1e6:.1f}M weights in {file_mib:.0f} MiB: "
                 + ", ".join(f"{k} x{v}" for k, v in fmts.most_common())
                 + f"{', output tied to token_embd' if self.tied else ''}) on {self.device}, "
-                f"{str(self.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads; "
+                f"{self.kernels} kernels, {str(self.dtype).replace('torch.', '')}, "
+                f"{torch.get_num_threads()} threads; "
                 f"matmuls: {how}")
 
     def new_cache(self, capacity: int = 256) -> KVCache:

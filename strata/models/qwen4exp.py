@@ -32,6 +32,7 @@ from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
 from strata.storage.experts import ExpertStore
 from strata.tensors import QTensor
+from triton_kernels.backend import choose_kernels
 from triton_kernels.dequant import dequantize_torch
 
 # The architecture's QSA block size: llama.cpp's converter writes a per-layer ratio only
@@ -115,20 +116,21 @@ class Qwen4ExpConfig:
 
 
 class InMemoryTable:
-    """The PLE table held as the file's blocks (zero-copy on the CPU): rows gathered and
-    dequantized by triton_kernels.ple.ple_gather."""
+    """The PLE table held as the file's blocks (zero-copy on the CPU, copied to a GPU):
+    rows gathered and dequantized by triton_kernels.ple.ple_gather."""
 
-    def __init__(self, t, device="cpu"):
+    def __init__(self, t, device="cpu", kernels: str | None = None):
+        from triton_kernels.ops import impl
         self.name, self.fmt, self.rows = t.name, t.fmt, t.shape[0]
         self.q = torch.from_numpy(t.data).to(device)
-        self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name})"
+        self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name} on {torch.device(device)})"
+        self._gather = impl("ple_gather", choose_kernels(kernels, device))
 
     def prefetch(self, ids: torch.Tensor) -> None:
         pass
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        from triton_kernels.ple import ple_gather, ple_gather_torch
-        return (ple_gather if self.q.is_cuda else ple_gather_torch)(self.q, ids, self.fmt)
+        return self._gather(self.q, ids.to(self.q.device), self.fmt)
 
     def stats(self) -> dict:
         return {}
@@ -139,8 +141,10 @@ class StoredTable:
     rows announced at the start of a step (`prefetch`), read and dequantized at the PLE
     layer (`gather`)."""
 
-    def __init__(self, table, device="cpu"):
+    def __init__(self, table, device="cpu", kernels: str | None = None):
+        from triton_kernels.ops import impl
         self.table, self.device = table, device
+        self._gather = impl("ple_gather", choose_kernels(kernels, device))
         self.where = (f"{table.mode}{' (locked)' if getattr(table, 'locked', False) else ''} "
                       f"from {table.source.describe()}")
 
@@ -148,10 +152,8 @@ class StoredTable:
         self.table.prefetch(ids.cpu().numpy())
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        from triton_kernels.ple import ple_gather, ple_gather_torch
         rows = self.table.gather(ids.cpu().numpy())
-        gather = ple_gather if torch.device(self.device).type == "cuda" else ple_gather_torch
-        return gather(**rows.kernel_inputs(self.device))
+        return self._gather(**rows.kernel_inputs(self.device))
 
     def stats(self) -> dict:
         return self.table.stats()
@@ -227,17 +229,21 @@ def _sidecar(g: GGUFFile) -> GGUFFile | None:
 class Qwen4Exp(torch.nn.Module):
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                  budget: DenseBudget | None = None, qsa: bool = True, expert_tier: str | None = None,
-                 ple_table=None, expert_opts: dict | None = None):
+                 ple_table=None, expert_opts: dict | None = None, kernels: str | None = None):
         """`expert_tier` (or expert_opts["tier"]): where the routed experts live, see
         strata.storage.experts (None: dense in RAM while the budget lasts, else the raw
         blocks); `expert_opts`: the rest of ExpertStore's options (strata.storage.experts.
         store_kwargs makes them from the --experts flags); `ple_table`: a StoredTable (the
-        --ple-io flags), else the table's blocks in memory."""
+        --ple-io flags: a strata.storage.ple table, or a StoredTable), else the table's blocks
+        in memory; `kernels`: "triton" or "torch" for every op (None: the device's default,
+        see triton_kernels.backend.choose_kernels)."""
         super().__init__()
-        self.gguf, self.cfg, self.dtype, self.device = g, Qwen4ExpConfig.from_gguf(g), dtype, device
+        self.gguf, self.cfg, self.dtype = g, Qwen4ExpConfig.from_gguf(g), dtype
+        self.device = torch.device(device)
+        self.kernels = kernels = choose_kernels(kernels, device)
         c = self.cfg
         self.budget = budget = budget or DenseBudget()
-        lin = (lambda name, f=g: QuantLinear(f.tensor(name), dtype, device, budget=budget))
+        lin = (lambda name, f=g: QuantLinear(f.tensor(name), dtype, device, budget=budget, kernels=kernels))
         vec = (lambda name, f=g: torch.from_numpy(f.tensor(name).numpy().reshape(-1).copy()))
         self.embedding = g.tensor("token_embd.weight")
         rope = Rope(c.rope_dim, c.rope_theta, max_pos=min(c.context_length, 8192))
@@ -249,7 +255,7 @@ class Qwen4Exp(torch.nn.Module):
 
         def fused(names: list[str], f=g) -> QuantLinear:
             # one matmul for projections of the same input (a decode step is per-op overhead)
-            return QuantLinear([matrix(f.tensor(n)) for n in names], dtype, device, budget=budget)
+            return QuantLinear([matrix(f.tensor(n)) for n in names], dtype, device, budget=budget, kernels=kernels)
 
         def hc(prefix: str, inject: bool, f=g) -> HyperConnection:
             down = [f"{prefix}_down.weight"] + ([f"{prefix}_inject.weight"] if inject else [])
@@ -279,7 +285,8 @@ class Qwen4Exp(torch.nn.Module):
             opts = dict(expert_opts or {})
             tier = opts.pop("tier", None) or expert_tier
             experts = ExpertStore(f.tensor(p + "ffn_gate_exps.weight"), f.tensor(p + "ffn_up_exps.weight"),
-                                  f.tensor(p + "ffn_down_exps.weight"), dtype, device, budget, tier, **opts)
+                                  f.tensor(p + "ffn_down_exps.weight"), dtype, device, budget, tier,
+                                  kernels=kernels, **opts)
             return MoE(fused([p + n for n in ("ffn_gate_inp.weight", "ffn_gate_shexp.weight",
                                               "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight")], f),
                        experts, c.n_experts, c.top_k, c.shared_dim, lin(p + "ffn_down_shexp.weight", f))
@@ -302,7 +309,10 @@ class Qwen4Exp(torch.nn.Module):
             if i in c.ple_layers:
                 if not c.recurrent[i]:
                     raise GGUFError(f"{g.path}: PLE layer {i} is not a linear-attention layer")
-                table = ple_table or InMemoryTable(g.tensor("per_layer_token_embd.weight"), device)
+                if ple_table is None:
+                    table = InMemoryTable(g.tensor("per_layer_token_embd.weight"), device, kernels)
+                else:  # the storage tier's table, gathered where the model computes
+                    table = StoredTable(getattr(ple_table, "table", ple_table), device, kernels)
                 conv = g.tensor(p + "ple_conv1d.weight").numpy().reshape(-1, c.ple["conv_kernel"])
                 hash_args = {k: c.ple[k] for k in ("multipliers", "head_vocab_sizes", "head_offsets",
                                                     "eos_id", "heads_per_ngram")}
@@ -330,6 +340,7 @@ class Qwen4Exp(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.out_hc = hc("output_hc", False)
         self.output = lin("output.weight")
+        self.to(self.device)  # norms, conv weights, RoPE tables (the weights went as loaded)
 
     # -- what the engine reports -------------------------------------------------------------
 
@@ -355,7 +366,8 @@ class Qwen4Exp(torch.nn.Module):
                 f"{c.n_layers - n_attn} DeltaNet + {n_attn} attention, dim {c.dim} x {c.streams} streams, "
                 f"{c.n_experts} experts top-{c.top_k}, {n_weights / 1e6:.1f}M weights in {file_mib:.0f} MiB: "
                 + ", ".join(f"{k} x{v}" for k, v in fmts.most_common())
-                + f") on {self.device}, {str(self.dtype).replace('torch.', '')}, {torch.get_num_threads()} threads; "
+                + f") on {self.device}, {self.kernels} kernels, {str(self.dtype).replace('torch.', '')}, "
+                f"{torch.get_num_threads()} threads; "
                 f"experts: " + ", ".join(f"{k} x{v}" for k, v in tiers.items()) + f" ({exp_mib:.0f} MiB held); "
                 f"{ple}; {qsa_text}; {mtp}")
 

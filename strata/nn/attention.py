@@ -88,6 +88,6 @@ class Attention(torch.nn.Module):
         elif start == 0:
             out = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, enable_gqa=True)
         else:  # a chunk after a cached prefix: query i sees keys up to start + i
-            mask = torch.ones(S, end, dtype=torch.bool).tril(diagonal=start)
+            mask = torch.ones(S, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
             out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=True)
         return out.transpose(0, 1).reshape(S, H * D)

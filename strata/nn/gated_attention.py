@@ -96,7 +96,8 @@ class GatedAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor, st: AttentionState, start: int) -> torch.Tensor:
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        pos = torch.arange(start, start + T)
+        dev = x.device
+        pos = torch.arange(start, start + T, device=dev)
         parts = self.proj(x).float().split(self.splits, dim=-1)
         qg = parts[0].reshape(T, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
@@ -108,7 +109,7 @@ class GatedAttention(torch.nn.Module):
         end = start + T
         mask = self._select(parts[3], st, start) if self.qsa and not self.dense_only else None
         if mask is None:
-            mask = torch.ones(T, end, dtype=torch.bool).tril(diagonal=start)
+            mask = torch.ones(T, end, dtype=torch.bool, device=dev).tril(diagonal=start)
         out = F.scaled_dot_product_attention(q.unsqueeze(0), st.k.unsqueeze(0), st.v.unsqueeze(0),
                                              attn_mask=mask, enable_gqa=True)[0]
         out = out.transpose(0, 1).reshape(T, H * D) * torch.sigmoid(gate)
@@ -120,18 +121,19 @@ class GatedAttention(torch.nn.Module):
         T, r = idx_q.shape[0], self.ratio
         end = start + T
         keep = self.budget // r
-        pos = torch.arange(start, end)
+        dev = idx_q.device
+        pos = torch.arange(start, end, device=dev)
         n_blocks = (pos + 1) // r                       # complete blocks visible to each query
         if int(n_blocks.max()) <= keep:
             return None
         nb = end // r
         blocks = st.idx[:nb * r].reshape(nb, r, self.idx_dim).mean(dim=1)
         blocks = self.rope(_heads_norm(blocks, self.idx_k_norm, self.eps).unsqueeze(0),
-                           torch.arange(nb) * r)[0]                          # (nb, d)
+                           torch.arange(nb, device=dev) * r)[0]                          # (nb, d)
         qi = idx_q.reshape(T, self.n_idx, self.idx_dim)
         qi = self.rope(_heads_norm(qi, self.idx_q_norm, self.eps).transpose(0, 1), pos)  # (n_idx, T, d)
         scores = torch.relu(qi @ blocks.T).sum(dim=0) / self.idx_dim ** 0.5        # (T, nb)
-        visible = torch.arange(nb)[None, :] < n_blocks[:, None]
+        visible = torch.arange(nb, device=dev)[None, :] < n_blocks[:, None]
         chosen = visible.clone()                         # a query with few blocks keeps all
         # relu makes exact-zero scores common, so ties decide the choice: each query's
         # top-k runs over exactly its visible blocks, as the reference does, so that ties
@@ -140,9 +142,9 @@ class GatedAttention(torch.nn.Module):
             n = int(n_blocks[t])
             chosen[t, :n] = False
             chosen[t, scores[t, :n].topk(keep).indices] = True
-        tok = torch.arange(end)
+        tok = torch.arange(end, device=dev)
         in_block = tok[None, :] < (n_blocks * r)[:, None]
-        by_block = torch.zeros(T, end, dtype=torch.bool)
+        by_block = torch.zeros(T, end, dtype=torch.bool, device=dev)
         by_block[:, :nb * r] = chosen.repeat_interleave(r, dim=1)
         tail = ~in_block & (tok[None, :] <= pos[:, None])
         return (by_block & in_block) | tail

@@ -1,12 +1,14 @@
 """`QuantLinear`: y = x @ W.T with W kept quantized (or prepared for the CPU).
 
 Where the weight goes and how it is multiplied (chosen once, at load):
-- CUDA: the raw blocks, through the fused dequant-matmul kernel (triton_kernels.qmatmul).
-- CPU, bfloat16 compute, Q4_0/Q4_1: repacked for torch's int4 CPU kernel
+- Triton kernels (`--kernels triton`, the default on a GPU): the raw blocks on the model's
+  device, through the fused dequant-matmul kernel (triton_kernels.qmatmul) in the compute
+  dtype (bf16 on a GPU: tensor cores for prefill, int8 dot products for decode).
+- torch kernels, bfloat16 compute, Q4_0/Q4_1: repacked for torch's int4 CPU kernel
   (_weight_int4pack_mm_for_cpu): 4 bits a weight in memory, so decode reads 1/4 of what
   bf16 would (measured on 2 cores: 0.015 ms against 0.046 ms for a 1536x576 GEMV).
   Its w = (q - 8) * scale + zero takes scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0).
-- CPU otherwise: dequantized once into the compute dtype ("dense"), while the model's
+- torch kernels otherwise: dequantized once into the compute dtype ("dense"), while the model's
   `DenseBudget` allows (default 2048 MiB, STRATA_DENSE_MIB); past it, dequantized per call.
 """
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 
 import quant
 from strata.tensors import QTensor
+from triton_kernels.backend import choose_kernels
 from triton_kernels.dequant import dequantize_torch
+from triton_kernels.ops import impl
 
 class DenseBudget:
     """Bytes of dequantized CPU weights one model may hold."""
@@ -50,12 +54,14 @@ def _int4pack(blocks: np.ndarray, fmt: quant.Format, n: int, k: int, dtype: torc
 class QuantLinear(torch.nn.Module):
     def __init__(self, weight: QTensor | list[QTensor], dtype: torch.dtype = torch.float32,
                  device="cpu", rows: list[np.ndarray | None] | None = None,
-                 budget: DenseBudget | None = None):
+                 budget: DenseBudget | None = None, kernels: str | None = None):
         """A list of weights with the same format and input size is fused into one (their
         output rows concatenated: one matmul instead of several). `rows` reorders each
         weight's output rows (e.g. to undo a file's Q/K permutation); rows are independent
-        runs of blocks, so this costs nothing in precision."""
+        runs of blocks, so this costs nothing in precision. `kernels`: "triton" or "torch"
+        (None: the device's default, triton_kernels.backend.choose_kernels)."""
         super().__init__()
+        self.kernels = kernels = choose_kernels(kernels, device)
         parts = weight if isinstance(weight, list) else [weight]
         rows = rows or [None] * len(parts)
         fmts = {p.fmt.name for p in parts}
@@ -71,16 +77,15 @@ class QuantLinear(torch.nn.Module):
             # mixed formats (llama-quantize's mixes do this): one matmul per part, joined
             self.mode = "parts"
             self.parts = torch.nn.ModuleList(
-                QuantLinear(p, dtype, device, rows=[r], budget=budget) for p, r in zip(parts, rows))
+                QuantLinear(p, dtype, device, rows=[r], budget=budget, kernels=kernels) for p, r in zip(parts, rows))
             return
         blocks = np.concatenate([p.data.reshape(p.shape[0], -1)[r] if r is not None
                                  else p.data.reshape(p.shape[0], -1) for p, r in zip(parts, rows)])
         self.mode = "dense"
-        # Only CUDA takes the Triton kernel here: a whole model under the Triton interpreter
-        # would take hours; the kernels' own tests run it there.
-        if torch.device(device).type == "cuda":
+        if kernels == "triton":
             self.mode = "triton"
             self.blocks = torch.from_numpy(np.ascontiguousarray(blocks)).to(device)
+            self._qmatmul = impl("qmatmul", kernels)
             return
         if dtype == torch.bfloat16 and self.fmt.name in ("Q4_0", "Q4_1") and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             try:
@@ -107,8 +112,7 @@ class QuantLinear(torch.nn.Module):
         elif self.mode == "dense":
             y = x2.to(self.dtype) @ self.weight.T
         elif self.mode == "triton":
-            from triton_kernels import qmatmul
-            y = qmatmul(x2.float(), self.blocks, self.fmt)
+            y = self._qmatmul(x2.to(self.dtype), self.blocks, self.fmt)
         else:
             w = dequantize_torch(self.blocks, self.fmt, self.dtype).view(self.out_features, self.in_features)
             y = x2.to(self.dtype) @ w.T

@@ -22,15 +22,15 @@ class MoE(torch.nn.Module):
         gate and up (2 x shared_dim rows) and its gate (1 row). `experts` runs the routed
         experts: experts(x (T, H) float32, weights (T, k) float32, ids (T, k)) -> (T, H)."""
         super().__init__()
+        from triton_kernels.ops import impl
         self.proj, self.experts, self.shared_down = proj, experts, shared_down
+        self.route = impl("route", proj.kernels)
         self.splits = [n_experts, shared_dim, shared_dim, 1]
         self.top_k, self.norm_topk = top_k, norm_topk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from triton_kernels.moe import route, route_torch
         logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
-        # the Triton kernel on CUDA only: a whole model under the interpreter would crawl
-        weights, ids = (route if logits.is_cuda else route_torch)(logits, self.top_k, self.norm_topk)
+        weights, ids = self.route(logits, self.top_k, self.norm_topk)
         routed = self.experts(x.float(), weights, ids)
         shared = self.shared_down(F.silu(g) * u).float()
         return routed + torch.sigmoid(gate) * shared

@@ -27,7 +27,7 @@ class PLEState:
     dilated conv's window (S*H, (kernel-1)*dilation)."""
 
     def __init__(self, history: list[int], channels: int, window: int, device="cpu"):
-        self.history = torch.tensor(history, dtype=torch.long)
+        self.history = torch.tensor(history, dtype=torch.long, device=device)
         self.conv = torch.zeros(channels, window, device=device)
 
     def copy(self) -> "PLEState":
@@ -43,7 +43,9 @@ class NgramPLE(torch.nn.Module):
         """`table` gathers rows: table.gather(ids (T, heads)) -> (T, heads*row_dim) float32;
         `hash_args` are the keyword arguments of triton_kernels.ple.ngram_ids."""
         super().__init__()
+        from triton_kernels.ops import impl
         self.table, self.hash_args = table, hash_args
+        self.hash = impl("ngram_ids", key.kernels)
         self.key, self.value = key, value
         p = (lambda t: torch.nn.Parameter(t.float(), requires_grad=False))
         self.norm_key, self.norm_query, self.norm_conv = p(norm_key), p(norm_query), p(norm_conv)
@@ -57,9 +59,8 @@ class NgramPLE(torch.nn.Module):
         return PLEState([self.hash_args["eos_id"]] * (self.ngram - 1), self.conv.shape[0], window, device)
 
     def ids(self, tokens: torch.Tensor, st: PLEState) -> torch.Tensor:
-        from triton_kernels.ple import ngram_ids, ngram_ids_torch
-        hash_ = ngram_ids if self.conv.is_cuda else ngram_ids_torch  # Triton on CUDA only
-        ids, st.history = hash_(tokens.to(self.conv.device), st.history, **self.hash_args)
+        ids, st.history = self.hash(tokens.to(self.conv.device), st.history.to(self.conv.device),
+                                    **self.hash_args)
         return ids
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

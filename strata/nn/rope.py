@@ -13,14 +13,18 @@ class Rope(torch.nn.Module):
         self._table(max_pos)
 
     def _table(self, n: int) -> None:
-        ang = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None]
+        ang = torch.arange(n, dtype=torch.float64, device=self.inv_freq.device)[:, None] * self.inv_freq[None]
         ang = torch.cat([ang, ang], dim=-1)
-        self.cos, self.sin = ang.cos().float(), ang.sin().float()
+        # buffers: model.to(device) moves them with the weights
+        self.register_buffer("cos", ang.cos().float(), persistent=False)
+        self.register_buffer("sin", ang.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: (..., S, head_dim) float32; pos: (S,) positions."""
-        if int(pos.max()) >= self.cos.shape[0]:
-            self._table(2 * int(pos.max()) + 1)
+        top = int(pos.max())
+        if top >= self.cos.shape[0]:
+            self._table(2 * top + 1)
+        pos = pos.to(self.cos.device)
         cos, sin = self.cos[pos].to(x.device), self.sin[pos].to(x.device)
         r, rest = x[..., :self.dim], x[..., self.dim:]
         half = self.dim // 2

@@ -41,7 +41,8 @@ class Sampler:
             self.gen.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        logits = logits.float().reshape(-1)
+        # on the CPU: the sampler's generator is a CPU one (seeded runs agree across devices)
+        logits = logits.float().reshape(-1).cpu()
         p = self.p
         if p.temperature == 0:
             return int(torch.argmax(logits))

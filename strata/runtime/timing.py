@@ -1,5 +1,6 @@
-"""`STRATA_DECODE_TIMING=1`: one stderr line per decode step, with what the storage tiers
-did during it (PLE rows, pages, hints, bytes from the drive; expert hits, misses, fetches)."""
+"""`STRATA_DECODE_TIMING=1`: one stderr line per decode step, with the Triton op calls it
+made and what the storage tiers did during it (PLE rows, pages, hints, bytes from the
+drive; expert hits, misses, fetches)."""
 from __future__ import annotations
 
 import os
@@ -22,14 +23,17 @@ class StepTimer:
         self.last = self._now()
 
     def _now(self) -> dict:
+        from triton_kernels import ops
         io = getattr(self.model, "io_stats", None)
-        return _flat(io()) if io else {}
+        return {**(_flat(io()) if io else {}), "triton.calls": ops.calls}
 
     def line(self, tokens: int, ms: float, **split_ms: float) -> str:
         now = self._now()
         d = {k: v - self.last.get(k, 0) for k, v in now.items()}
         self.last = now
         parts = [f"{tokens} tokens, {ms:.1f} ms"] + [f"{k} {v:.1f} ms" for k, v in split_ms.items()]
+        # each call launches one kernel, or two or three (int8 activations, then the dot)
+        parts.append(f"{d['triton.calls']:.0f} Triton op calls")
         if "ple.rows" in d:
             parts.append(f"PLE: {d['ple.rows']:.0f} rows, {d.get('ple.distinct_pages', 0):.0f} pages, "
                          f"{d.get('ple.hints', 0):.0f} hints, gather {1e3 * d.get('ple.gather_s', 0):.2f} ms")

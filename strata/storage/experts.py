@@ -324,12 +324,17 @@ def _read_host(ts: tuple[QTensor, ...], pin: bool) -> tuple[torch.Tensor, ...]:
 class ExpertStore(torch.nn.Module):
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor, dtype=torch.float32, device="cpu",
                  budget: DenseBudget | None = None, tier: str | ExpertTier | None = None, *,
-                 experts_dir: str | os.PathLike | None = None, io_mode: str = "direct", depth: int = 16):
+                 experts_dir: str | os.PathLike | None = None, io_mode: str = "direct", depth: int = 16,
+                 kernels: str | None = None):
         """`tier`: a `--experts` spec (see `parse_tier`), or None: dense on the CPU while
         `budget` lasts, else device. `experts_dir`: where `strata pack` wrote the pack
         (packed tiers; default `default_pack_dir` of the GGUF). `io_mode`, `depth`: how
-        packed and file tiers read (`--experts-io`, `--experts-io-depth`)."""
+        packed and file tiers read (`--experts-io`, `--experts-io-depth`). `kernels`: "triton"
+        (the MoE kernels) or "torch" (None: the device's default, see
+        triton_kernels.backend.choose_kernels)."""
         super().__init__()
+        from triton_kernels.backend import choose_kernels
+        self.kernels = choose_kernels(kernels, device)
         self.names = (gate.name, up.name, down.name)
         self.fmts = (gate.fmt, up.fmt, down.fmt)
         self.n_experts, self.inter, self.hidden = gate.shape
@@ -337,7 +342,8 @@ class ExpertStore(torch.nn.Module):
         on_cpu = torch.device(device).type == "cpu"
         dense_bytes = 3 * self.n_experts * self.inter * self.hidden * torch.finfo(dtype).bits // 8
         if tier is None:
-            tier = "dense" if on_cpu and (budget or DenseBudget()).take(dense_bytes) else "blocks"
+            dense = on_cpu and self.kernels == "torch"  # the MoE kernels take blocks
+            tier = "dense" if dense and (budget or DenseBudget()).take(dense_bytes) else "blocks"
         spec = tier if isinstance(tier, ExpertTier) else parse_tier(tier)
         self.spec = spec
         # `tier` is what the plan line counts: "blocks" (the default's name) stays "blocks"
@@ -444,13 +450,13 @@ class ExpertStore(torch.nn.Module):
         return out.reshape(ids.shape).to(device=ids.device, dtype=ids.dtype)
 
     def _moe(self, x, wg, wu, wd, weights, ids, n_slots: int | None = None) -> torch.Tensor:
-        from triton_kernels.moe import _default_tiles, moe, moe_torch
-        if not x.is_cuda:  # the Triton kernel on CUDA only: a model under the interpreter crawls
-            return moe_torch(x, wg, wu, wd, *self.fmts, weights, ids).float()
+        from triton_kernels.ops import impl
+        if self.kernels == "torch":
+            return impl("moe", "torch")(x, wg, wu, wd, *self.fmts, weights, ids).float()
         # the tiles of the resident call (all E experts, the batch's T * k slots), so that a
         # compact set or a group runs the kernel's blocks exactly as the resident tier does
-        tiles = _default_tiles(ids.numel() if n_slots is None else n_slots, self.n_experts)
-        return moe(x, wg, wu, wd, *self.fmts, weights, ids, tiles=tiles).float()
+        slots = ids.numel() if n_slots is None else n_slots
+        return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, tile_slots=slots).float()
 
     def _fetch(self, experts: list[int]) -> tuple[torch.Tensor, ...]:
         t = time.perf_counter()

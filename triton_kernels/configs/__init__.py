@@ -9,15 +9,43 @@ slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kerne
 --tune` on that device, overrides it. Later entries win: op defaults, then the op's
 format entry, then the device file's op defaults and format entry. The MoE ops' tiles and
 num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels'.
+
+Under "interpreter", larger tiles for a whole model run by the Triton interpreter
+(`--kernels triton` on the CPU): the interpreter's cost is per program and per
+operation, so a GPU's small tiles make a vocabulary-sized GEMV take minutes. They apply
+only inside `interpreter_tiles()` (the CLI opens it for that run); `tiles(name,
+default)` gives the fixed tiles of the paths that take none from `pick`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pathlib
 import re
 
 HERE = pathlib.Path(__file__).parent
+_interpreter = False  # interpreter_tiles() is open
+
+
+@contextlib.contextmanager
+def interpreter_tiles(on: bool = True):
+    """Launches inside take the "interpreter" entries (see the module's docstring)."""
+    global _interpreter
+    held, _interpreter = _interpreter, on
+    try:
+        yield
+    finally:
+        _interpreter = held
+
+
+def tiles(name: str, default: tuple) -> tuple:
+    """A path's fixed tiles: `default`, or the interpreter's inside interpreter_tiles()."""
+    if _interpreter:
+        t = _load(str(HERE / "default.json")).get("interpreter", {}).get("tiles", {}).get(name)
+        if t:
+            return tuple(t)
+    return default
 
 
 def device_file(device_name: str) -> pathlib.Path:
@@ -37,6 +65,8 @@ def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda") ->
         tables.append(default.get("hip", {}))
     if device:
         tables.append(_load(str(device_file(device))))
+    if _interpreter:
+        tables.append(default.get("interpreter", {}))
     out: dict = {}
     for t in tables:
         entry = t.get(op, {})

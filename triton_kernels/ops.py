@@ -1,0 +1,53 @@
+"""Each op's two implementations, Triton and torch, and the one lookup that the model's
+modules make: `impl(op, kernels)`, with `kernels` from backend.choose_kernels.
+
+While `triton_kernels.launches.record()` is open, every call of a Triton op is recorded
+(its arguments' shapes, dtypes and strides), so that the launches a model makes can be
+compiled for a GPU afterwards.
+"""
+from __future__ import annotations
+
+from .dequant import dequantize, dequantize_torch
+from .moe import moe, moe_torch, route, route_torch
+from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
+from .qmatmul import qmatmul, qmatmul_torch
+
+OPS = {
+    "qmatmul": (qmatmul, qmatmul_torch),
+    "dequantize": (dequantize, dequantize_torch),
+    "route": (route, route_torch),
+    "moe": (moe, moe_torch),
+    "ngram_ids": (ngram_ids, ngram_ids_torch),
+    "ple_gather": (ple_gather, ple_gather_torch),
+}
+
+recorder: list | None = None  # set by launches.record(): the calls made while it is open
+calls = 0  # Triton op calls so far (STRATA_DECODE_TIMING reports them a step)
+
+
+class _Triton:
+    """An op's Triton launcher, noting each call while a recorder is open."""
+
+    def __init__(self, op: str):
+        self.op, self.fn = op, OPS[op][0]
+
+    def __call__(self, *args, **kwargs):
+        global calls
+        calls += 1
+        if recorder is not None:
+            from .launches import describe
+            recorder.append(describe(self.op, args, kwargs))
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<triton {self.op}>"
+
+
+_TRITON = {op: _Triton(op) for op in OPS}
+
+
+def impl(op: str, kernels: str):
+    """The implementation of `op` that `kernels` ("triton" or "torch") names."""
+    if op not in OPS:
+        raise KeyError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+    return _TRITON[op] if kernels == "triton" else OPS[op][1]
