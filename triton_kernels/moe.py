@@ -468,6 +468,14 @@ def _default_tiles(n_slots: int, E: int) -> tuple[int, int, int]:
     return block_m, block_n, block_k
 
 
+def choose_path(fmt_gate, fmt_up, fmt_down, tokens: int) -> str:
+    """"dp4a" for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8
+    units, else "dot". A caller that splits a batch (an expert cache running groups) passes
+    the whole batch's path, so that every part runs the arithmetic the whole would."""
+    units = all(unit(quant.get(f)) is not None for f in (fmt_gate, fmt_up, fmt_down))
+    return "dp4a" if units and tokens <= MOE_DP4A_MAX_TOKENS else "dot"
+
+
 def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
         fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor, *,
         tiles: tuple[int, int, int] | None = None, path: str | None = None,
@@ -488,7 +496,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
     n_slots = T * k
     has_units = all(unit(f) is not None for f in (fmt_gate, fmt_up, fmt_down))
     if path is None:
-        path = "dp4a" if has_units and T <= MOE_DP4A_MAX_TOKENS else "dot"
+        path = choose_path(fmt_gate, fmt_up, fmt_down, T)
     if path not in ("dot", "dp4a"):
         raise ValueError(f"moe: path must be 'dot', 'dp4a' or None, got {path!r}")
     if path == "dp4a" and not has_units:

@@ -449,14 +449,19 @@ class ExpertStore(torch.nn.Module):
         out = torch.where(flat >= 0, lut[flat.clamp(min=0)], -1)
         return out.reshape(ids.shape).to(device=ids.device, dtype=ids.dtype)
 
-    def _moe(self, x, wg, wu, wd, weights, ids, n_slots: int | None = None) -> torch.Tensor:
+    def _moe(self, x, wg, wu, wd, weights, ids, n_slots: int | None = None,
+             tokens: int | None = None) -> torch.Tensor:
+        from triton_kernels.moe import choose_path
         from triton_kernels.ops import impl
         if self.kernels == "torch":
             return impl("moe", "torch")(x, wg, wu, wd, *self.fmts, weights, ids).float()
-        # the tiles of the resident call (all E experts, the batch's T * k slots), so that a
-        # compact set or a group runs the kernel's blocks exactly as the resident tier does
+        # the path and tiles of the resident call (all E experts, the batch's T tokens and
+        # T * k slots), so that a compact set or a group runs the kernels' arithmetic and
+        # blocks exactly as the resident tier does
         slots = ids.numel() if n_slots is None else n_slots
-        return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, tile_slots=slots).float()
+        path = choose_path(*self.fmts, x.shape[0] if tokens is None else tokens)
+        return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
+                                     tile_slots=slots).float()
 
     def _fetch(self, experts: list[int]) -> tuple[torch.Tensor, ...]:
         t = time.perf_counter()
@@ -522,7 +527,7 @@ class ExpertStore(torch.nn.Module):
             ids1 = self._lut()[flat[sel]].reshape(-1, 1).to(device=ids.device, dtype=ids.dtype)
             sel_d = sel.to(x.device)
             per_slot[sel_d] = self._moe(x[sel_d // k], self.wg, self.wu, self.wd, w[sel_d].reshape(-1, 1),
-                                        ids1, n_slots=T * k)
+                                        ids1, n_slots=T * k, tokens=T)
         return per_slot.view(T, k, self.hidden).sum(dim=1)
 
     def _dense(self, x, weights, ids) -> torch.Tensor:

@@ -1,0 +1,189 @@
+"""The GPU path, checked on the CPU: with `kernels="triton"` every module runs the Triton
+kernels (here through the interpreter), and the models' logits agree with the torch path;
+every launch they make compiles for sm_90 and gfx942.
+
+Bound: max |logit difference| / max |logit| <= 3e-2, with the same greedy token. Both
+paths decode the same weights bit for bit; they differ in the activations. Where a format
+has int8 units (Q8_0, Q4_0, ...), a decode step's matmuls quantize x to int8 in blocks
+of 32, as llama.cpp's GPU kernels do (Q8_1): each x carries an error of up to 1/254 of its
+block's largest |x|, about 0.3% of a dot product of 256 to 1536 terms (measured 2% of
+the largest output on one 49152 x 256 Q8_0 GEMV of random x, whose outputs are all of a
+size). Two layers of SmolLM2 or eight of flash-tiny add those up; the torch path keeps
+float32 throughout. A wrong decode, layout or routing gives differences of the logits'
+own size (ratio near 1), and most likely another token.
+
+The interpreter runs a vocabulary-sized GEMV in about a second with its own larger tiles
+(triton_kernels.configs.interpreter_tiles) and in minutes with a GPU's, so SmolLM2 runs
+two of its 30 layers. The launches are compiled with the GPU's tiles (see
+triton_kernels.launches).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import quant
+from strata.gguf import open_gguf, write_gguf
+from strata.hub import synth_flash_tiny
+from strata.models import load_model
+from strata.storage import experts as ex
+from strata.tensors import QTensor
+from triton_kernels import configs
+from triton_kernels.backend import interpreter_on
+from triton_kernels.launches import compile_calls, distinct, record
+
+REL = 3e-2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    if not interpreter_on():
+        pytest.skip("the GPU path runs on the CPU only under TRITON_INTERPRET=1 (the suite sets it)")
+    with configs.interpreter_tiles():
+        yield
+
+
+def _requant(t: QTensor, fmt: str) -> QTensor:
+    f = quant.get(fmt)
+    return QTensor(t.name, f, t.shape, f.quantize(t.numpy().reshape(-1, t.shape[-1])))
+
+
+@pytest.fixture(scope="module")
+def tiny_mixed(tmp_path_factory):
+    """flash-tiny with unit formats where the decode step's int8 kernels take them: the
+    routed experts of layer 1 in Q8_0 and of layer 2 in Q4_0 (the MoE dp4a kernels),
+    the output in Q8_0 (the dp4a GEMV); the rest F32 (the float kernels)."""
+    src = open_gguf(synth_flash_tiny(quiet=True))
+    to = {"output.weight": "Q8_0"}
+    for i, fmt in ((1, "Q8_0"), (2, "Q4_0")):
+        for w in ("gate", "up", "down"):
+            to[f"blk.{i}.ffn_{w}_exps.weight"] = fmt
+    tensors = {n: _requant(t, to[n]) if n in to else t for n, t in src.tensors.items()}
+    dst = tmp_path_factory.mktemp("mixed") / "flash-tiny-mixed.gguf"
+    write_gguf(dst, src.arch, src.typed_metadata(), tensors)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def smol_two_layers(smollm2_gguf, tmp_path_factory):
+    """SmolLM2's first two blocks, its norm and (tied) output: Q4_1 and Q8_0 as shipped."""
+    g = smollm2_gguf
+    meta = g.typed_metadata()
+    meta["llama.block_count"] = (2, meta["llama.block_count"][1])
+    keep = {n: t for n, t in g.tensors.items() if not n.startswith("blk.") or int(n.split(".")[1]) < 2}
+    dst = tmp_path_factory.mktemp("smol") / "smollm2-2-layers.gguf"
+    write_gguf(dst, g.arch, meta, keep)
+    return dst
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def _agree(path, prompt: list[int], steps: int, **opts) -> list[float]:
+    """Prefill `prompt`, then `steps` greedy decode steps, on both paths (the torch path's
+    tokens fed to both); returns each forward's bound ratio."""
+    ref = load_model(path, dtype=torch.float32, kernels="torch", **opts)
+    got = load_model(path, dtype=torch.float32, kernels="triton", **opts)
+    assert got.kernels == "triton" and "triton kernels" in got.plan_line()
+    cr, cg = ref.new_cache(), got.new_cache()
+    rels, toks = [], list(prompt)
+    with record() as calls:
+        for _ in range(steps + 1):
+            a = ref(toks, cr, last_only=True)[-1]
+            b = got(toks, cg, last_only=True)[-1]
+            rels.append(_rel(b, a))
+            assert int(b.argmax()) == int(a.argmax()), rels
+            toks = [int(a.argmax())]
+    return rels, calls
+
+
+def _compiles(calls: list[dict], kernels: tuple[str, ...]) -> None:
+    """Every kernel the recorded calls launch compiles for sm_90 and gfx942, as the engine
+    would launch it there (the GPU's tiles and instruction family), without spilling."""
+    import time
+    t = time.perf_counter()
+    results = compile_calls(distinct(calls), ("sm_90", "gfx942"))
+    print(f"{len(distinct(calls))} calls, {len(results)} kernels compiled in {time.perf_counter() - t:.1f} s")
+    failed = [f"{r.kernel} on {r.target}: {r.error}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    got = {(r.kernel, r.target) for r in results}
+    for k in kernels:
+        assert (k, "sm_90") in got and (k, "gfx942") in got, (k, sorted(got))
+    spills = [f"{r.kernel} on {r.target}: {r.spill_bytes} B" for r in results if r.spill_bytes]
+    assert not spills, spills
+
+
+def test_flash_tiny_with_triton_kernels_gives_the_torch_logits(tiny_mixed):
+    # 18 prompt tokens: the GEMM and the MoE's tl.dot kernels; decode: the int8 ones
+    prompt = [1, 5, 77, 2, 900, 31, 4000, 12, 7, 2, 88, 1500, 3, 19, 600, 42, 9, 250]
+    rels, calls = _agree(tiny_mixed, prompt, steps=1)
+    print("flash-tiny bound ratios", rels)
+    assert max(rels) <= REL, rels
+    ops = {c["op"] for c in calls}
+    assert {"qmatmul", "route", "moe", "ngram_ids", "ple_gather"} <= ops, ops
+    _compiles(calls, ("_gemv_dp4a_kernel", "_gate_up_dp4a_kernel", "_down_dp4a_kernel", "_gate_up_kernel",
+                      "_down_kernel", "_route_kernel", "_ngram_ids_kernel", "_gemv_kernel", "_gemm_kernel"))
+
+
+def test_smollm2_with_triton_kernels_gives_the_torch_logits(smol_two_layers):
+    rels, calls = _agree(smol_two_layers, [1, 504, 3458, 314], steps=1)
+    print("SmolLM2 bound ratios", rels)
+    assert max(rels) <= REL, rels
+    _compiles(calls, ("_gemv_dp4a_kernel", "_gemv_kernel"))
+
+
+def _layer1(path):
+    g = open_gguf(path)
+    return tuple(g.tensor(f"blk.1.ffn_{w}_exps.weight") for w in ("gate", "up", "down"))
+
+
+@pytest.fixture(scope="module")
+def moe_batches(tiny_mixed):
+    """Layer 1's experts (Q8_0) on a decode batch (dp4a) and a prefill batch (tl.dot): the
+    inputs, the resident store's output with the MoE kernels, and the torch path's."""
+    ts = _layer1(tiny_mixed)
+    resident = ex.ExpertStore(*ts, torch.float32, "cpu", None, "device", kernels="triton")
+    torch_ = ex.ExpertStore(*ts, torch.float32, "cpu", None, "device", kernels="torch")
+    E, _, H = ts[0].shape
+    rng = torch.Generator().manual_seed(0)
+    out = []
+    for T in (3, 6):  # 3 tokens route to 24 experts: more than a 16-slot cache holds
+        x = torch.randn(T, H, generator=rng)
+        ids = torch.stack([torch.randperm(E, generator=rng)[:8] for _ in range(T)]).int()
+        w = torch.softmax(torch.randn(T, 8, generator=rng), -1)
+        want = resident(x, w, ids)
+        assert _rel(want, torch_(x, w, ids)) <= REL, T
+        out.append((x, w, ids, want))
+    return out
+
+
+@pytest.mark.parametrize("tier", ["host", "cache:16:host", "cache:5:file", "file", "packed"])
+def test_every_expert_tier_runs_the_moe_kernels(tiny_mixed, moe_batches, tmp_path_factory, tier):
+    """Per tier, the store with the MoE kernels equals the resident store bit for bit (the
+    same bytes meet the same kernel blocks, also when a cache runs a batch in groups),
+    which is within the bound of the torch path (moe_batches)."""
+    pack = tmp_path_factory.getbasetemp() / "mixed-pack"
+    if tier == "packed" and not pack.exists():
+        ex.pack(tiny_mixed, pack, say=lambda _msg: None)
+    store = ex.ExpertStore(*_layer1(tiny_mixed), torch.float32, "cpu", None, tier, experts_dir=pack, depth=4,
+                           kernels="triton")
+    for x, w, ids, want in moe_batches:
+        assert torch.equal(store(x, w, ids), want), (tier, x.shape[0])
+    if tier != "host":
+        assert store.stats()["misses"] > 0
+
+
+@pytest.mark.parametrize("mode", ["ram", "mmap", "direct"])
+def test_every_ple_mode_gathers_with_the_kernel(mode):
+    from strata.models.qwen4exp import InMemoryTable, StoredTable
+    from strata.storage.ple import PleTable
+    path = synth_flash_tiny(quiet=True)
+    g = open_gguf(path)
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, g.tensor("per_layer_token_embd.weight").shape[0],
+                                                             (5, 16)))
+    want = InMemoryTable(g.tensor("per_layer_token_embd.weight"), "cpu", "torch").gather(ids)
+    with PleTable.open(path, mode, depth=4) as table:
+        got = StoredTable(table, "cpu", "triton").gather(ids)
+    assert torch.equal(got, want), mode  # a gather is a dequantization: bit for bit
