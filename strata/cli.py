@@ -21,6 +21,9 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("triton", "torch"), default=None,
                    help="the ops' implementation (default: triton on a GPU, torch on the CPU; triton on "
                         "the CPU runs the Triton interpreter: slow, for checking the GPU path)")
+    p.add_argument("--vram-reserve-mib", type=int, default=1024,
+                   help="VRAM a GPU keeps free (activations, KV growth, the CUDA context) when the "
+                        "placement sizes the expert cache (default 1024)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -205,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="directory for experts.bin and experts.txt (default: packs/<model> in the Strata cache)")
 
     pl = sub.add_parser("plan", help="what sits where, what a prompt reads from the drive, the drive's speed")
-    pl.add_argument("model", help="a known model or a .gguf path")
+    pl.add_argument("model", help="a known model, a .gguf path, or flash-next[:EXPERT_TYPE] (the real "
+                                   "shapes, no file: with --gpu-mem, --gpus and --ram)")
     pl.add_argument("--device", default=None,
                     help="cpu or cuda[:N]: where the model would compute (default: cuda when torch sees one)")
     pl.add_argument("--gpu-mem", type=float, default=None, metavar="GIB",
@@ -215,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan for this much free host RAM instead of this machine's MemAvailable")
     pl.add_argument("--vram-reserve-mib", type=int, default=1024,
                     help="VRAM kept free a GPU (activations, KV, the CUDA context; default 1024)")
-    pl.add_argument("--tokens", type=int, default=32768, help="prompt length the drive reads are counted for")
+    pl.add_argument("--tokens", type=int, default=32768,
+                    help="prompt length the drive reads are counted for (the context the KV cache holds, with a GPU)")
     pl.add_argument("--remeasure", action="store_true", help="measure the drive again (else its cached speed)")
     pl.add_argument("--json", action="store_true")
     add_ple_args(pl)

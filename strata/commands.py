@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -42,6 +43,17 @@ def model_options(args, g, path) -> dict:
     opts = {"qsa": getattr(args, "qsa", "on") != "off"}
     if getattr(args, "experts", None):
         opts["expert_opts"] = store_kwargs(args)
+    elif str(getattr(args, "device", "cpu")).startswith("cuda"):
+        # no --experts on a GPU: the placement decides (what fits VRAM, then RAM, then the
+        # drive), and says so
+        from strata.storage import placement as pl
+        from strata.storage.experts import PACK_INDEX, default_pack_dir
+        pack = Path(getattr(args, "experts_dir", None) or default_pack_dir(path)) / PACK_INDEX
+        p = pl.place(pl.shape_of(g), pl.this_machine(args.device, getattr(args, "vram_reserve_mib", 1024)),
+                     pack_exists=pack.is_file())
+        for line in p.lines():
+            print(f"strata: {line}", file=sys.stderr)
+        opts["expert_opts"] = store_kwargs(SimpleNamespace(**{**vars(args), "experts": p.expert_tier}))
     # commands without the PLE flags (perplexity, imatrix, bench) take their defaults
     args = SimpleNamespace(**{"ple_io": "auto", "ple_gguf": None, "no_ple_prefetch": False,
                               "ple_io_depth": 16, **vars(args)})

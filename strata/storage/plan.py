@@ -419,9 +419,40 @@ def plan_from_args(g, args) -> Plan:
                      tokens=getattr(args, "tokens", None) or TOKENS)
 
 
+def _placement(args):
+    """`strata plan --device cuda`: the placement on a machine with GPUs (this one, or the
+    one --gpu-mem, --gpus and --ram describe), for a GGUF or a known shape (flash-next)."""
+    from strata.storage import placement as pl
+    name, _, experts = args.model.partition(":")
+    if name in pl.SHAPES:
+        shape = pl.SHAPES[name](experts or "IQ3_XXS")
+    else:
+        from strata.gguf import open_gguf
+        from strata.hub import resolve_model
+        shape = pl.shape_of(open_gguf(resolve_model(args.model)))
+    if args.gpu_mem:
+        gpu = int(args.gpu_mem * pl.GiB)
+    else:
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("strata plan --device cuda: torch sees no GPU here; give --gpu-mem GIB "
+                             "(and --gpus, --ram) to plan for another machine")
+        gpu = torch.cuda.mem_get_info()[1]
+    ram = int(args.ram * pl.GiB) if args.ram else (io.mem_available() or 0)
+    machine = pl.Machine(args.gpus, gpu, ram, args.vram_reserve_mib * 2**20)
+    return pl.place(shape, machine, ctx=args.tokens)
+
+
 def run(args) -> int:
     """`strata plan MODEL`."""
     from strata.hub import resolve_model
+    from strata.storage import placement as pl
+    if str(args.device).startswith("cuda") or args.gpu_mem or args.model.partition(":")[0] in pl.SHAPES:
+        p = _placement(args)
+        print(json.dumps({"lines": p.lines(), "expert_tier": p.expert_tier, "slots": p.slots,
+                          "ple": p.ple_where, "per_token_bytes": p.per_token()}, indent=1)
+              if args.json else "\n".join(p.lines()))
+        return 0
     path = resolve_model(args.model)
     if args.remeasure:
         save_drive(measure_drive(path))

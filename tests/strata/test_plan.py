@@ -90,3 +90,63 @@ def test_probe_json_has_the_keys(tiny, capsys):
     assert out["ple_io"]["mode"] in ("ram", "mmap", "direct") and "--ple-io auto ->" in out["ple_io"]["why"]
     assert out["experts"]["tier"] and out["experts"]["why"]
     assert plan.cached_drive(tiny).random_4k.keys() == {1, 4, 16, 32}  # the plan uses the newest reading
+
+
+# --- placement on machines with GPUs, from shapes alone ------------------------------------
+
+def test_flash_next_shape_is_the_real_one():
+    from strata.storage.placement import flash_next
+    s = flash_next()
+    assert (s.n_layers, s.n_experts, s.top_k) == (48, 512, 10)
+    assert (s.ple_rows, s.ple_row_bytes, s.ple_layer) == (320_001_536, 90, 1)  # 160 IQ4_NL weights a row
+    assert s.ple_bytes / 2**30 == pytest.approx(26.8, abs=0.05)  # REFERENCE: 26.8 GiB
+    # gate and up (2 x 640 rows of 2560) in IQ3_XXS, down (640 wide: no 256-block) in IQ4_NL
+    assert s.expert_bytes == 1280 * 10 * 98 + 2560 * 20 * 18
+
+
+def test_placement_for_the_rtx_4090_box():
+    from strata.storage.placement import GiB, Machine, flash_next, place
+    m = Machine(1, 24 * GiB, 46 * GiB, 1536 * 2**20)  # seeds/004's box
+    p = place(flash_next(), m)
+    assert p.expert_tier.startswith("cache:") and 0 < p.slots < 512
+    held = p.gpu_dense[0] + p.slots * p.shape.expert_bytes * 48
+    assert held <= m.gpu_bytes - m.reserve_bytes < held + 48 * p.shape.expert_bytes  # as many slots as fit
+    assert p.expert_backing == "drive" and p.ple_where == "ram"  # 50 GiB of experts > 90% of 46 GiB
+    pcie, drive = p.per_token()
+    assert pcie == pytest.approx((1 - p.slots / 512) * 48 * 10 * p.shape.expert_bytes
+                                 + 16 * 90 + p.shape.embedding_row_bytes)
+    assert drive > 0
+    assert any("VRAM" in line and "cache:" in line for line in p.lines())
+
+
+def test_placement_for_eight_h200s_holds_everything_in_vram():
+    from strata.storage.placement import GiB, Machine, flash_next, place
+    p = place(flash_next(), Machine(8, 141 * GiB, 1000 * GiB, 2**30))
+    assert p.expert_tier == "device" and p.ple_where == "vram"
+    assert [len(r) for r in p.gpu_layers] == [6] * 8 and 1 in p.gpu_layers[0]
+    assert p.per_token() == (p.shape.embedding_row_bytes, 0.0)
+
+
+def test_placement_says_what_does_not_fit():
+    from strata.storage.placement import GiB, Machine, flash_next, place
+    with pytest.raises(ValueError, match="does not fit .* use more GPUs"):
+        place(flash_next(), Machine(1, 4 * GiB, 46 * GiB, 2**30))
+
+
+def test_plan_command_prints_the_placement_for_another_machine(capsys):
+    from strata.cli import main
+    assert main(["plan", "flash-next", "--device", "cuda", "--gpu-mem", "24", "--ram", "46"]) == 0
+    out = capsys.readouterr().out
+    assert "placement of Qwen3.8-Flash-Next" in out and "1 x 24.0 GiB GPU" in out and "46.0 GiB host RAM" in out
+    assert "--experts cache:" in out and "PLE table 26.8 GiB" in out and "over PCIe" in out
+
+
+def test_shape_of_a_file_counts_its_bytes():
+    from strata.gguf import open_gguf
+    from strata.hub import synth_flash_tiny
+    from strata.storage.placement import shape_of
+    g = open_gguf(synth_flash_tiny(quiet=True))
+    s = shape_of(g)
+    total = (sum(s.layer_bytes) + s.experts_total + s.embedding_bytes + s.output_bytes + s.ple_bytes)
+    assert total == sum(t.nbytes for t in g.tensors.values())
+    assert (s.n_layers, s.n_experts, s.top_k, s.ple_layer) == (8, 64, 8, 1)
