@@ -12,7 +12,9 @@
 #   6. `strata bench model --device cuda`: pp512, tg128, and the decode step's weight bytes
 #      over its time against the device's copy bandwidth;
 #   7. flash-tiny with --experts cache:8:host: hit rate and PCIe MiB a token
-#      (STRATA_DECODE_TIMING=1 lines).
+#      (STRATA_DECODE_TIMING=1 lines);
+#   8. `strata bench kernels --tune` for the IQ3 formats and Q8_0: the GEMV tiles that run
+#      fastest here, written to triton_kernels/configs/<device>.json (copied to $OUT).
 # Results go to $OUT (or ./gpu_check.out) as logs and JSON. STEPS=5,7,1 runs those, in that order.
 #
 # A bare machine lacks gguf (strata's GGUF reader needs it): where .whl/ holds wheels
@@ -46,7 +48,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 s1() {
 echo "== 1. kernel properties on the device"
-timeout 240 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/triton_kernels \
+timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -m cuda -q -n 8 -p no:cacheprovider tests/triton_kernels \
     2>&1 | tee "$OUT/pytest_cuda.log" || status=1
 }
 
@@ -87,6 +89,10 @@ for m in smollm2 flash-tiny; do
     [[ $m == smollm2 && ! -f "$SMOL" ]] && continue
     timeout 180 python3 -m strata bench model --device cuda -m $m -r 3 --json 2> "$OUT/bench_model_$m.err" \
         | tee "$OUT/bench_model_$m.json" || status=1
+    if [[ $m == smollm2 ]]; then  # what the decode graph buys: the same without it
+        STRATA_CUDA_GRAPHS=0 timeout 120 python3 -m strata bench model --device cuda -m $m -r 2 -p 64 \
+            2>&1 | tee "$OUT/bench_model_${m}_nographs.md" || status=1
+    fi
 done
 }
 
@@ -96,6 +102,12 @@ STRATA_DECODE_TIMING=1 timeout 120 python3 -m strata generate --device cuda -m f
     --experts cache:8:host --temperature 0 -n 24 --raw "The sea is" 2>&1 \
     | tee "$OUT/experts_cache.log" | grep -v "^strata: step" || status=1
 grep "^strata: step" "$OUT/experts_cache.log" | tail -3
+}
+
+s8() {
+echo "== 8. GEMV tiles tuned on this device"
+timeout 200 python3 -m strata bench kernels --tune --formats Q8_0,IQ3_S,IQ3_XXS 2>&1 | tee "$OUT/tune.log" || status=1
+cp triton_kernels/configs/NVIDIA_*.json "$OUT/" 2>/dev/null
 }
 
 for s in ${STEPS//,/ }; do "s$s"; done

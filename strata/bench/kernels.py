@@ -4,10 +4,11 @@
 configuration (triton_kernels.static): registers, spills, shared memory, main-loop and
 whole-kernel instructions per weight, and the predicted fraction of bandwidth on named
 GPUs. On CUDA without --static: the decode GEMV of a 4096 x 14336 weight per format,
-checked against the torch path and timed with triton.testing.do_bench, as GB/s of weight
-bytes read against the device-to-device copy measured in the same run, the static
-prediction beside it. --tune (CUDA): times candidate GEMV tiles per format and writes the
-fastest into triton_kernels/configs/<device>.json.
+checked against the torch path and timed replayed from a CUDA graph (the kernels' time:
+int8 activations, then the GEMV) and as launched from Python, as GB/s of weight bytes
+read (graph time) against the device-to-device copy measured in the same run, the static
+prediction beside it. --tune (CUDA): times candidate GEMV tiles per format (graph time)
+and writes the fastest into triton_kernels/configs/<device>.json.
 """
 from __future__ import annotations
 
@@ -108,12 +109,16 @@ def _gemv_case(fmt: quant.Format, rng: np.random.Generator):
     return q, x
 
 
-def _time_gemv(fmt, q, x, tiles=None) -> float:
+def _time_gemv(fmt, q, x, tiles=None, graph: bool = False) -> float:
+    """Milliseconds a qmatmul call takes: as launched from Python (do_bench), or replayed
+    from a CUDA graph (do_bench_cudagraph: the kernels' own time, without the launches)."""
     import triton
 
     from triton_kernels import qmatmul
-    return triton.testing.do_bench(lambda: qmatmul(x, q, fmt, tiles=tiles),
-                                   quantiles=[0.5, 0.2, 0.8])[0]
+    fn = (lambda: qmatmul(x, q, fmt, tiles=tiles))
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=50)
+    return triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])[0]
 
 
 def _run_measured(args, formats) -> int:
@@ -133,14 +138,17 @@ def _run_measured(args, formats) -> int:
             ref = qmatmul_torch(x.float(), q, fmt)
         rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         ms = _time_gemv(fmt, q, x)
-        gbps = q.numel() / (ms * 1e-3) / 1e9
+        ms_graph = _time_gemv(fmt, q, x, graph=True)
+        gbps = q.numel() / (ms_graph * 1e-3) / 1e9
         st = static.analyse("gemv", fmt, "sm_90")
-        rows.append({"op": "gemv", "format": name, "N": N, "K": K, "us": ms * 1e3,
+        rows.append({"op": "gemv", "format": name, "N": N, "K": K, "us": ms_graph * 1e3,
+                     "us_launched": ms * 1e3,
                      "gb_per_s": gbps, "pct_copy": 100 * gbps / copy, "max_rel_err": rel,
                      "instr_per_weight": st.instr_per_weight, "pred_bw_h200": st.pred_bw.get("H200")})
         del q, x
     result = {"machine": machine(), "copy_gb_per_s": copy, "rows": rows}
-    cols = [("format", "format"), ("us", "µs"), ("gb_per_s", "GB/s"), ("pct_copy", "% copy"),
+    cols = [("format", "format"), ("us", "µs (graph)"), ("us_launched", "µs (launched)"),
+            ("gb_per_s", "GB/s"), ("pct_copy", "% copy"),
             ("max_rel_err", "max rel err"), ("instr_per_weight", "instr/w (sm_90)"),
             ("pred_bw_h200", "predicted (H200)")]
     emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write)",
@@ -158,7 +166,7 @@ def _run_tune(args, formats) -> int:
         if unit(fmt) is None:
             continue
         q, x = _gemv_case(fmt, rng)
-        times = {t: _time_gemv(fmt, q, x, tiles=t) for t in TUNE_TILES}
+        times = {t: _time_gemv(fmt, q, x, tiles=t, graph=True) for t in TUNE_TILES}
         best = min(times, key=times.get)
         table["gemv"][f] = {"block_n": best[0], "block_u": best[1]}
         rows.append({"format": f, "tiles": str(best), "us": times[best] * 1e3,

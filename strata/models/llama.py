@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from strata.gguf import GGUFFile
 from strata.nn import Attention, KVCache, QuantLinear, RMSNorm, Rope
 from strata.nn.linear import DenseBudget
+from strata.runtime import graphs
 from triton_kernels.backend import choose_kernels
 from triton_kernels.dequant import dequantize_torch
+from triton_kernels.ops import impl
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,23 @@ class Llama(torch.nn.Module):
         c = self.cfg
         return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, self.device, capacity)
 
+    def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings of token ids held on the model's device, gathered there (the decode
+        graph's embedding: no trip to the host). The table's blocks go to the device once,
+        or are the tied output's when it holds them already."""
+        if getattr(self, "_embedding_blocks", None) is None:
+            held = getattr(self.output, "blocks", None) if self.tied else None
+            self._embedding_blocks = held if held is not None and held.device == self.device \
+                else torch.from_numpy(np.ascontiguousarray(self.embedding.data)).to(self.device)
+        rows = self._embedding_blocks[tokens]
+        return impl("dequantize", self.kernels)(rows, self.embedding.fmt).reshape(tokens.numel(), -1).float()
+
+    def rope_table(self, n: int) -> None:
+        """RoPE rows for positions up to n (a decode graph reads them by device index)."""
+        rope = self.blocks[0].attn.rope
+        if rope.cos.shape[0] < n:
+            rope._table(n)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.embedding.shape[0]:
             raise ValueError(f"token ids must lie in 0..{self.embedding.shape[0] - 1}")
@@ -133,7 +152,15 @@ class Llama(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """Logits (S, vocab) float32 for tokens that continue the cache's sequence."""
+        """Logits (S, vocab) float32 for tokens that continue the cache's sequence. On
+        CUDA a one-token step replays the cache's decode graph (strata.runtime.graphs)."""
+        toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if toks.numel() == 1 and self.device.type == "cuda" and graphs.enabled():
+            cache.reserve(cache.length + 1)
+            g = getattr(cache, "graph", None)
+            if g is None or g.capacity != cache.k.shape[2]:  # new, or the cache grew: capture again
+                g = cache.graph = graphs.DecodeGraph(self, cache)
+            return g(int(toks[0]))
         return self.forward_batch([(tokens, cache)], last_only=last_only)[0]
 
     @torch.inference_mode()

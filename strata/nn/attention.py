@@ -20,7 +20,9 @@ class KVCache:
         self.length = 0  # tokens held
 
     def _alloc(self, capacity: int) -> torch.Tensor:
-        return torch.empty(self.n_layers, self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
+        # zeros: a decode graph attends over the whole capacity, the unwritten part masked,
+        # and a masked NaN would still reach the output (0 x NaN)
+        return torch.zeros(self.n_layers, self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
 
     def reserve(self, n: int) -> None:
         """Room for n tokens; grows by doubling, keeping what is held."""

@@ -97,7 +97,7 @@ class GatedAttention(torch.nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         dev = x.device
-        pos = torch.arange(start, start + T, device=dev)
+        pos = torch.arange(start, start + T)  # on the host: RoPE takes its rows from there
         parts = self.proj(x).float().split(self.splits, dim=-1)
         qg = parts[0].reshape(T, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
@@ -121,11 +121,11 @@ class GatedAttention(torch.nn.Module):
         T, r = idx_q.shape[0], self.ratio
         end = start + T
         keep = self.budget // r
+        if end // r <= keep:  # the last query sees the most complete blocks: end // r
+            return None
         dev = idx_q.device
         pos = torch.arange(start, end, device=dev)
         n_blocks = (pos + 1) // r                       # complete blocks visible to each query
-        if int(n_blocks.max()) <= keep:
-            return None
         nb = end // r
         blocks = st.idx[:nb * r].reshape(nb, r, self.idx_dim).mean(dim=1)
         blocks = self.rope(_heads_norm(blocks, self.idx_k_norm, self.eps).unsqueeze(0),

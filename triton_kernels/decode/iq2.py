@@ -12,7 +12,7 @@ from .common import load_f16, load_u16, load_u32
 @triton.jit
 def _signed(d, s, g, minus):
     v = d * (0.5 + s) * 0.25 * g
-    return tl.where(minus != 0, -v, v)
+    return v * tl.where(minus != 0, -1.0, 1.0)  # -v is 0 - v on a GPU: -0 would be +0
 
 
 @triton.jit

@@ -21,7 +21,7 @@ def decode_iq3_xxs(q_ptr, tab_ptr, blk, j, mask):
     ks = tl.load(tab_ptr + 1024 + sidx, mask=mask, other=0).to(tl.int32)
     minus = (ks >> (j % 8)) & 1
     v = d * (0.5 + s) * 0.5 * g
-    return tl.where(minus != 0, -v, v)
+    return v * tl.where(minus != 0, -1.0, 1.0)  # -v is 0 - v on a GPU: -0 would be +0
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def decode_iq3_s(q_ptr, tab_ptr, blk, j, mask):
     sc = tl.load(q_ptr + base + 106 + j // 64, mask=mask, other=0).to(tl.int32)
     s = (sc >> (4 * ((j // 32) % 2))) & 0x0F
     v = d * (1 + 2 * s).to(tl.float32) * g
-    return tl.where(minus != 0, -v, v)
+    return v * tl.where(minus != 0, -1.0, 1.0)  # -v is 0 - v on a GPU: -0 would be +0
 
 
 # --- int8 units (decode/common.py) ---------------------------------------------------------
