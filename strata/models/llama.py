@@ -134,7 +134,7 @@ class Llama(torch.nn.Module):
         if getattr(self, "_embedding_blocks", None) is None:
             held = getattr(self.output, "blocks", None) if self.tied else None
             self._embedding_blocks = held if held is not None and held.device == self.device \
-                else torch.from_numpy(np.ascontiguousarray(self.embedding.data)).to(self.device)
+                else torch.from_numpy(np.array(self.embedding.data)).to(self.device)  # a copy: the map is read-only
         rows = self._embedding_blocks[tokens]
         return impl("dequantize", self.kernels)(rows, self.embedding.fmt).reshape(tokens.numel(), -1).float()
 
