@@ -97,9 +97,10 @@ def bench_strata(path, args) -> dict:
         _sync(device)
         tg.append(args.n_gen / (time.perf_counter() - t))
     nbytes = step_bytes(model)
+    rss = _peak_rss_mib()  # before the copy's buffers
     copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))
     step_s = 1 / statistics.fmean(tg)
-    return {"engine": "strata", "pp": pp, "tg": tg, "load_s": load_s, "peak_rss_mib": _peak_rss_mib(),
+    return {"engine": "strata", "pp": pp, "tg": tg, "load_s": load_s, "peak_rss_mib": rss,
             "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),
             "kernels": model.kernels, "step_bytes": nbytes, "copy_bytes_per_s": copy,
             "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy}
