@@ -62,3 +62,30 @@ def test_pull_refuses_a_file_with_the_wrong_hash(tmp_path, monkeypatch, smollm2_
     with pytest.raises(hub.HubError, match="expected 0000"):
         hub.pull_smollm2(quiet=True)
     assert not hub.smollm2_path().exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_device_cuda_without_a_gpu_says_so():
+    r = strata("generate", "hi", "--device", "cuda", "-n", "1")
+    assert r.returncode == 2
+    assert "--device cuda: torch sees no GPU here" in r.stderr and "--device cpu" in r.stderr
+
+
+def test_generate_says_where_and_with_which_kernels(smollm2_gguf):
+    r = strata("generate", "hi", "--device", "cpu", "--kernels", "torch", "--temperature", "0", "-n", "2")
+    assert r.returncode == 0, r.stderr
+    assert "on cpu, torch kernels" in r.stderr
+
+
+def test_choosing_kernels_is_one_decision():
+    import torch
+
+    from triton_kernels.backend import choose_kernels, interpreter_on
+    assert choose_kernels(None, "cpu") == "torch"
+    assert choose_kernels("torch", "cpu") == "torch"
+    if torch.cuda.is_available():
+        assert choose_kernels(None, "cuda") == "triton"
+    with pytest.raises(ValueError, match="--kernels 'cuda'"):
+        choose_kernels("cuda", "cpu")
+    assert interpreter_on()  # the suite's: Triton on the CPU is allowed under it
+    assert choose_kernels("triton", "cpu") == "triton"
