@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything a lent GPU should run, in one command (about 5 minutes on an H200):
 #   1. the kernel properties on the device (pytest -m cuda: the compiled kernels, inline
-#      PTX included, against the numpy references, with device tensors);
+#      PTX included, against the numpy references, with device tensors), and SmolLM2 on
+#      the GPU against the torch path on the CPU (tests/strata/test_gpu_models.py);
 #   2. `strata bench kernels`: the decode GEMV of a 4096 x 14336 weight per format, GB/s
 #      against the device copy, the static prediction beside it;
 #   3. `strata bench dequant --device cuda` for the formats of the decode path;
@@ -48,7 +49,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 s1() {
 echo "== 1. kernel properties on the device"
-timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -m cuda -q -n 8 -p no:cacheprovider tests/triton_kernels \
+MODELS=$([[ -f "$SMOL" ]] && echo tests/strata/test_gpu_models.py)  # SmolLM2 on the GPU against the CPU
+timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -m cuda -q -n 8 -p no:cacheprovider tests/triton_kernels $MODELS \
     2>&1 | tee "$OUT/pytest_cuda.log" || status=1
 }
 
