@@ -112,12 +112,14 @@ def f32_to_fp16_bytes(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32).astype(np.float16).view(np.uint8)
 
 
-def chunked(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], block_bytes: int, chunk: int) -> QuantFn:
+def chunked(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], block_bytes: int, chunk: int,
+            ones_for_none: bool = True) -> QuantFn:
     """A quantize_blocks that runs `fn` over `chunk` blocks at a time (bounding a search's
-    temporaries); no importance means every weight counts the same."""
+    temporaries). No importance means every weight counts the same (`ones_for_none`), or
+    is passed on as None (the IQ3 search then weighs by x^2, as llama.cpp does)."""
     def quantize(x: np.ndarray, w):
-        if w is None:
+        if w is None and ones_for_none:
             w = np.ones_like(x)
-        parts = [fn(x[i:i + chunk], w[i:i + chunk]) for i in range(0, x.shape[0], chunk)]
+        parts = [fn(x[i:i + chunk], None if w is None else w[i:i + chunk]) for i in range(0, x.shape[0], chunk)]
         return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
     return quantize

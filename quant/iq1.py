@@ -20,7 +20,7 @@ import numpy as np
 
 from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
 from .iq1_tables import IQ1_GRID_LEVELS
-from .iq3 import _nearest
+from .iq3 import nearest
 
 QK_K = 256
 DELTA = np.float32(0.125)
@@ -112,10 +112,10 @@ def _choose(t8: np.ndarray, w8: np.ndarray, scale: np.ndarray, shared_delta: boo
     Returns index (n, nsub, k) into _SHIFTED (>= 2048: delta -1/8) and error (n, nsub)."""
     sc = np.broadcast_to(scale[..., None], t8.shape[:-1])
     if not shared_delta:
-        idx, err = _nearest(t8, w8, sc, _SHIFTED)
+        idx, err = nearest(t8, w8, sc, _SHIFTED)
         return idx, err.sum(-1)
-    ip, ep = _nearest(t8, w8, sc, _SHIFTED[:2048])
-    im, em = _nearest(t8, w8, sc, _SHIFTED[2048:])
+    ip, ep = nearest(t8, w8, sc, _SHIFTED[:2048])
+    im, em = nearest(t8, w8, sc, _SHIFTED[2048:])
     ep, em = ep.sum(-1), em.sum(-1)
     minus = em < ep
     return np.where(minus[..., None], im + 2048, ip), np.where(minus, em, ep)

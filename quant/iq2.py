@@ -21,7 +21,8 @@ import numpy as np
 
 from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
 from .iq2_tables import IQ2_S_GRID_LEVELS, IQ2_XS_GRID_LEVELS, IQ2_XXS_GRID_LEVELS
-from .iq3 import KSIGNS, _KSIGNS_F32, _BITS, _nearest, _signs_and_targets
+from .iq3 import BITS, KSIGNS, KSIGNS_F32, nearest
+from .search.iq3 import signs_and_targets
 
 QK_K = 256
 LEVELS = np.array([8, 25, 43], dtype=np.uint8)
@@ -72,7 +73,7 @@ def _xxs_dequant(b: np.ndarray) -> np.ndarray:
     db = xxs_sub_scales(b)                                             # (n, 8)
     words = np.ascontiguousarray(b[:, 2:]).view("<u4").reshape(n, 8, 2)
     sidx = (words[:, :, 1, None] >> np.array([0, 7, 14, 21], dtype=np.uint32)) & 0x7F
-    signs = _KSIGNS_F32[sidx]                                          # (n, 8, 4, 8)
+    signs = KSIGNS_F32[sidx]                                          # (n, 8, 4, 8)
     gidx = np.ascontiguousarray(words[:, :, 0]).view(np.uint8).reshape(n, 8, 4)
     grid = _XXS_GRID_F32[gidx]                                         # (n, 8, 4, 8)
     return (db[:, :, None, None] * grid * signs).reshape(n, QK_K)
@@ -82,7 +83,7 @@ def _xs_dequant(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
     db = xs_sub_scales(b)                                              # (n, 16)
     qs = np.ascontiguousarray(b[:, 2:66]).view("<u2")                  # (n, 32)
-    signs = _KSIGNS_F32[qs >> 9].reshape(n, 16, 2, 8)
+    signs = KSIGNS_F32[qs >> 9].reshape(n, 16, 2, 8)
     grid = _XS_GRID_F32[qs & 511].reshape(n, 16, 2, 8)
     return (db[:, :, None, None] * grid * signs).reshape(n, QK_K)
 
@@ -93,7 +94,7 @@ def _s_dequant(b: np.ndarray) -> np.ndarray:
     qh = (b[:, 66:74, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3
     idx = b[:, 2:34].astype(np.uint16) | (qh.reshape(n, 32).astype(np.uint16) << 8)
     grid = _S_GRID_F32[idx].reshape(n, 16, 2, 8)
-    sbits = (b[:, 34:66, None] >> _BITS) & 1                           # (n, 32, 8)
+    sbits = (b[:, 34:66, None] >> BITS) & 1                           # (n, 32, 8)
     signs = np.where(sbits, np.float32(-1), np.float32(1)).reshape(n, 16, 2, 8)
     return (db[:, :, None, None] * grid * signs).reshape(n, QK_K)
 
@@ -111,7 +112,7 @@ _CHUNK = 64  # blocks per step: bounds the (groups x grid) cost matrices
 def _iq2_search(x: np.ndarray, w: np.ndarray, grid: np.ndarray, sub: int, even_groups: bool):
     """Returns d (n,), multipliers s (n, 256/sub), grid indices (n, 32), minus bits (n, 256)."""
     n, nsub = x.shape[0], QK_K // sub
-    neg, t = _signs_and_targets(x, w, even_groups)
+    neg, t = signs_and_targets(x, w, even_groups)
     t8 = t.reshape(n, nsub, sub // 8, 8)
     w8 = w.reshape(n, nsub, sub // 8, 8)
     top = np.float32(grid.max())
@@ -121,7 +122,7 @@ def _iq2_search(x: np.ndarray, w: np.ndarray, grid: np.ndarray, sub: int, even_g
     shape = (n, nsub, sub // 8)
     for c in _SCALE_TRIES:
         scale = amax / (top * c)
-        _, err = _nearest(t8, w8, np.broadcast_to(scale[..., None], shape), grid)
+        _, err = nearest(t8, w8, np.broadcast_to(scale[..., None], shape), grid)
         err = err.sum(-1)
         better = err < best_err
         best_err = np.where(better, err, best_err)
@@ -133,7 +134,7 @@ def _iq2_search(x: np.ndarray, w: np.ndarray, grid: np.ndarray, sub: int, even_g
         s = np.where(d16[:, None] > 0, np.rint((best_scale * 8 / d16[:, None] - 1) / 2), 0)
     s = np.clip(s, 0, 15).astype(np.uint8)
     db = _db(d16[:, None], s)
-    idx, _ = _nearest(t8, w8, np.broadcast_to(db[..., None], shape), grid)
+    idx, _ = nearest(t8, w8, np.broadcast_to(db[..., None], shape), grid)
     return d, s, idx.reshape(n, 32), neg
 
 

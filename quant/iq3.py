@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
 from .iq3_tables import IQ3_S_GRID_LEVELS, IQ3_XXS_GRID_LEVELS
 from .search import IQ3Options, grid_tables, iq3_search
-from .search.iq3 import signs_and_targets as _signs_and_targets  # noqa: F401 (iq2 uses it)
 
 QK_K = 256
 
@@ -45,9 +44,9 @@ def _parity(i: np.ndarray) -> np.ndarray:
 # ksigns_iq2xs: 7 sign bits and their parity as the 8th, so every group of 8 has an even
 # number of minus signs.
 KSIGNS = (np.arange(128) | (_parity(np.arange(128)) << 7)).astype(np.uint8)
-_BITS = np.arange(8, dtype=np.uint8)
+BITS = np.arange(8, dtype=np.uint8)
 # KSIGNS expanded to +-1.0 per weight: (128, 8)
-_KSIGNS_F32 = np.where((KSIGNS[:, None] >> _BITS) & 1, np.float32(-1), np.float32(1))
+KSIGNS_F32 = np.where((KSIGNS[:, None] >> BITS) & 1, np.float32(-1), np.float32(1))
 _XXS_GRID_F32 = XXS_GRID.astype(np.float32)
 _S_GRID_F32 = S_GRID.astype(np.float32)
 
@@ -74,7 +73,7 @@ def _xxs_dequant(b: np.ndarray) -> np.ndarray:
     db = xxs_sub_scales(b)
     words = np.ascontiguousarray(b[:, 66:98]).view("<u4")              # (n, 8)
     sidx = (words[:, :, None] >> np.array([0, 7, 14, 21], dtype=np.uint32)) & 0x7F
-    signs = _KSIGNS_F32[sidx]                                          # (n, 8, 4, 8)
+    signs = KSIGNS_F32[sidx]                                          # (n, 8, 4, 8)
     grid = _XXS_GRID_F32[b[:, 2:66]].reshape(n, 8, 4, 8)
     return (db[:, :, None, None] * grid * signs).reshape(n, QK_K)
 
@@ -82,10 +81,10 @@ def _xxs_dequant(b: np.ndarray) -> np.ndarray:
 def _s_dequant(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
     db = s_sub_scales(b)                                               # (n, 8)
-    qh = (b[:, 66:74, None] >> _BITS) & 1                              # (n, 8, 8)
+    qh = (b[:, 66:74, None] >> BITS) & 1                              # (n, 8, 8)
     idx = b[:, 2:66].astype(np.uint16) | (qh.reshape(n, 64).astype(np.uint16) << 8)
     grid = _S_GRID_F32[idx].reshape(n, 8, 4, 8)
-    sbits = (b[:, 74:106, None] >> _BITS) & 1                          # (n, 32, 8)
+    sbits = (b[:, 74:106, None] >> BITS) & 1                          # (n, 32, 8)
     signs = np.where(sbits, np.float32(-1), np.float32(1)).reshape(n, 8, 4, 8)
     return (db[:, :, None, None] * grid * signs).reshape(n, QK_K)
 
@@ -95,7 +94,7 @@ def _s_dequant(b: np.ndarray) -> np.ndarray:
 
 # The nearest grid entry by exhaustive search, which the IQ2 and IQ1 searches use.
 
-def _nearest(t: np.ndarray, w: np.ndarray, scale: np.ndarray, grid: np.ndarray):
+def nearest(t: np.ndarray, w: np.ndarray, scale: np.ndarray, grid: np.ndarray):
     """Grid entry minimising sum w (t - scale*g)^2 for each group of four.
 
     t, w: (..., 4); scale broadcastable to t[..., 0]. Returns (index, error)."""
@@ -115,16 +114,6 @@ XXS_OPTIONS = IQ3Options(n_scales=15, parity=True, fudge=1.0125, eps=1e-8,
                          d_factors=(0.98, 0.99, 1.0, 1.025, 1.04, 1.06))
 S_OPTIONS = IQ3Options(n_scales=9, fudge=1.033, d_factors=(1.0, 1.015, 1.05, 1.07))
 _CHUNK = 1024  # blocks per step: bounds the search's temporaries to a few tens of MiB
-
-
-def _chunked(fn, block_bytes: int):
-    """quantize_blocks over `_CHUNK` blocks at a time; importance None stays None (the
-    search then weighs by x^2, as llama.cpp does without an importance matrix)."""
-    def quantize(x: np.ndarray, w):
-        parts = [fn(x[i:i + _CHUNK], None if w is None else w[i:i + _CHUNK])
-                 for i in range(0, x.shape[0], _CHUNK)]
-        return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
-    return quantize
 
 
 def _xxs_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -147,7 +136,7 @@ def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
                            qh.reshape(n, 8), signs.reshape(n, 32), scales], axis=-1)
 
 
-IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, _chunked(_xxs_quant, 98),
+IQ3_XXS = Format("IQ3_XXS", 18, QK_K, 98, _xxs_dequant, chunked(_xxs_quant, 98, _CHUNK, ones_for_none=False),
                  tables={"grid": XXS_GRID, "ksigns": KSIGNS}, scale_offsets=(0,))
-IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, _chunked(_s_quant, 110),
+IQ3_S = Format("IQ3_S", 21, QK_K, 110, _s_dequant, chunked(_s_quant, 110, _CHUNK, ones_for_none=False),
                tables={"grid": S_GRID}, scale_offsets=(0,))

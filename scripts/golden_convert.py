@@ -98,9 +98,10 @@ def main() -> None:
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from strata.convert.synth import build_qwen4exp_checkpoint
+    from strata.hub import pull_smollm2
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = build_qwen4exp_checkpoint(Path(tmp) / CHECKPOINT_NAME, seed=SEED)
+        hf_dir = build_qwen4exp_checkpoint(Path(tmp) / CHECKPOINT_NAME, seed=SEED, tokenizer_gguf=pull_smollm2())
         golden = {"seed": SEED, "checkpoint_name": CHECKPOINT_NAME, "checkpoint": digest_checkpoint(hf_dir),
                   "outtypes": {}}
         for outtype in OUTTYPES:

@@ -215,7 +215,7 @@ def _build_table(name: str) -> torch.Tensor:
         from quant import iq2
         return torch.from_numpy(getattr(iq2, name[4:].upper() + "_GRID").astype("float32"))
     if name == "ksigns_f32":   # 7-bit sign index -> 8 factors +-1
-        return torch.from_numpy(iq3._KSIGNS_F32.copy())
+        return torch.from_numpy(iq3.KSIGNS_F32.copy())
     if name == "sign_bits_f32":  # byte -> 8 factors +-1, bit i for weight i
         return torch.where(torch.arange(256)[:, None] >> torch.arange(8) & 1 == 1, -1.0, 1.0)
     if name == "iq1":

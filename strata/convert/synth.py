@@ -65,12 +65,9 @@ TINY_CONFIG: dict[str, Any] = {
 _KEEP_INIT = (".A_log", ".dt_bias")
 
 
-def _save_tokenizer(out_dir: Path, tokenizer_gguf: str | os.PathLike | None) -> None:
+def _save_tokenizer(out_dir: Path, tokenizer_gguf: str | os.PathLike) -> None:
     from transformers import AutoTokenizer
 
-    if tokenizer_gguf is None:
-        from strata.hub import pull_smollm2
-        tokenizer_gguf = pull_smollm2(quiet=True)
     path = Path(tokenizer_gguf)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tok.save_pretrained(out_dir)
@@ -114,13 +111,13 @@ def _mtp_tensors(model, config, dtype, generator) -> dict[str, Any]:
 
 def build_qwen4exp_checkpoint(out_dir: str | os.PathLike, config_overrides: Mapping[str, Any] | None = None,
                               seed: int = 0, *, dtype: str = "bfloat16", mtp: bool = True,
-                              tokenizer_gguf: str | os.PathLike | None = None) -> Path:
+                              tokenizer_gguf: str | os.PathLike) -> Path:
     """Write a random Qwen4ExpForCausalLM checkpoint to `out_dir` and return it.
 
     `config_overrides` replace keys of TINY_CONFIG (a full-size model is only a matter of
     overrides, and of memory). `dtype` is the stored dtype ("bfloat16", as the release, or
-    "float32", "float16"). `tokenizer_gguf` is the GGUF whose tokenizer is saved (default:
-    SmolLM2's, pulled into Strata's cache)."""
+    "float32", "float16"). `tokenizer_gguf` is the GGUF whose tokenizer is saved (flash-tiny
+    takes SmolLM2's: strata.hub.pull_smollm2)."""
     import torch
     from safetensors.torch import load_file, save_file
     try:

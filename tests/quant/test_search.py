@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import quant
 from quant import iq3
 from quant.search import IQ3Options, grid_tables, iq3_search
-from quant.search.iq3 import weights
+from quant.search.iq3 import signs_and_targets, weights
 from quant.search.reference import quantize_block
 
 FORMATS = {  # name: (grid, levels, parity, llama.cpp's scale count, fudge, eps)
@@ -45,13 +45,13 @@ def simple_search(name: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     grid, _, parity = FORMATS[name][:3]
     dmul = 4.0 if name == "IQ3_XXS" else 1.0
     n = x.shape[0]
-    neg, t = iq3._signs_and_targets(x, w, parity)
+    neg, t = signs_and_targets(x, w, parity)
     t4, w4 = t.reshape(n, 8, 8, 4), w.reshape(n, 8, 8, 4)
     amax = np.abs(t).reshape(n, 8, 32).max(-1)
     best_err, best_scale = np.full((n, 8), np.inf), np.zeros((n, 8), np.float32)
     for c in np.linspace(0.75, 1.1, 8, dtype=np.float32):
         scale = amax / (np.float32(grid.max()) * c)
-        _, err = iq3._nearest(t4, w4, np.broadcast_to(scale[..., None], (n, 8, 8)), grid)
+        _, err = iq3.nearest(t4, w4, np.broadcast_to(scale[..., None], (n, 8, 8)), grid)
         err = err.sum(-1)
         better = err < best_err
         best_err, best_scale = np.where(better, err, best_err), np.where(better, scale, best_scale)
@@ -61,7 +61,7 @@ def simple_search(name: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         s = np.clip(np.where(d16[:, None] > 0, np.rint((best_scale * dmul / d16[:, None] - 1) / 2), 0), 0, 15)
     s = s.astype(np.uint8)
     db = d16[:, None] * ((0.5 + s) * 0.5 if dmul == 4 else (1 + 2 * s)).astype(np.float32)
-    idx, _ = iq3._nearest(t4, w4, np.broadcast_to(db[..., None], (n, 8, 8)), grid)
+    idx, _ = iq3.nearest(t4, w4, np.broadcast_to(db[..., None], (n, 8, 8)), grid)
     # pack through the format's own writer by handing it the fields it would compute
     return _pack(name, d16, s, idx.reshape(n, 64), neg)
 
