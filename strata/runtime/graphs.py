@@ -1,6 +1,6 @@
 """A dense model's decode step as one CUDA graph: captured once per cache, then replayed.
 
-A decode step of SmolLM2 launches some 400 kernels of a few microseconds each; launched
+A decode step of SmolLM2 launches hundreds of kernels of a few microseconds each; launched
 one by one from Python they cost more than the memory they read (measured on an H200:
 30 tok/s, 0.07% of the copy bandwidth). A graph replays them without Python.
 
