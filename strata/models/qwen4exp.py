@@ -31,6 +31,7 @@ from strata.nn.linear import DenseBudget
 from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
 from strata.storage.experts import ExpertStore
+from strata.storage.ple_gather import InMemoryTable, StoredTable
 from strata.tensors import QTensor
 from triton_kernels.backend import choose_kernels
 from triton_kernels.dequant import dequantize_torch
@@ -113,50 +114,6 @@ class Qwen4ExpConfig:
             idx_dim=int(opt("attention.indexer.key_length", 0)),
             idx_budget=int(opt("attention.indexer.top_k", 0)),
             compress_ratios=tuple(ratios[:n]), ple_layers=ple_layers, ple=ple)
-
-
-class InMemoryTable:
-    """The PLE table held as the file's blocks (zero-copy on the CPU, copied to a GPU):
-    rows gathered and dequantized by triton_kernels.ple.ple_gather."""
-
-    def __init__(self, t, device="cpu", kernels: str | None = None):
-        from triton_kernels.ops import impl
-        self.name, self.fmt, self.rows = t.name, t.fmt, t.shape[0]
-        self.q = torch.from_numpy(t.data).to(device)
-        self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name} on {torch.device(device)})"
-        self._gather = impl("ple_gather", choose_kernels(kernels, device))
-
-    def prefetch(self, ids: torch.Tensor) -> None:
-        pass
-
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._gather(self.q, ids.to(self.q.device), self.fmt)
-
-    def stats(self) -> dict:
-        return {}
-
-
-class StoredTable:
-    """The PLE table through strata.storage.ple (ram, mmap with hints, or direct reads):
-    rows announced at the start of a step (`prefetch`), read and dequantized at the PLE
-    layer (`gather`)."""
-
-    def __init__(self, table, device="cpu", kernels: str | None = None):
-        from triton_kernels.ops import impl
-        self.table, self.device = table, device
-        self._gather = impl("ple_gather", choose_kernels(kernels, device))
-        self.where = (f"{table.mode}{' (locked)' if getattr(table, 'locked', False) else ''} "
-                      f"from {table.source.describe()}")
-
-    def prefetch(self, ids: torch.Tensor) -> None:
-        self.table.prefetch(ids.cpu().numpy())
-
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.gather(ids.cpu().numpy())
-        return self._gather(**rows.kernel_inputs(self.device))
-
-    def stats(self) -> dict:
-        return self.table.stats()
 
 
 class Layer(torch.nn.Module):

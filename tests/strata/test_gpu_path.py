@@ -177,7 +177,7 @@ def test_every_expert_tier_runs_the_moe_kernels(tiny_mixed, moe_batches, tmp_pat
 
 @pytest.mark.parametrize("mode", ["ram", "mmap", "direct"])
 def test_every_ple_mode_gathers_with_the_kernel(mode):
-    from strata.models.qwen4exp import InMemoryTable, StoredTable
+    from strata.storage.ple_gather import InMemoryTable, StoredTable
     from strata.storage.ple import PleTable
     path = synth_flash_tiny(quiet=True)
     g = open_gguf(path)

@@ -222,7 +222,7 @@ def _greedy(model, prompt, n=12) -> list[int]:
 
 
 def test_same_tokens_whatever_the_ple_io_mode(tiny, prompt, model):
-    from strata.models.qwen4exp import StoredTable
+    from strata.storage.ple_gather import StoredTable
     from strata.runtime.timing import StepTimer
     from strata.storage.ple import PleTable
     want = _greedy(model, prompt[:24], 8)  # the table's blocks in memory

@@ -1,0 +1,52 @@
+"""The PLE table as the model gathers from it: the table's blocks in memory
+(`InMemoryTable`), or a storage tier of strata.storage.ple (`StoredTable`: ram, mmap
+with hints, or direct reads). Both dequantize the rows with the op that the model's
+kernels name (triton_kernels.ple.ple_gather or its torch twin)."""
+from __future__ import annotations
+
+import torch
+
+from triton_kernels.backend import choose_kernels
+from triton_kernels.ops import impl
+
+
+class InMemoryTable:
+    """The PLE table held as the file's blocks (zero-copy on the CPU, copied to a GPU):
+    rows gathered and dequantized by triton_kernels.ple.ple_gather."""
+
+    def __init__(self, t, device="cpu", kernels: str | None = None):
+        self.name, self.fmt, self.rows = t.name, t.fmt, t.shape[0]
+        self.q = torch.from_numpy(t.data).to(device)
+        self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name} on {torch.device(device)})"
+        self._gather = impl("ple_gather", choose_kernels(kernels, device))
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        pass
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._gather(self.q, ids.to(self.q.device), self.fmt)
+
+    def stats(self) -> dict:
+        return {}
+
+
+class StoredTable:
+    """The PLE table through strata.storage.ple (ram, mmap with hints, or direct reads):
+    rows announced at the start of a step (`prefetch`), read and dequantized at the PLE
+    layer (`gather`)."""
+
+    def __init__(self, table, device="cpu", kernels: str | None = None):
+        self.table, self.device = table, device
+        self._gather = impl("ple_gather", choose_kernels(kernels, device))
+        self.where = (f"{table.mode}{' (locked)' if getattr(table, 'locked', False) else ''} "
+                      f"from {table.source.describe()}")
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        self.table.prefetch(ids.cpu().numpy())
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.gather(ids.cpu().numpy())
+        return self._gather(**rows.kernel_inputs(self.device))
+
+    def stats(self) -> dict:
+        return self.table.stats()
