@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import quant
-from strata.bench.report import emit, machine, markdown
+from strata.bench.report import copy_bandwidth, emit, machine, markdown
 from triton_kernels import dequantize, dequantize_torch
 
 
@@ -96,14 +96,6 @@ def _cpu_rows(fmt: quant.Format, raw: np.ndarray, args) -> tuple[float | None, l
     return t_peer, rows
 
 
-def _copy_bandwidth(nbytes: int) -> float:
-    import triton.testing
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), quantiles=[0.5, 0.2, 0.8])[0]
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,7 +106,7 @@ def run(args) -> int:
         raise ValueError("--device cuda: no CUDA device is visible to torch")
     rows, copy_gbps = [], None
     if cuda:
-        copy_gbps = _copy_bandwidth(1 << 30)
+        copy_gbps = copy_bandwidth("cuda") / 1e9
     for fmt in formats:
         n_blocks = max(1, int(args.mib * 2**20) // fmt.block_bytes)
         t_peer, cpu_rows = _cpu_rows(fmt, random_blocks(fmt, n_blocks, rng), args)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import quant
-from strata.bench.report import emit, machine, markdown
+from strata.bench.report import copy_bandwidth, emit, machine, markdown
 from triton_kernels import configs, static
 from triton_kernels.decode import unit
 
@@ -92,14 +92,6 @@ def _run_static(args, formats) -> int:
     return 0
 
 
-def _copy_gbps(nbytes: int = 1 << 30) -> float:
-    import triton
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), quantiles=[0.5, 0.2, 0.8])[0]
-    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
-
-
 def _gemv_case(fmt: quant.Format, rng: np.random.Generator):
     from strata.bench.dequant import random_blocks
     N, K = GEMV_SHAPE
@@ -125,7 +117,7 @@ def _run_measured(args, formats) -> int:
     from triton_kernels import qmatmul, qmatmul_torch
     from triton_kernels.int8 import gemv_dp4a_torch, quantize_x
     rng = np.random.default_rng(0)
-    copy = _copy_gbps()
+    copy = copy_bandwidth("cuda") / 1e9  # GB/s, read + write
     rows = []
     for name in formats:
         fmt = quant.get(name)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from strata.bench.report import emit, machine, markdown
+from strata.bench.report import copy_bandwidth, emit, machine, markdown
 
 
 def _tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -39,20 +39,6 @@ def _peak_rss_mib() -> float:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Bytes/s a plain copy on `device` moves, counting bytes read and written (the roof a
-    weight-streaming decode step is held against)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    _sync(device)
-    return 2 * nbytes * repeats / (time.perf_counter() - t)
 
 
 def step_bytes(model) -> int:
@@ -98,7 +84,7 @@ def bench_strata(path, args) -> dict:
         tg.append(args.n_gen / (time.perf_counter() - t))
     nbytes = step_bytes(model)
     rss = _peak_rss_mib()  # before the copy's buffers
-    copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))
+    copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))  # bytes/s
     step_s = 1 / statistics.fmean(tg)
     return {"engine": "strata", "pp": pp, "tg": tg, "load_s": load_s, "peak_rss_mib": rss,
             "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),

@@ -16,6 +16,24 @@ def machine() -> dict:
     return info
 
 
+def copy_bandwidth(device="cuda", nbytes: int = 1 << 30) -> float:
+    """Bytes/s a plain copy of `nbytes` moves on `device`, counting bytes read and written:
+    the roof every bench holds its kernels against (do_bench on a GPU, wall time on the CPU)."""
+    device = torch.device(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        import triton.testing
+        ms = triton.testing.do_bench(lambda: dst.copy_(src), quantiles=[0.5, 0.2, 0.8])[0]
+        return 2 * nbytes / (ms * 1e-3)
+    import time
+    dst.copy_(src)
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    return 2 * nbytes * 10 / (time.perf_counter() - t)
+
+
 def markdown(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """rows of dicts -> a markdown table; columns are (key, header) pairs."""
     cells = [[_fmt(r.get(k)) for k, _ in columns] for r in rows]

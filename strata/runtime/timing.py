@@ -32,8 +32,9 @@ class StepTimer:
         d = {k: v - self.last.get(k, 0) for k, v in now.items()}
         self.last = now
         parts = [f"{tokens} tokens, {ms:.1f} ms"] + [f"{k} {v:.1f} ms" for k, v in split_ms.items()]
-        # each call launches one kernel, or two or three (int8 activations, then the dot)
-        parts.append(f"{d['triton.calls']:.0f} Triton op calls")
+        # each call launches one kernel, or two or three (int8 activations, then the dot);
+        # a step replayed from a CUDA graph makes none from Python
+        parts.append(f"{d['triton.calls']:.0f} Triton op calls from Python")
         if "ple.rows" in d:
             parts.append(f"PLE: {d['ple.rows']:.0f} rows, {d.get('ple.distinct_pages', 0):.0f} pages, "
                          f"{d.get('ple.hints', 0):.0f} hints, gather {1e3 * d.get('ple.gather_s', 0):.2f} ms")

@@ -48,6 +48,9 @@ from strata.nn.linear import DenseBudget
 from strata.storage import io
 from strata.storage.io import PAGE
 from strata.tensors import QTensor
+from triton_kernels.backend import choose_kernels
+from triton_kernels.moe import choose_path
+from triton_kernels.ops import impl
 
 KINDS = ("dense", "device", "host", "cache", "packed", "file")
 BACKINGS = ("host", "packed", "file")
@@ -333,7 +336,6 @@ class ExpertStore(torch.nn.Module):
         (the MoE kernels) or "torch" (None: the device's default, see
         triton_kernels.backend.choose_kernels)."""
         super().__init__()
-        from triton_kernels.backend import choose_kernels
         self.kernels = choose_kernels(kernels, device)
         self.names = (gate.name, up.name, down.name)
         self.fmts = (gate.fmt, up.fmt, down.fmt)
@@ -451,8 +453,6 @@ class ExpertStore(torch.nn.Module):
 
     def _moe(self, x, wg, wu, wd, weights, ids, n_slots: int | None = None,
              tokens: int | None = None) -> torch.Tensor:
-        from triton_kernels.moe import choose_path
-        from triton_kernels.ops import impl
         if self.kernels == "torch":
             return impl("moe", "torch")(x, wg, wu, wd, *self.fmts, weights, ids).float()
         # the path and tiles of the resident call (all E experts, the batch's T tokens and

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import quant
 from strata.storage.io import PAGE, gib
+from strata.storage.plan import PLE_ROWS_PER_TOKEN
 
 GiB = 2**30
-PLE_ROWS_PER_TOKEN = 16
 
 
 @dataclass
