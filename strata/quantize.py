@@ -27,7 +27,6 @@ IQ4_NL runs llama.cpp's scale search (quant/search/iq4.py); every other format u
 from __future__ import annotations
 
 import re
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +37,8 @@ import numpy as np
 from gguf import GGUFValueType
 
 import quant
-from strata.gguf import GGUFError, open_gguf, write_gguf
+from strata.gguf import open_gguf, write_gguf
+from strata.names import OUTPUT, TOKEN_EMBD
 from strata.tensors import QTensor
 
 # llama_ftype ids written to general.file_type (include/llama.h)
@@ -97,14 +97,14 @@ def _layer(name: str) -> int | None:
 def _mix_type(plan: Plan, name: str, shape: tuple[int, ...], t: str) -> str:
     """llama_tensor_get_type_impl for the ftypes in FTYPES."""
     f = plan.ftype
-    is_output = name == "output.weight" or (plan.tied_output and name == "token_embd.weight")
+    is_output = name == OUTPUT or (plan.tied_output and name == TOKEN_EMBD)
     if is_output:
         if shape[-1] % quant.get(t).block_elems:
             return "Q8_0"
         if f == "IQ3_XXS":
             return "Q5_K"
         return t if t == "Q8_0" else "Q6_K"
-    if name == "token_embd.weight":
+    if name == TOKEN_EMBD:
         return "IQ3_S" if f == "IQ3_XXS" else t
     i, n = _layer(name), plan.n_layer
     if "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name:
@@ -203,7 +203,7 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
     layers = [i for i in (_layer(n) for n in g.tensors) if i is not None]
     plan = Plan(ftype=ftype, n_layer=int(g.get(f"{arch}.block_count", max(layers, default=-1) + 1)),
                 n_gqa=max(1, n_head // max(1, n_head_kv)),
-                tied_output="output.weight" not in g.tensors, has_imatrix=imat is not None,
+                tied_output=OUTPUT not in g.tensors, has_imatrix=imat is not None,
                 pure=pure, overrides=[_parse_override(t) for t in tensor_types])
 
     jobs = []
@@ -264,15 +264,3 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
     dt = time.perf_counter() - t0
     log(f"quantize time = {dt:8.2f} s")
     return {"size_in": size_in, "size_out": size_out, "n_fallback": n_fallback, "seconds": dt}
-
-
-def run(args) -> int:
-    """The CLI entry: `strata quantize`."""
-    try:
-        quantize_model(args.input, args.output, args.type, imatrix=args.imatrix,
-                       tensor_types=args.tensor_type or [], pure=args.pure,
-                       threads=args.threads or 1)
-    except (QuantizeError, GGUFError) as e:
-        print(f"strata quantize: {e}", file=sys.stderr)
-        return 2
-    return 0

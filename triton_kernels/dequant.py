@@ -39,8 +39,6 @@ def _dequant_kernel(q_ptr, tab_ptr, out_ptr, n_elements,
     j = (offs % QK).to(tl.int32)
     v = DECODE(q_ptr, tab_ptr, blk, j, mask)
     if OUT_BF16:
-        # Round to nearest even by hand and store the bits: the interpreter holds bf16 as
-        # raw uint16, so a bf16 cast there is not to be trusted.
         tl.store(out_ptr + offs, round_to_bf16_bits(v), mask=mask)
     else:
         tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)

@@ -92,7 +92,8 @@ def _run_static(args, formats) -> int:
     return 0
 
 
-def _gemv_case(fmt: quant.Format, rng: np.random.Generator):
+def gemv_case(fmt: quant.Format, rng: np.random.Generator):
+    """(q, x) on the GPU for one GEMV of GEMV_SHAPE: random blocks of `fmt` and a bf16 row."""
     from strata.bench.dequant import random_blocks
     N, K = GEMV_SHAPE
     raw = random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1)
@@ -101,7 +102,7 @@ def _gemv_case(fmt: quant.Format, rng: np.random.Generator):
     return q, x
 
 
-def _time_gemv(fmt, q, x, tiles=None, graph: bool = False) -> float:
+def time_gemv(fmt, q, x, tiles=None, graph: bool = False) -> float:
     """Milliseconds a qmatmul call takes: as launched from Python (do_bench), or replayed
     from a CUDA graph (do_bench_cudagraph: the kernels' own time, without the launches)."""
     import triton
@@ -121,7 +122,7 @@ def _run_measured(args, formats) -> int:
     rows = []
     for name in formats:
         fmt = quant.get(name)
-        q, x = _gemv_case(fmt, rng)
+        q, x = gemv_case(fmt, rng)
         N, K = GEMV_SHAPE
         y = qmatmul(x, q, fmt).float()
         if unit(fmt) is not None:
@@ -129,8 +130,8 @@ def _run_measured(args, formats) -> int:
         else:
             ref = qmatmul_torch(x.float(), q, fmt)
         rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-        ms = _time_gemv(fmt, q, x)
-        ms_graph = _time_gemv(fmt, q, x, graph=True)
+        ms = time_gemv(fmt, q, x)
+        ms_graph = time_gemv(fmt, q, x, graph=True)
         gbps = q.numel() / (ms_graph * 1e-3) / 1e9
         st = static.analyse("gemv", fmt, "sm_90")
         rows.append({"op": "gemv", "format": name, "N": N, "K": K, "us": ms_graph * 1e3,
@@ -157,8 +158,8 @@ def _run_tune(args, formats) -> int:
         fmt = quant.get(f)
         if unit(fmt) is None:
             continue
-        q, x = _gemv_case(fmt, rng)
-        times = {t: _time_gemv(fmt, q, x, tiles=t, graph=True) for t in TUNE_TILES}
+        q, x = gemv_case(fmt, rng)
+        times = {t: time_gemv(fmt, q, x, tiles=t, graph=True) for t in TUNE_TILES}
         best = min(times, key=times.get)
         table["gemv"][f] = {"block_n": best[0], "block_u": best[1]}
         rows.append({"format": f, "tiles": str(best), "us": times[best] * 1e3,

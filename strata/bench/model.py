@@ -56,7 +56,7 @@ def step_bytes(model) -> int:
 
 
 def bench_strata(path, args) -> dict:
-    from strata.models import load_model
+    from strata.load import load_model
     device = torch.device(getattr(args, "device", None) or "cpu")
     t = time.perf_counter()
     model = load_model(path, dtype=args.dtype, device=device, kernels=getattr(args, "kernels", None))
@@ -136,20 +136,10 @@ def bench_transformers(hf_dir, args, vocab: int) -> dict:
     return {"engine": "transformers (eager, float32)", "pp": pp, "tg": tg}
 
 
-def _hf_dir(path, args):
-    if getattr(args, "hf_dir", None):
-        return args.hf_dir
-    from strata.hub import flash_tiny_checkpoint, flash_tiny_path
-    if path == flash_tiny_path():
-        return flash_tiny_checkpoint()
-    raise ValueError("--peer transformers: give --hf-dir, the Hugging Face checkpoint this GGUF was "
-                     "converted from")
-
-
-def run(args) -> int:
-    from strata.hub import resolve_model
+def run(args, path, hf_dir=None) -> int:
+    """`strata bench model` on the GGUF at `path`; `hf_dir`: the checkpoint it came from
+    (for --peer transformers)."""
     torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
     ours = bench_strata(path, args)
     peer = None
     if args.peer == "llama.cpp":
@@ -160,7 +150,10 @@ def run(args) -> int:
                              "the README says, or drop --peer") from None
         peer = bench_llama_cpp(path, args, ours["vocab"])
     elif args.peer == "transformers":
-        peer = bench_transformers(_hf_dir(path, args), args, ours["vocab"])
+        if hf_dir is None:
+            raise ValueError("--peer transformers: give --hf-dir, the Hugging Face checkpoint this GGUF was "
+                             "converted from")
+        peer = bench_transformers(hf_dir, args, ours["vocab"])
     rows = []
     for res in filter(None, (ours, peer)):
         for test, key in ((f"pp{args.n_prompt}", "pp"), (f"tg{args.n_gen}", "tg")):

@@ -26,15 +26,10 @@ import quant
 from strata.bench.report import emit, machine, markdown
 from strata.storage import io
 from strata.storage.io import PAGE, gib
-from strata.storage.ple import (
-    HEADS,
-    PLE_TENSOR,
-    PleSource,
-    PleTable,
-    choose_mode,
-    find_ple,
-    probe_ids,
-)
+from strata.names.qwen4exp import PLE_ROWS_PER_TOKEN as HEADS
+from strata.storage.ple import PleTable
+from strata.storage.ple_auto import choose_mode, probe_ids
+from strata.storage.ple_source import PLE_TENSOR, PleSource, find_ple
 
 ROW_DIM = 160
 DEFAULT_BYTES = 4 << 30
@@ -106,7 +101,7 @@ def write_table(path: Path, fmt: quant.Format, rows: int, seed: int = 0) -> Path
 def table_path(args, fmt: quant.Format, rows: int) -> Path:
     if args.file:
         return Path(args.file)
-    from strata.hub import cache_dir
+    from strata.cache import cache_dir
     ext = "safetensors" if fmt.type_id is None else "gguf"
     return cache_dir() / "bench" / f"ple-{fmt.name}-{rows}.{ext}"
 

@@ -13,16 +13,16 @@ import torch
 from strata.bench.report import emit, machine, markdown
 
 
-def run(args) -> int:
+def run(args, path) -> int:
+    """`strata bench serve` on the GGUF at `path`."""
     from strata.gguf import open_gguf
-    from strata.hub import resolve_model
-    from strata.models import load_model
+    from strata.load import load_model
     from strata.runtime.sampling import SamplingParams
     from strata.server.engine import Engine, Request
     from strata.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
-    g = open_gguf(resolve_model(args.model))
+    g = open_gguf(path)
     model, tok = load_model(g, dtype=args.dtype), Tokenizer.from_gguf(g)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Tell me about the number {i}."}]))
                for i in range(args.requests)]

@@ -12,16 +12,15 @@ import os
 from pathlib import Path
 
 from .errors import ConvertError
+from strata.names.qwen4exp import mtp_sidecar
+
 from .qwen4exp import ARCH, OUTTYPES, Checkpoint, Qwen4ExpConverter
 from .writer import Progress, write_streamed
 
 __all__ = ["OUTTYPES", "ConvertError", "convert", "mtp_sidecar_path"]
 
 
-def mtp_sidecar_path(out: str | os.PathLike) -> Path:
-    """Where the MTP block of OUT goes: `mtp-` before OUT's name (llama.cpp's MTP-only prefix)."""
-    out = Path(out)
-    return out.with_name(f"mtp-{out.name}")
+mtp_sidecar_path = mtp_sidecar  # where the MTP block of OUT goes
 
 
 def convert(hf_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "f16",

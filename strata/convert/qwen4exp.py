@@ -2,49 +2,22 @@
 
 The output is what llama.cpp's converter (conversion/qwen4exp.py, 0.3.36) writes for the
 same checkpoint: the same metadata keys, values, types and order, the same tensors in the
-same order with the same names, shapes, types and bytes. Strata carries its own table; the
-rules, with llama.cpp's reasons:
+same order with the same names, shapes, types and bytes. The name table (Hugging Face
+name -> GGUF name, transform) is strata.names.qwen4exp's, which the loader reads too;
+checkpoint.py reads the checkpoint, transforms.py holds the transforms, output formats and
+encoding, and this module the converter (the tensor plan) and the metadata. The
+transforms, with llama.cpp's reasons:
 
-  HF name (model.layers.N. unless global)       GGUF name (blk.N.)          transform
-  model.embed_tokens.weight                     token_embd.weight
-  lm_head.weight                                output.weight
-  model.hyper_connection_mixer.hc_norm.weight   output_hc_norm.weight       +1
-  model.hyper_connection_mixer.input_mix_weight_{down,up}.weight  output_hc_{down,up}.weight
-  {attn,mlp}_hyper_connection.hc_norm.weight    hc_{attn,ffn}_norm.weight   +1
-  {attn,mlp}_hyper_connection.input_mix_weight_{down,up}.weight   hc_{attn,ffn}_{down,up}.weight
-  {attn,mlp}_hyper_connection.block_inject_weight.weight          hc_{attn,ffn}_inject.weight
-  linear_attn.in_proj_qkv.weight                attn_qkv.weight             V rows reordered
-  linear_attn.in_proj_z.weight                  attn_gate.weight            V rows reordered
-  linear_attn.in_proj_b.weight                  ssm_beta.weight             V rows reordered
-  linear_attn.in_proj_a.weight                  ssm_alpha.weight            V rows reordered
-  linear_attn.A_log                             ssm_a                       -exp(A_log), reordered
-  linear_attn.dt_bias                           ssm_dt.bias                 reordered
-  linear_attn.conv1d.weight [C,1,K]             ssm_conv1d.weight [C,K]     squeezed, V channels reordered
-  linear_attn.norm.weight                       ssm_norm.weight             (a plain gated RMSNorm: no +1)
-  linear_attn.out_proj.weight                   ssm_out.weight              V columns reordered
-  self_attn.{q,k,v}_proj.weight                 attn_{q,k,v}.weight         (q rows: [q|gate] per head)
-  self_attn.o_proj.weight                       attn_output.weight
-  self_attn.{q,k}_norm.weight                   attn_{q,k}_norm.weight      +1
-  self_attn.indexer.index_qk_proj.weight        indexer.q_proj.weight, indexer.k_proj.weight  split rows
-  self_attn.indexer.{q,k}_layernorm.weight      indexer.{q,k}_norm.weight   +1
-  mlp.gate.weight                               ffn_gate_inp.weight
-  mlp.experts.E.{gate,up,down}_proj.weight      ffn_{gate,up,down}_exps.weight  stacked over E
-  mlp.experts.{gate_up_proj,down_proj}          the same, from the fused layout
-  mlp.shared_expert.{gate,up,down}_proj.weight  ffn_{gate,up,down}_shexp.weight
-  mlp.shared_expert_gate.weight                 ffn_gate_inp_shexp.weight
-  ple.{key,value}_proj.weight                   ple_{key,value}.weight
-  ple.norm_{key,query,conv}.weight              ple_norm_{key,query,conv}.weight  +1
-  ple.conv1d.weight [C,1,K]                     ple_conv1d.weight [C,K]     squeezed
-  ple.ple_embedding.ngram_embedding.shard_S.weight  per_layer_token_embd.weight  shards concatenated by S
-  ple.ple_embedding.{layer_multipliers,ngram_heads_offsets,ngram_heads_vocab_sizes}
-                                                metadata qwen4exp.ple.* (UINT64: int64 constants
-                                                would lose bits as float tensors)
-
-+1: the model's RMSNorms multiply by (1 + w) (Gemma-style, zero-centred); GGUF stores 1 + w.
-V reordering: the DeltaNet has fewer k heads than v heads; HF groups the v heads by their k
-head ([k0: v0 v1 .. v(r-1)], [k1: ...]), llama.cpp wants them tiled ([v0 of k0, v0 of k1,
-..., v1 of k0, ...]) so that ggml broadcasts k over v without an interleaved repeat: along
-the v-head axis, a (n_k, r, d) view is transposed to (r, n_k, d).
+- plus1: the model's RMSNorms multiply by (1 + w) (Gemma-style, zero-centred); GGUF
+  stores 1 + w.
+- V reordering: the DeltaNet has fewer k heads than v heads; HF groups the v heads by
+  their k head ([k0: v0 v1 .. v(r-1)], [k1: ...]), llama.cpp wants them tiled ([v0 of k0,
+  v0 of k1, ..., v1 of k0, ...]) so that ggml broadcasts k over v without an interleaved
+  repeat: along the v-head axis, a (n_k, r, d) view is transposed to (r, n_k, d).
+- The indexer's index_qk_proj is split by rows into indexer.q_proj and indexer.k_proj;
+  the experts are stacked over E; the PLE table's shards are concatenated by S; the PLE
+  constants (layer_multipliers, ngram_heads_offsets, ngram_heads_vocab_sizes) become
+  metadata qwen4exp.ple.* (UINT64: int64 constants would lose bits as float tensors).
 
 The arithmetic runs in torch in the checkpoint's dtype when that is f16 or f32, else in
 f32 (bf16 and others are widened first), as llama.cpp does; the +1 of an f16 checkpoint
@@ -65,16 +38,7 @@ MTP. llama.cpp's qwen4exp converter drops the `mtp.*` block and its loader refus
 tensors, so the MTP block goes to a sidecar `mtp-<OUT name>` next to OUT (the prefix
 llama.cpp's MTP-only mode gives its file). It holds only the MTP weights (embedding and
 lm_head are shared with OUT), under llama.cpp's nextn naming for Qwen3.5 MTP, layer index
-`L = num_hidden_layers + i`:
-
-  mtp.fc.weight                       blk.L.nextn.eh_proj.weight
-  mtp.pre_fc_norm_embedding.weight    blk.L.nextn.enorm.weight         +1
-  mtp.pre_fc_norm_hidden.weight       blk.L.nextn.hnorm.weight         +1
-  mtp.norm.weight                     blk.L.nextn.shared_head_norm.weight  +1
-  mtp.layers.i.<per-layer name>       blk.L.<GGUF per-layer name>      as in the table above
-  mtp.layers.i.input_layernorm.weight           blk.L.attn_norm.weight            +1
-  mtp.layers.i.post_attention_layernorm.weight  blk.L.post_attention_norm.weight  +1
-
+`L = num_hidden_layers + i` (mtp.layers.i.<name> as a layer's, mtp.<name> by HF_MTP).
 Its metadata is OUT's without the tokenizer, with block_count = num_hidden_layers + n_mtp,
 `qwen4exp.nextn_predict_layers` = n_mtp, recurrent_layers extended with False and
 compress_ratios extended with the indexer ratio where the MTP layer has an indexer.
@@ -84,8 +48,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,272 +56,27 @@ import numpy as np
 import torch
 from gguf import GGUFValueType, GGUFWriter, Metadata, size_label
 
-import quant
+from strata.names import qwen4exp as names
 
+from .checkpoint import Checkpoint
 from .errors import ConvertError
+from .transforms import OUTTYPES, OutTensor, Transforms, encode, tensor_format, widen
 from .vocab import gpt2_vocab_metadata
 
-ARCH = "qwen4exp"
-MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
-ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
-
-# --outtype -> (default tensor format, general.file_type as llama.cpp's LlamaFileType)
-OUTTYPES = {"f32": ("F32", 0), "f16": ("F16", 1), "bf16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
-
-# transformers' defaults for keys a config.json may leave out
-_DEFAULTS = {"ngram_size": 3, "heads_per_ngram": 8, "ple_conv_kernel_size": 4, "linear_conv_kernel_dim": 4,
-             "split_ngram_parts": 512, "ple_layer_ids": [], "tie_word_embeddings": False}
+ARCH = names.ARCH
 
 _SUB = {"attn": "attn", "mlp": "ffn"}
-
-# per-layer names: HF suffix -> (GGUF suffix, transform key or None)
-_LAYER = {
-    "self_attn.q_proj.weight": ("attn_q.weight", None),
-    "self_attn.k_proj.weight": ("attn_k.weight", None),
-    "self_attn.v_proj.weight": ("attn_v.weight", None),
-    "self_attn.o_proj.weight": ("attn_output.weight", None),
-    "self_attn.q_norm.weight": ("attn_q_norm.weight", "plus1"),
-    "self_attn.k_norm.weight": ("attn_k_norm.weight", "plus1"),
-    "self_attn.indexer.q_layernorm.weight": ("indexer.q_norm.weight", "plus1"),
-    "self_attn.indexer.k_layernorm.weight": ("indexer.k_norm.weight", "plus1"),
-    "linear_attn.in_proj_qkv.weight": ("attn_qkv.weight", "v_qkv"),
-    "linear_attn.in_proj_z.weight": ("attn_gate.weight", "v_rows"),
-    "linear_attn.in_proj_b.weight": ("ssm_beta.weight", "v_heads"),
-    "linear_attn.in_proj_a.weight": ("ssm_alpha.weight", "v_heads"),
-    "linear_attn.A_log": ("ssm_a", "a_log"),
-    "linear_attn.dt_bias": ("ssm_dt.bias", "v_heads"),
-    "linear_attn.conv1d.weight": ("ssm_conv1d.weight", "v_conv"),
-    "linear_attn.norm.weight": ("ssm_norm.weight", None),
-    "linear_attn.out_proj.weight": ("ssm_out.weight", "v_cols"),
-    "mlp.gate.weight": ("ffn_gate_inp.weight", None),
-    "mlp.shared_expert.gate_proj.weight": ("ffn_gate_shexp.weight", None),
-    "mlp.shared_expert.up_proj.weight": ("ffn_up_shexp.weight", None),
-    "mlp.shared_expert.down_proj.weight": ("ffn_down_shexp.weight", None),
-    "mlp.shared_expert_gate.weight": ("ffn_gate_inp_shexp.weight", None),
-    "ple.key_proj.weight": ("ple_key.weight", None),
-    "ple.value_proj.weight": ("ple_value.weight", None),
-    "ple.norm_key.weight": ("ple_norm_key.weight", "plus1"),
-    "ple.norm_query.weight": ("ple_norm_query.weight", "plus1"),
-    "ple.norm_conv.weight": ("ple_norm_conv.weight", "plus1"),
-    "ple.conv1d.weight": ("ple_conv1d.weight", "squeeze"),
-    # Qwen3.5-style norms an MTP layer may carry
-    "input_layernorm.weight": ("attn_norm.weight", "plus1"),
-    "post_attention_layernorm.weight": ("post_attention_norm.weight", "plus1"),
-}
-for _hf, _gg in _SUB.items():
-    _LAYER[f"{_hf}_hyper_connection.hc_norm.weight"] = (f"hc_{_gg}_norm.weight", "plus1")
-    _LAYER[f"{_hf}_hyper_connection.input_mix_weight_down.weight"] = (f"hc_{_gg}_down.weight", None)
-    _LAYER[f"{_hf}_hyper_connection.input_mix_weight_up.weight"] = (f"hc_{_gg}_up.weight", None)
-    _LAYER[f"{_hf}_hyper_connection.block_inject_weight.weight"] = (f"hc_{_gg}_inject.weight", None)
-
-_GLOBAL = {
-    "model.embed_tokens.weight": ("token_embd.weight", None),
-    "lm_head.weight": ("output.weight", None),
-    "model.hyper_connection_mixer.hc_norm.weight": ("output_hc_norm.weight", "plus1"),
-    "model.hyper_connection_mixer.input_mix_weight_down.weight": ("output_hc_down.weight", None),
-    "model.hyper_connection_mixer.input_mix_weight_up.weight": ("output_hc_up.weight", None),
-}
-_MTP_GLOBAL = {  # mtp.<name> -> nextn name, all folded but eh_proj
-    "fc.weight": ("nextn.eh_proj.weight", None),
-    "pre_fc_norm_embedding.weight": ("nextn.enorm.weight", "plus1"),
-    "pre_fc_norm_hidden.weight": ("nextn.hnorm.weight", "plus1"),
-    "norm.weight": ("nextn.shared_head_norm.weight", "plus1"),
-}
 _PLE_CONSTANTS = ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes")
-# always F32 (llama.cpp keeps these unquantized: routers, the conv kernel)
-_F32_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _SHARD_RE = re.compile(r"^ple\.ple_embedding\.ngram_embedding\.shard_(\d+)\.weight$")
-
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
-
-# ---------------------------------------------------------------------------------------
-# the checkpoint
-
-
-class Checkpoint:
-    """A Hugging Face model directory: its config (text_config merged to the top, as
-    llama.cpp reads it) and its safetensors tensors, by name, in llama.cpp's order (parts
-    sorted, names sorted within each part)."""
-
-    def __init__(self, hf_dir: str | Path):
-        self.dir = Path(hf_dir)
-        cfg_path = self.dir / "config.json"
-        if not self.dir.is_dir():
-            raise ConvertError(f"{self.dir}: no such directory; give a Hugging Face model directory")
-        if not cfg_path.is_file():
-            raise ConvertError(f"{self.dir}: no config.json; give the directory of a Hugging Face "
-                               f"checkpoint (config.json beside the *.safetensors files)")
-        try:
-            raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConvertError(f"{cfg_path}: not valid JSON: {e}") from None
-        archs = raw.get("architectures") or []
-        mtype = raw.get("model_type")
-        if mtype not in MODEL_TYPES and not any(a in ARCHITECTURES for a in archs):
-            raise ConvertError(f"{cfg_path}: model_type {mtype!r} (architectures {archs}) is not Qwen4Exp; "
-                               f"strata convert reads Qwen3.8-Flash-Next checkpoints (model_type "
-                               f"{' or '.join(MODEL_TYPES)}, {ARCHITECTURES[0]})")
-        self.hparams = {**_DEFAULTS, **raw, **raw.get("text_config", {})}
-        if quant := self.hparams.get("quantization_config"):
-            # FP8 / GPTQ / NVFP4 weights need their scales applied, which is not done here;
-            # widening the raw codes would write wrong weights without a word
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ConvertError(f"{cfg_path}: a quantized checkpoint (quantization_config, quant_method "
-                               f"{method!r}); strata convert reads unquantized (bf16/f16/f32) weights: "
-                               f"convert the bf16 release")
-        self.files, self.shapes, self.dtypes = self._index()
-        self._handles: dict[Path, Any] = {}
-
-    def _index(self) -> tuple[dict[str, Path], dict[str, tuple[int, ...]], dict[str, str]]:
-        from safetensors import safe_open
-
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
-            parts = sorted(set(weight_map.values()))
-        else:
-            weight_map = {}
-            parts = sorted(p.name for p in self.dir.glob("model*.safetensors"))
-        if not parts:
-            raise ConvertError(f"{self.dir}: no model*.safetensors files; strata convert reads safetensors "
-                               f"checkpoints")
-        files, shapes, dtypes = {}, {}, {}
-        self.keys: dict[str, str] = {}  # canonical name -> the name in its file
-        for part in parts:
-            path = self.dir / part
-            if not path.is_file():
-                missing = sorted(n for n, f in weight_map.items() if f == part)
-                raise ConvertError(f"{index}: lists {part}, which is missing ({len(missing)} tensors, e.g. "
-                                   f"{missing[:3]}); download the whole checkpoint")
-            with safe_open(path, framework="pt") as f:
-                for name in sorted(f.keys()):
-                    sl = f.get_slice(name)
-                    key, name = name, _canonical(name)
-                    self.keys[name] = key
-                    files[name], shapes[name], dtypes[name] = path, tuple(sl.get_shape()), sl.get_dtype()
-        return files, shapes, dtypes
-
-    def load(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        path = self.files[name]
-        if path not in self._handles:  # one open per part: a layer stacks hundreds of experts
-            self._handles[path] = safe_open(path, framework="pt")
-        return self._handles[path].get_tensor(self.keys[name])
-
-    def meta(self, name: str) -> torch.Tensor:
-        """A tensor of the stored shape and dtype on the meta device: transforms run on it to
-        plan the output without reading data."""
-        dtype = _ST_DTYPES.get(self.dtypes[name])
-        if dtype is None:  # FP8 among them: its codes mean nothing without their scales
-            raise ConvertError(f"{self.files[name]}: tensor {name!r} has dtype {self.dtypes[name]}, which "
-                               f"strata convert does not read; convert a bf16, f16 or f32 checkpoint")
-        return torch.empty(self.shapes[name], dtype=dtype, device="meta")
-
-
-def _canonical(name: str) -> str:
-    # a multimodal checkpoint nests the text model; llama.cpp drops "language_model."
-    name = name.replace("language_model.", "")
-    if name.startswith("model.mtp."):
-        name = name[len("model."):]
-    return name
 
 
 def _skipped(name: str) -> bool:
     # vision tower and buffers llama.cpp never writes
     return ("visual." in name or "vision" in name or name.startswith("mlp")
             or name.endswith((".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")))
-
-
-# ---------------------------------------------------------------------------------------
-# transforms
-
-
-def _widen(t: torch.Tensor) -> torch.Tensor:
-    # llama.cpp computes in the stored dtype when it is f16 or f32, else in f32
-    return t if t.dtype in (torch.float16, torch.float32) else t.to(torch.float32)
-
-
-def _reorder_v(t: torch.Tensor, dim: int, n_k: int, r: int, d: int) -> torch.Tensor:
-    """V heads grouped by k head -> tiled, along `dim` (n_k * r * d long)."""
-    shape = list(t.shape)
-    dim %= len(shape)
-    t = t.reshape(*shape[:dim], n_k, r, d, *shape[dim + 1:])
-    return t.transpose(dim, dim + 1).contiguous().reshape(shape)
-
-
-class _Transforms:
-    def __init__(self, hp: dict[str, Any]):
-        self.n_k = hp.get("linear_num_key_heads", 0)
-        self.n_v = hp.get("linear_num_value_heads", 0)
-        self.dk = hp.get("linear_key_head_dim", 0)
-        self.dv = hp.get("linear_value_head_dim", 0)
-        self.reorder = self.n_k > 0 and self.n_v > 0 and self.n_k != self.n_v
-
-    def __call__(self, key: str | None, t: torch.Tensor) -> torch.Tensor:
-        r = self.n_v // self.n_k if self.reorder else 1
-        if key is None:
-            return t
-        if key == "plus1":
-            return t + 1
-        if key == "squeeze":
-            return t.squeeze()
-        if key == "a_log":
-            t = -torch.exp(t)
-            return _reorder_v(t, 0, self.n_k, r, 1) if self.reorder else t
-        if key == "v_conv":
-            t = t.squeeze()
-            if self.reorder:
-                qk = self.dk * self.n_k * 2
-                t = torch.cat([t[:qk], _reorder_v(t[qk:], 0, self.n_k, r, self.dv)], dim=0)
-            return t
-        if not self.reorder:
-            return t
-        if key == "v_qkv":
-            qk = self.dk * self.n_k * 2
-            return torch.cat([t[:qk], _reorder_v(t[qk:], 0, self.n_k, r, self.dv)], dim=0)
-        if key == "v_rows":
-            return _reorder_v(t, 0, self.n_k, r, self.dv)
-        if key == "v_heads":
-            return _reorder_v(t, 0, self.n_k, r, 1)
-        if key == "v_cols":
-            return _reorder_v(t, 1, self.n_k, r, self.dv)
-        raise AssertionError(key)
-
-
-# ---------------------------------------------------------------------------------------
-# the plan: every output tensor, in order, with a function that makes its data
-
-
-@dataclass
-class OutTensor:
-    name: str
-    # loader -> the tensor, or (the PLE table) a list of zero-argument loaders of its row blocks
-    make: Callable[[Callable[[str], torch.Tensor]], torch.Tensor | list[Callable[[], torch.Tensor]]]
-    # set by plan(): logical shape (torch order) and format
-    shape: tuple[int, ...] = ()
-    fmt: quant.Format | None = None
-
-    @property
-    def nbytes(self) -> int:
-        rows = math.prod(self.shape[:-1])
-        return rows * self.fmt.row_bytes(self.shape[-1])
-
-
-def _tensor_format(name: str, shape: tuple[int, ...], outtype: str) -> quant.Format:
-    if len(shape) <= 1 or name.endswith("_norm.weight") or name.endswith(_F32_SUFFIXES) \
-            or not name.endswith(".weight"):
-        return quant.F32
-    fmt = quant.get(OUTTYPES[outtype][0])
-    if shape[-1] % fmt.block_elems:  # as gguf-py's QuantError fallback
-        return quant.F16
-    return fmt
 
 
 class Qwen4ExpConverter:
@@ -372,7 +90,7 @@ class Qwen4ExpConverter:
         self.hp = ckpt.hparams
         self.outtype = outtype
         self.n_layer = int(self._need("num_hidden_layers"))
-        self.tf = _Transforms(self.hp)
+        self.tf = Transforms(self.hp)
         self.constants: dict[str, list[int]] = {}
         self.ple_row_dim: int | None = None
         self.main, self.mtp = self._build()
@@ -387,7 +105,7 @@ class Qwen4ExpConverter:
 
     def _simple(self, gguf_name: str, hf: str, key: str | None) -> OutTensor:
         tf = self.tf
-        return OutTensor(gguf_name, lambda load, hf=hf, key=key: tf(key, _widen(load(hf))))
+        return OutTensor(gguf_name, lambda load, hf=hf, key=key: tf(key, widen(load(hf))))
 
     def _build(self) -> tuple[list[OutTensor], list[OutTensor]]:
         ck, hp = self.ck, self.hp
@@ -404,8 +122,9 @@ class Qwen4ExpConverter:
             if name.startswith("mtp."):
                 self._mtp_tensor(name, mtp, experts, unknown)
                 continue
-            if name in _GLOBAL:
-                main.append(self._simple(_GLOBAL[name][0], name, _GLOBAL[name][1]))
+            if name in names.HF_GLOBAL:
+                gg, key = names.HF_GLOBAL[name]
+                main.append(self._simple(gg, name, key))
                 continue
             m = _LAYER_RE.match(name)
             if not m:
@@ -424,22 +143,22 @@ class Qwen4ExpConverter:
         gbid = bid if gguf_bid is None else gguf_bid
         blk = f"blk.{gbid}."
         n_exp = int(self.hp["num_experts"])
-        if rest in _LAYER:
-            gg, key = _LAYER[rest]
+        if rest in names.HF_LAYER:
+            gg, key = names.HF_LAYER[rest]
             out.append(self._simple(blk + gg, name, key))
         elif m := _EXPERT_RE.match(rest):
             group = experts.setdefault((prefix, bid), {})
             group[(int(m.group(1)), m.group(2))] = name
             if len(group) >= n_exp * 3:  # the layer's last expert weight: write the three stacks
                 for kind in ("down", "gate", "up"):
-                    names = [group[(e, kind)] for e in range(n_exp)]
+                    stack = [group[(e, kind)] for e in range(n_exp)]
                     out.append(OutTensor(f"{blk}ffn_{kind}_exps.weight",
-                                         lambda load, names=names: torch.stack([_widen(load(n)) for n in names])))
+                                         lambda load, stack=stack: torch.stack([widen(load(n)) for n in stack])))
                 group.clear()
                 group[("done", "")] = ""
         elif rest in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj.weight"):
             def half(load, i, name=name):
-                t = _widen(load(name))
+                t = widen(load(name))
                 n_ff = t.shape[-2] // 2
                 return t[..., i * n_ff:(i + 1) * n_ff, :].contiguous()
             out.append(OutTensor(f"{blk}ffn_gate_exps.weight", lambda load: half(load, 0)))
@@ -449,22 +168,22 @@ class Qwen4ExpConverter:
             out.append(self._simple(f"{blk}ffn_down_exps.weight", name, None))
         elif rest == "self_attn.indexer.index_qk_proj.weight":
             n_q = int(self._need("indexer_n_heads")) * int(self._need("indexer_head_dim"))
-            out.append(OutTensor(f"{blk}indexer.q_proj.weight", lambda load, n=name: _widen(load(n))[:n_q]))
-            out.append(OutTensor(f"{blk}indexer.k_proj.weight", lambda load, n=name: _widen(load(n))[n_q:]))
+            out.append(OutTensor(f"{blk}indexer.q_proj.weight", lambda load, n=name: widen(load(n))[:n_q]))
+            out.append(OutTensor(f"{blk}indexer.k_proj.weight", lambda load, n=name: widen(load(n))[n_q:]))
         elif m := _SHARD_RE.match(rest):
             group = shards.setdefault(bid, {})
             group[int(m.group(1))] = name
             self.ple_row_dim = int(self.ck.shapes[name][-1])
             if len(group) == int(self.hp["split_ngram_parts"]):
-                names = [group[i] for i in sorted(group)]
-                for n in names:
+                parts = [group[i] for i in sorted(group)]
+                for n in parts:
                     if self.ck.shapes[n][-1] != self.ple_row_dim:
                         raise ConvertError(f"{self.ck.files[n]}: PLE shard {n!r} has rows of "
                                            f"{self.ck.shapes[n][-1]}, the others {self.ple_row_dim}")
                 # a list of loaders: the table (hundreds of GB in f32) is written shard by
                 # shard, one resident at a time
-                out.append(OutTensor("per_layer_token_embd.weight", lambda load, names=names: [
-                    (lambda n=n: load(n).to(torch.float32)) for n in names]))
+                out.append(OutTensor(names.PLE_TABLE, lambda load, parts=parts: [
+                    (lambda n=n: load(n).to(torch.float32)) for n in parts]))
         elif rest.startswith("ple.ple_embedding.") and rest.rsplit(".", 1)[-1] in _PLE_CONSTANTS:
             # int64 hash constants: exact integers, kept for metadata
             self.constants[rest.rsplit(".", 1)[-1]] = [int(x) for x in self.ck.load(name).to(torch.int64).tolist()]
@@ -473,8 +192,8 @@ class Qwen4ExpConverter:
 
     def _mtp_tensor(self, name: str, out: list[OutTensor], experts, unknown: list[str]) -> None:
         rest = name[len("mtp."):]
-        if rest in _MTP_GLOBAL:
-            gg, key = _MTP_GLOBAL[rest]
+        if rest in names.HF_MTP:
+            gg, key = names.HF_MTP[rest]
             out.append(self._simple(f"blk.{self.n_layer}.{gg}", name, key))
             return
         m = _MTP_LAYER_RE.match(name)
@@ -487,24 +206,24 @@ class Qwen4ExpConverter:
 
     def _check_complete(self, n_exp: int, n_parts: int, experts, shards) -> None:
         hp, have = self.hp, set(self.ck.files)
-        need = [g for g in _GLOBAL if g != "lm_head.weight" or not hp.get("tie_word_embeddings")]
+        need = [g for g in names.HF_GLOBAL if g != "lm_head.weight" or not hp.get("tie_word_embeddings")]
         types = hp.get("layer_types") or []
         ple = [i - 1 for i in hp.get("ple_layer_ids") or []]
         for i in range(self.n_layer):
             p = f"model.layers.{i}."
             sub = ["mlp.gate.weight", "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
                    "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"]
-            sub += [k for k in _LAYER if "_hyper_connection." in k and "inject" not in k]
+            sub += [k for k in names.HF_LAYER if "_hyper_connection." in k and "inject" not in k]
             sub += [f"{h}_hyper_connection.block_inject_weight.weight" for h in _SUB]
             if (types[i] if i < len(types) else "") == "linear_attention":
-                sub += [k for k in _LAYER if k.startswith("linear_attn.")]
+                sub += [k for k in names.HF_LAYER if k.startswith("linear_attn.")]
             else:
-                sub += [k for k in _LAYER if k.startswith("self_attn.") and "indexer" not in k]
+                sub += [k for k in names.HF_LAYER if k.startswith("self_attn.") and "indexer" not in k]
                 if hp.get("indexer_n_heads"):
                     sub += ["self_attn.indexer.index_qk_proj.weight", "self_attn.indexer.q_layernorm.weight",
                             "self_attn.indexer.k_layernorm.weight"]
             if i in ple:
-                sub += [k for k in _LAYER if k.startswith("ple.")]
+                sub += [k for k in names.HF_LAYER if k.startswith("ple.")]
                 sub += [f"ple.ple_embedding.{c}" for c in _PLE_CONSTANTS]
                 sub += [f"ple.ple_embedding.ngram_embedding.shard_{s}.weight" for s in range(n_parts)]
             if ("model.layers", i) not in experts:
@@ -537,7 +256,7 @@ class Qwen4ExpConverter:
             else:
                 shape = tuple(int(n) for n in made.shape)
             t.shape = shape
-            t.fmt = _tensor_format(t.name, shape, self.outtype)
+            t.fmt = tensor_format(t.name, shape, self.outtype)
         return tensors
 
     # -- metadata ----------------------------------------------------------------------
@@ -669,16 +388,6 @@ class Qwen4ExpConverter:
         for part in (made if isinstance(made, list) else [lambda: made]):
             yield encode(part(), t.fmt)
 
-
-def encode(t: torch.Tensor, fmt: quant.Format) -> np.ndarray:
-    """A tensor in GGUF bytes: float types by numpy's cast (as gguf-py), others by quant's codec."""
-    x = t.detach().cpu().contiguous().numpy()
-    if fmt is quant.F32:
-        return x.astype(np.float32, copy=False).view(np.uint8)
-    if fmt is quant.F16:
-        return x.astype(np.float16, copy=False).view(np.uint8)
-    flat = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
-    return fmt.quantize(flat.astype(np.float32, copy=False))
 
 
 def _general_metadata(hf_dir: Path, tensors: list[OutTensor]) -> list[tuple[str, Any, GGUFValueType]]:

@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.gguf_writer import WriterState
 
-from strata.gguf.writer import MAX_NAME_BYTES, _typed, complete_or_absent
+from strata.gguf.writer import MAX_NAME_BYTES, complete_or_absent, typed_value
 
 
 class Progress:
@@ -69,7 +69,7 @@ def write_streamed(path: str | os.PathLike, arch: str, metadata: Iterable[tuple[
     tmp = path.with_name(path.name + ".partial")
     w = GGUFWriter(tmp, arch)
     for key, value, vtype in metadata:
-        value, vtype, sub = _typed(f"{where}: metadata key {key!r}", (value, vtype))
+        value, vtype, sub = typed_value(f"{where}: metadata key {key!r}", (value, vtype))
         w.add_key_value(key, value, vtype, sub)
     sizes = []
     for name, shape, fmt in infos:

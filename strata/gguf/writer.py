@@ -77,7 +77,7 @@ def _fits(v: Any, t: GGUFValueType) -> bool:
     return True
 
 
-def _typed(where: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueType | None]:
+def typed_value(where: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueType | None]:
     """(value, type, element type for arrays) for GGUFWriter.add_key_value."""
     vtype = None
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], GGUFValueType):
@@ -159,7 +159,7 @@ def write_gguf(path: str | os.PathLike, arch: str, metadata: Mapping[str, Any],
         at = f"{where}: metadata key {key!r}"
         if not isinstance(key, str) or not key:
             raise ValueError(f"{where}: metadata key {key!r} must be a non-empty string")
-        value, vtype, sub = _typed(at, value)
+        value, vtype, sub = typed_value(at, value)
         if key == "general.architecture":
             if value != arch:
                 raise ValueError(f"{at} is {value!r} but arch is {arch!r}; drop the key or make "

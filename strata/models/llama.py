@@ -1,8 +1,8 @@
 """The dense `llama` architecture (SmolLM2 and kin), composed from strata.nn modules.
 
-The math is Hugging Face's LlamaForCausalLM. llama.cpp's converter stores the Q and K
-rows of each head interleaved for its RoPE layout; here they are put back in Hugging Face
-order at load (`_unpermute`), so that RoPE is the rotate-half form.
+The math is Hugging Face's LlamaForCausalLM, with RoPE in the rotate-half form (the
+loader, strata.load.llama, puts llama.cpp's interleaved Q and K rows back in Hugging
+Face's order).
 """
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from strata.gguf import GGUFFile
-from strata.nn import Attention, KVCache, QuantLinear, RMSNorm, Rope
-from strata.nn.linear import DenseBudget
+from strata.models import summary
+from strata.names import TOKEN_EMBD
+from strata.nn import Attention, KVCache, QuantLinear, RMSNorm
+from strata.tensors import QTensor
 from strata.runtime import graphs
-from triton_kernels.backend import choose_kernels
 from triton_kernels.dequant import dequantize_torch
 from triton_kernels.ops import impl
 
@@ -48,32 +49,17 @@ class LlamaConfig:
             rope_dim=int(g.get(f"{a}.rope.dimension_count", head_dim)),
             rope_theta=float(g.get(f"{a}.rope.freq_base", 10000.0)),
             norm_eps=float(g.require(f"{a}.attention.layer_norm_rms_epsilon")),
-            vocab_size=int(g.get(f"{a}.vocab_size", g.tensor("token_embd.weight").shape[0])),
+            vocab_size=int(g.get(f"{a}.vocab_size", g.tensor(TOKEN_EMBD).shape[0])),
             context_length=int(g.get(f"{a}.context_length", 4096)))
 
 
-def _unpermute(n_heads: int, rows: int) -> np.ndarray:
-    """Row order that undoes llama.cpp's permute(): its row h*D + 2i + s holds Hugging
-    Face's row h*D + s*D/2 + i."""
-    d = rows // n_heads
-    h, s, i = np.meshgrid(np.arange(n_heads), np.arange(2), np.arange(d // 2), indexing="ij")
-    return (h * d + 2 * i + s).reshape(-1)
-
-
 class Block(torch.nn.Module):
-    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, rope: Rope, dtype, device, budget, kernels):
+    def __init__(self, attn_norm: RMSNorm, attn: Attention, ffn_norm: RMSNorm, gate_up: QuantLinear,
+                 down: QuantLinear, ffn_dim: int):
+        """`gate_up`: the gate and up projections fused (2 x ffn_dim rows)."""
         super().__init__()
-        t = lambda n: g.tensor(f"blk.{i}.{n}.weight")  # noqa: E731
-        lin = lambda w, **kw: QuantLinear(w, dtype, device, budget=budget, kernels=kernels, **kw)  # noqa: E731
-        self.attn_norm = RMSNorm(torch.from_numpy(t("attn_norm").numpy()), cfg.norm_eps)
-        self.ffn_norm = RMSNorm(torch.from_numpy(t("ffn_norm").numpy()), cfg.norm_eps)
-        qkv = lin([t("attn_q"), t("attn_k"), t("attn_v")],
-                  rows=[_unpermute(cfg.n_heads, cfg.dim),
-                        _unpermute(cfg.n_kv_heads, cfg.n_kv_heads * cfg.head_dim), None])
-        self.attn = Attention(i, qkv, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, rope, lin(t("attn_output")))
-        self.gate_up = lin([t("ffn_gate"), t("ffn_up")])
-        self.down = lin(t("ffn_down"))
-        self.ffn_dim = cfg.ffn_dim
+        self.attn_norm, self.attn, self.ffn_norm = attn_norm, attn, ffn_norm
+        self.gate_up, self.down, self.ffn_dim = gate_up, down, ffn_dim
 
     def forward(self, x: torch.Tensor, segments: list[tuple[KVCache, int, int]]) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), segments)
@@ -82,32 +68,21 @@ class Block(torch.nn.Module):
 
 
 class Llama(torch.nn.Module):
-    def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                 budget: DenseBudget | None = None, kernels: str | None = None):
-        """`kernels`: "triton" or "torch" for every op (None: the device's default, see
-        triton_kernels.backend.choose_kernels)."""
+    def __init__(self, g: GGUFFile, cfg: LlamaConfig, embedding: QTensor, blocks: list[Block], norm: RMSNorm,
+                 output: QuantLinear, tied: bool, dtype: torch.dtype, device: str, kernels: str):
+        """Built by strata.load.llama from a GGUF file `g`; `embedding` stays the file's
+        blocks (rows are gathered as tokens come); `kernels`: "triton" or "torch", the
+        implementation every op takes (triton_kernels.ops)."""
         super().__init__()
-        self.gguf, self.cfg, self.dtype, self.device = g, LlamaConfig.from_gguf(g), dtype, torch.device(device)
-        self.kernels = kernels = choose_kernels(kernels, device)
-        cfg = self.cfg
-        self.budget = budget = budget or DenseBudget()
-        self.embedding = g.tensor("token_embd.weight")
-        rope = Rope(cfg.rope_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 8192))
-        self.blocks = torch.nn.ModuleList(Block(g, i, cfg, rope, dtype, device, budget, kernels)
-                                          for i in range(cfg.n_layers))
-        self.norm = RMSNorm(torch.from_numpy(g.tensor("output_norm.weight").numpy()), cfg.norm_eps)
-        out = g.tensors.get("output.weight", self.embedding)  # none in the file: tied
-        self.output = QuantLinear(out, dtype, device, budget=budget, kernels=kernels)
-        self.tied = "output.weight" not in g.tensors
+        self.gguf, self.cfg, self.dtype, self.device = g, cfg, dtype, torch.device(device)
+        self.kernels, self.embedding, self.tied = kernels, embedding, tied
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.norm, self.output = norm, output
         self.to(self.device)  # norms and RoPE tables (the weights went to `device` as loaded)
 
     def plan_line(self) -> str:
         """One line: what the model is and where/how its weights are held."""
-        from collections import Counter
         g, c = self.gguf, self.cfg
-        n_weights = sum(int(np.prod(t.shape)) for t in g.tensors.values())
-        file_mib = sum(t.nbytes for t in g.tensors.values()) / 2**20
-        fmts = Counter(t.fmt.name for t in g.tensors.values())
         held: dict[str, list] = {}
         for m in self.modules():
             if isinstance(m, QuantLinear):
@@ -115,12 +90,8 @@ class Llama(torch.nn.Module):
                 h[0] += 1
                 h[1] += m.held_bytes()
         how = ", ".join(f"{k} {n} ({b / 2**20:.0f} MiB)" for k, (n, b) in sorted(held.items()))
-        return (f"{g.get('general.name', g.path.name)} ({g.arch}, {c.n_layers} layers, dim {c.dim}, "
-                f"{n_weights / 1e6:.1f}M weights in {file_mib:.0f} MiB: "
-                + ", ".join(f"{k} x{v}" for k, v in fmts.most_common())
-                + f"{', output tied to token_embd' if self.tied else ''}) on {self.device}, "
-                f"{self.kernels} kernels, {str(self.dtype).replace('torch.', '')}, "
-                f"{torch.get_num_threads()} threads; "
+        return (f"{summary.name(g)} ({g.arch}, {c.n_layers} layers, dim {c.dim}, {summary.file_summary(g)}"
+                f"{', output tied to token_embd' if self.tied else ''}) {summary.run_summary(self)}; "
                 f"matmuls: {how}")
 
     def new_cache(self, capacity: int = 256) -> KVCache:

@@ -22,25 +22,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from strata.gguf import GGUFError, GGUFFile
-from strata.nn import QuantLinear, Rope
+from strata.gguf import GGUFFile
+from strata.models import summary
+from strata.names import TOKEN_EMBD
+from strata.nn import QuantLinear
 from strata.nn.deltanet import GatedDeltaNet
-from strata.nn.gated_attention import AttentionState, GatedAttention
+from strata.nn.gated_attention import AttentionState
 from strata.nn.hyperconn import HyperConnection
-from strata.nn.linear import DenseBudget
 from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
-from strata.storage.experts import ExpertStore
-from strata.storage.ple_gather import InMemoryTable, StoredTable
 from strata.tensors import QTensor
-from triton_kernels.backend import choose_kernels
 from triton_kernels.dequant import dequantize_torch
-
-# The architecture's QSA block size: llama.cpp's converter writes a per-layer ratio only
-# for layers typed "full_attention", and transformers 5.x renames that type on load, so a
-# file converted with transformers installed can carry zeros for a model that has an indexer.
-QSA_BLOCK = 4
-
 
 @dataclass(frozen=True)
 class Qwen4ExpConfig:
@@ -97,7 +89,7 @@ class Qwen4ExpConfig:
         ratios = [int(r) for r in (opt("attention.compress_ratios") or [0] * n)]
         return cls(
             n_layers=n, dim=int(req("embedding_length")),
-            vocab_size=int(g.tensor("token_embd.weight").shape[0]),
+            vocab_size=int(g.tensor(TOKEN_EMBD).shape[0]),
             context_length=int(opt("context_length", 4096)),
             n_heads=int(req("attention.head_count")), n_kv_heads=int(req("attention.head_count_kv")),
             head_dim=int(req("attention.key_length")), rope_dim=int(req("rope.dimension_count")),
@@ -176,137 +168,30 @@ class MTPHead(torch.nn.Module):
         self.enorm, self.hnorm, self.head_norm = p(enorm), p(hnorm), p(head_norm)
 
 
-def _sidecar(g: GGUFFile) -> GGUFFile | None:
-    """`mtp-<name>` beside the model's file (where `strata convert` writes the MTP block)."""
-    from strata.gguf import open_gguf
-    path = g.path.with_name(f"mtp-{g.path.name}")
-    return open_gguf(path) if path.is_file() else None
-
-
 class Qwen4Exp(torch.nn.Module):
-    def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-                 budget: DenseBudget | None = None, qsa: bool = True, expert_tier: str | None = None,
-                 ple_table=None, expert_opts: dict | None = None, kernels: str | None = None):
-        """`expert_tier` (or expert_opts["tier"]): where the routed experts live, see
-        strata.storage.experts (None: dense in RAM while the budget lasts, else the raw
-        blocks); `expert_opts`: the rest of ExpertStore's options (strata.storage.experts.
-        store_kwargs makes them from the --experts flags); `ple_table`: a StoredTable (the
-        --ple-io flags: a strata.storage.ple table, or a StoredTable), else the table's blocks
-        in memory; `kernels`: "triton" or "torch" for every op (None: the device's default,
-        see triton_kernels.backend.choose_kernels)."""
+    def __init__(self, g: GGUFFile, cfg: Qwen4ExpConfig, embedding: QTensor, layers: list[Layer],
+                 out_hc: HyperConnection, output: QuantLinear, dtype: torch.dtype, device: str, kernels: str,
+                 mtp: MTPHead | None = None, mtp_file=None, qsa_fallback: bool = False):
+        """Built by strata.load.qwen4exp from a GGUF file `g` (and the MTP sidecar
+        `mtp_file`, where there is one); `embedding` stays the file's blocks; `kernels`:
+        "triton" or "torch", the implementation every op takes (triton_kernels.ops);
+        `qsa_fallback`: the file gave no QSA block size, the architecture's was taken."""
         super().__init__()
-        self.gguf, self.cfg, self.dtype = g, Qwen4ExpConfig.from_gguf(g), dtype
+        self.gguf, self.cfg, self.dtype = g, cfg, dtype
         self.device = torch.device(device)
-        self.kernels = kernels = choose_kernels(kernels, device)
-        c = self.cfg
-        self.budget = budget = budget or DenseBudget()
-        lin = (lambda name, f=g: QuantLinear(f.tensor(name), dtype, device, budget=budget, kernels=kernels))
-        vec = (lambda name, f=g: torch.from_numpy(f.tensor(name).numpy().reshape(-1).copy()))
-        self.embedding = g.tensor("token_embd.weight")
-        rope = Rope(c.rope_dim, c.rope_theta, max_pos=min(c.context_length, 8192))
-
-        def matrix(t: QTensor) -> QTensor:
-            # a one-row weight (the shared expert's gate) may be stored 1-D: llama-quantize
-            # writes ne [H] where the converter wrote [H, 1]
-            return QTensor(t.name, t.fmt, (1, t.shape[0]), t.data.reshape(1, -1)) if len(t.shape) == 1 else t
-
-        def fused(names: list[str], f=g) -> QuantLinear:
-            # one matmul for projections of the same input (a decode step is per-op overhead)
-            return QuantLinear([matrix(f.tensor(n)) for n in names], dtype, device, budget=budget, kernels=kernels)
-
-        def hc(prefix: str, inject: bool, f=g) -> HyperConnection:
-            down = [f"{prefix}_down.weight"] + ([f"{prefix}_inject.weight"] if inject else [])
-            return HyperConnection(vec(f"{prefix}_norm.weight", f), fused(down, f), lin(f"{prefix}_up.weight", f),
-                                   c.hc_rank, c.streams, c.norm_eps)
-
-        def attention(f: GGUFFile, i: int, ratio: int) -> GatedAttention:
-            p = f"blk.{i}."
-            has_idx = (p + "indexer.q_proj.weight") in f.tensors
-            if has_idx and ratio == 0:
-                ratio, self.qsa_fallback = QSA_BLOCK, True
-            names = ["attn_q.weight", "attn_k.weight", "attn_v.weight"]
-            idx = {}
-            if has_idx:
-                names += ["indexer.q_proj.weight", "indexer.k_proj.weight"]
-                idx = dict(idx_q_norm=vec(p + "indexer.q_norm.weight", f),
-                           idx_k_norm=vec(p + "indexer.k_norm.weight", f), n_idx=c.idx_heads,
-                           idx_dim=c.idx_dim, budget=c.idx_budget, ratio=ratio)
-            mixer = GatedAttention(fused([p + n for n in names], f), lin(p + "attn_output.weight", f),
-                                   vec(p + "attn_q_norm.weight", f), vec(p + "attn_k_norm.weight", f),
-                                   c.n_heads, c.n_kv_heads, c.head_dim, rope, c.norm_eps, **idx)
-            mixer.dense_only = not qsa
-            return mixer
-
-        def moe(f: GGUFFile, i: int) -> MoE:
-            p = f"blk.{i}."
-            opts = dict(expert_opts or {})
-            tier = opts.pop("tier", None) or expert_tier
-            experts = ExpertStore(f.tensor(p + "ffn_gate_exps.weight"), f.tensor(p + "ffn_up_exps.weight"),
-                                  f.tensor(p + "ffn_down_exps.weight"), dtype, device, budget, tier,
-                                  kernels=kernels, **opts)
-            return MoE(fused([p + n for n in ("ffn_gate_inp.weight", "ffn_gate_shexp.weight",
-                                              "ffn_up_shexp.weight", "ffn_gate_inp_shexp.weight")], f),
-                       experts, c.n_experts, c.top_k, c.shared_dim, lin(p + "ffn_down_shexp.weight", f))
-
-        self.qsa_fallback = False
-        self.ple = None
-        layers = []
-        for i in range(c.n_layers):
-            p = f"blk.{i}."
-            if c.recurrent[i]:
-                conv = g.tensor(p + "ssm_conv1d.weight").numpy().reshape(-1, c.conv_kernel)
-                proj = fused([p + n for n in ("attn_qkv.weight", "attn_gate.weight",
-                                              "ssm_beta.weight", "ssm_alpha.weight")])
-                mixer = GatedDeltaNet(proj, lin(p + "ssm_out.weight"), torch.from_numpy(conv.copy()),
-                                      vec(p + "ssm_dt.bias"), vec(p + "ssm_a"), vec(p + "ssm_norm.weight"),
-                                      c.k_heads, c.v_heads, c.dk, c.dv, c.norm_eps)
-            else:
-                mixer = attention(g, i, c.compress_ratios[i] if i < len(c.compress_ratios) else 0)
-            ple = None
-            if i in c.ple_layers:
-                if not c.recurrent[i]:
-                    raise GGUFError(f"{g.path}: PLE layer {i} is not a linear-attention layer")
-                if ple_table is None:
-                    table = InMemoryTable(g.tensor("per_layer_token_embd.weight"), device, kernels)
-                else:  # the storage tier's table, gathered where the model computes
-                    table = StoredTable(getattr(ple_table, "table", ple_table), device, kernels)
-                conv = g.tensor(p + "ple_conv1d.weight").numpy().reshape(-1, c.ple["conv_kernel"])
-                hash_args = {k: c.ple[k] for k in ("multipliers", "head_vocab_sizes", "head_offsets",
-                                                    "eos_id", "heads_per_ngram")}
-                ple = self.ple = NgramPLE(table, hash_args, lin(p + "ple_key.weight"), lin(p + "ple_value.weight"),
-                                          vec(p + "ple_norm_key.weight"), vec(p + "ple_norm_query.weight"),
-                                          vec(p + "ple_norm_conv.weight"), torch.from_numpy(conv.copy()),
-                                          c.streams, c.norm_eps, dilation=len(c.ple["multipliers"]))
-            layers.append(Layer(mixer, hc(p + "hc_attn", True), moe(g, i), hc(p + "hc_ffn", True), ple))
-
-        # The MTP head (the speculative draft): held, not yet run. Its block follows the last
-        # layer (blk.<n_layers>), in the file itself or in the sidecar `strata convert` writes.
-        self.mtp, self.mtp_file = None, None
-        n = c.n_layers
-        for f in (g, _sidecar(g)):
-            if f is not None and f"blk.{n}.nextn.eh_proj.weight" in f.tensors:
-                p = f"blk.{n}."
-                ratios = f.get(f"{g.arch}.attention.compress_ratios") or []
-                block = Layer(attention(f, n, int(ratios[n]) if len(ratios) > n else 0),
-                              hc(p + "hc_attn", True, f), moe(f, n), hc(p + "hc_ffn", True, f), None)
-                self.mtp = MTPHead(lin(p + "nextn.eh_proj.weight", f), vec(p + "nextn.enorm.weight", f),
-                                   vec(p + "nextn.hnorm.weight", f), vec(p + "nextn.shared_head_norm.weight", f),
-                                   block)
-                self.mtp_file = f.path
-                break
+        self.kernels, self.embedding = kernels, embedding
         self.layers = torch.nn.ModuleList(layers)
-        self.out_hc = hc("output_hc", False)
-        self.output = lin("output.weight")
+        self.ple = next((l.ple for l in layers if l.ple is not None), None)
+        self.out_hc, self.output = out_hc, output
+        self.mtp, self.mtp_file, self.qsa_fallback = mtp, mtp_file, qsa_fallback
         self.to(self.device)  # norms, conv weights, RoPE tables (the weights went as loaded)
 
     # -- what the engine reports -------------------------------------------------------------
 
     def plan_line(self) -> str:
+        """One line: what the model is and where/how its parts are held."""
         from collections import Counter
         g, c = self.gguf, self.cfg
-        n_weights = sum(int(np.prod(t.shape)) for t in g.tensors.values())
-        file_mib = sum(t.nbytes for t in g.tensors.values()) / 2**20
-        fmts = Counter(t.fmt.name for t in g.tensors.values())
         stores = [l.moe.experts for l in self.layers]
         tiers = Counter(s.describe() if hasattr(s, "describe") else s.tier for s in stores)
         exp_mib = sum(s.held_bytes() for s in stores) / 2**20
@@ -319,12 +204,9 @@ class Qwen4Exp(torch.nn.Module):
         ple = (f"PLE table {self.ple.table.where} at layer {c.ple_layers[0]}" if self.ple is not None
                else "no PLE")
         mtp = f"MTP head loaded from {self.mtp_file.name} (not run)" if self.mtp is not None else "no MTP head"
-        return (f"{g.get('general.name', g.path.name)} ({g.arch}, {c.n_layers} layers: "
+        return (f"{summary.name(g)} ({g.arch}, {c.n_layers} layers: "
                 f"{c.n_layers - n_attn} DeltaNet + {n_attn} attention, dim {c.dim} x {c.streams} streams, "
-                f"{c.n_experts} experts top-{c.top_k}, {n_weights / 1e6:.1f}M weights in {file_mib:.0f} MiB: "
-                + ", ".join(f"{k} x{v}" for k, v in fmts.most_common())
-                + f") on {self.device}, {self.kernels} kernels, {str(self.dtype).replace('torch.', '')}, "
-                f"{torch.get_num_threads()} threads; "
+                f"{c.n_experts} experts top-{c.top_k}, {summary.file_summary(g)}) {summary.run_summary(self)}; "
                 f"experts: " + ", ".join(f"{k} x{v}" for k, v in tiers.items()) + f" ({exp_mib:.0f} MiB held); "
                 f"{ple}; {qsa_text}; {mtp}")
 

@@ -1,325 +1,44 @@
-"""Where the routed experts' weights live, and the matmuls over them.
+"""The store of a layer's routed experts, and the matmuls over them.
 
 A layer's experts are three GGUF tensors: gate and up (E, I, H) and down (E, H, I), each
 a run of E equal slabs of quantized rows. The store of one layer answers
 `store(x, weights, ids)`: the routed experts' SwiGLU outputs, weighted and summed per
-token. Tiers (`--experts`, parsed by `parse_tier`):
+token. Which tier holds them is a `--experts` spec (strata.storage.expert_tier lists the
+tiers); the tiers that fetch read through strata.storage.expert_sources, the packed ones
+from the pack that strata.storage.pack writes.
 
-- `dense`: dequantized once into the compute dtype (CPU, while the model's DenseBudget
-  lasts); a matmul per routed expert.
-- `device` (alias `blocks`): the raw blocks resident where the model computes: copied to
-  the device on CUDA; on the CPU zero-copy views of the mapped GGUF (the page cache keeps
-  them in RAM). The fused MoE kernel (triton_kernels.moe) on CUDA, `moe_torch` on the CPU.
-- `host`: the raw blocks read once from the file into host RAM (anonymous memory, so the
-  page cache keeps no second copy; pinned on CUDA). On the CPU the matmul runs on them in
-  place; on CUDA each call copies the experts the batch routes to onto the device.
-- `cache:N[:host|packed|file]`: N expert slots on the device, least recently used out
-  first, filled from the tier named last (default `host`). Hits and misses are counted;
-  a batch that routes to more than N experts runs in groups of N (see `_grouped`).
-- `packed`: `experts.bin` written by `strata pack` (`pack`): per layer, expert after
-  expert, each expert's gate, up and down blocks adjacent, so one expert is one read; a
-  text index beside it records where each tensor came from in the GGUF.
-- `file`: read in place from the GGUF, three reads an expert.
-
-`packed` and `file` read through strata.storage.io as the PLE table does (`--experts-io
-direct`: O_DIRECT reads of whole pages by a thread pool; `mmap`: one batched
-MADV_WILLNEED over the experts' pages, then a copy). Every tier that fetches hands the
-matmul the compact set of experts a batch needs, with ids remapped into it, so its output
-equals the resident tier's bit for bit: the same bytes meet the same kernel, in the same
-tiles (see `ExpertStore._moe`).
+Every tier that fetches hands the matmul the compact set of experts a batch needs, with
+ids remapped into it, so its output equals the resident tier's bit for bit: the same bytes
+meet the same kernel, in the same tiles (see `ExpertStore._moe`). `summarize` and
+`stats_line` add up the stores' counters over a model.
 """
 from __future__ import annotations
 
-import argparse
 import collections
-import mmap
 import os
-import re
-import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from strata.nn.linear import DenseBudget
-from strata.storage import io
-from strata.storage.io import PAGE
+from strata.storage.expert_sources import (
+    FileSource,
+    HostSource,
+    PackedSource,
+    Source,
+    read_host,
+    slab_shape,
+    slabs,
+    tensor_file,
+)
+from strata.storage.expert_tier import ExpertTier, parse_tier
+from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
 from triton_kernels.backend import choose_kernels
 from triton_kernels.moe import choose_path
 from triton_kernels.ops import impl
-
-KINDS = ("dense", "device", "host", "cache", "packed", "file")
-BACKINGS = ("host", "packed", "file")
-IO_MODES = ("direct", "mmap")
-PACK_BIN, PACK_INDEX = "experts.bin", "experts.txt"
-PACK_ALIGN = PAGE  # each expert starts on a page: a direct read of one expert wastes no page
-EXPERT_TENSORS = ("gate", "up", "down")
-_EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-
-
-# --- the --experts flag ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ExpertTier:
-    """A parsed `--experts` spec: `kind` one of KINDS; a cache has `slots` and `backing`."""
-    kind: str
-    slots: int = 0
-    backing: str = ""
-
-    def __str__(self) -> str:
-        return f"cache:{self.slots}:{self.backing}" if self.kind == "cache" else self.kind
-
-
-def parse_tier(spec: str, flag: str = "--experts") -> ExpertTier:
-    """`device|host|cache:N[:host|packed|file]|packed|file` (and `dense`, `blocks` = device)."""
-    text = spec.strip().lower()
-    if text == "blocks":
-        return ExpertTier("device")
-    if text in KINDS and text != "cache":
-        return ExpertTier(text)
-    parts = text.split(":")
-    if parts[0] == "cache" and len(parts) in (2, 3):
-        backing = parts[2] if len(parts) == 3 else "host"
-        if parts[1].isdigit() and int(parts[1]) > 0 and backing in BACKINGS:
-            return ExpertTier("cache", int(parts[1]), backing)
-    raise ValueError(f"{flag} {spec!r}: expected device, host, packed, file or cache:N[:host|packed|file] "
-                     f"with N the number of expert slots (at least 1), e.g. cache:64:file")
-
-
-def _tier_arg(text: str) -> str:
-    try:
-        parse_tier(text)
-    except ValueError as e:  # argparse prints an ArgumentTypeError's own words
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def add_expert_args(p: argparse.ArgumentParser) -> None:
-    """The expert tier's flags, for every command that loads a MoE model
-    (`store_kwargs(args)` turns them into ExpertStore's keyword arguments)."""
-    p.add_argument("--experts", type=_tier_arg, default=None, metavar="TIER",
-                   help="where routed experts live: device (resident), host (RAM; pinned on CUDA), "
-                        "cache:N[:host|packed|file] (N slots on the device, LRU), packed (experts.bin "
-                        "of `strata pack`), file (read in place from the GGUF). Default: dense on the "
-                        "CPU while memory lasts, else device")
-    p.add_argument("--experts-dir", default=None, metavar="DIR",
-                   help="the directory `strata pack --out` wrote experts.bin and experts.txt to "
-                        "(default: packs/<model> in the Strata cache)")
-    p.add_argument("--experts-io", choices=IO_MODES, default="direct",
-                   help="how packed and file tiers read: direct (O_DIRECT, thread pool; default) or "
-                        "mmap (page cache, one batched MADV_WILLNEED a fetch)")
-    p.add_argument("--experts-io-depth", type=int, default=16, metavar="N",
-                   help="direct reads in flight (threads) for --experts-io direct (default 16)")
-
-
-def store_kwargs(args) -> dict:
-    """ExpertStore keyword arguments from `add_expert_args`' flags."""
-    return {"tier": args.experts, "experts_dir": args.experts_dir, "io_mode": args.experts_io,
-            "depth": args.experts_io_depth}
-
-
-# --- where a tensor's bytes are ----------------------------------------------------------
-
-def tensor_file(t: QTensor) -> tuple[Path, int]:
-    """(file, byte offset) of a tensor opened from a GGUF: its data is a view of the
-    reader's np.memmap, whose address maps to the file's offset `memmap.offset`."""
-    x = t.data
-    while isinstance(x.base, np.ndarray):
-        x = x.base
-    if not isinstance(x, np.memmap) or x.filename is None:
-        raise ValueError(f"tensor {t.name!r} is not a view of a file (built in memory?): the host, "
-                         f"packed and file expert tiers read it from its GGUF; open the model with "
-                         f"strata.gguf.open_gguf, or use --experts device")
-    return Path(x.filename), t.data.ctypes.data - x.ctypes.data + x.offset
-
-
-class SpanReader:
-    """Equal-length byte spans of one file, read in one batch: `direct` by a PageReader
-    (O_DIRECT pages at `depth`, each page once), `mmap` by one batched MADV_WILLNEED over
-    the spans' pages and a copy. Shared by every store reading the same file (`reader`):
-    48 layers with a pool each would be 768 threads."""
-
-    def __init__(self, path: Path, mode: str, depth: int):
-        if mode not in IO_MODES:
-            raise ValueError(f"--experts-io {mode!r}: choose {' or '.join(IO_MODES)}")
-        self.path, self.mode = path, mode
-        self._pr: io.PageReader | None = None
-        self._mm: mmap.mmap | None = None
-        if mode == "direct":
-            self._pr = io.PageReader(path, depth, say=lambda _msg: io.log(
-                f"strata: {path}: the file system refuses O_DIRECT; --experts-io direct reads through the "
-                f"page cache instead (buffered pread). Put the model on a disk file system (ext4, xfs) for "
-                f"direct reads, or use --experts-io mmap"))
-        else:
-            with open(path, "rb") as f:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._whole = np.frombuffer(self._mm, np.uint8)
-
-    @property
-    def direct(self) -> bool:
-        return bool(self._pr and self._pr.direct)
-
-    def start(self, starts: np.ndarray, length: int):
-        """Start reading [s, s + length) for each s; returns a function that waits and gives
-        uint8 [len(starts), length] (a copy: the read buffers go)."""
-        starts = np.asarray(starts, np.int64)
-        if starts.size == 0:
-            return lambda: np.zeros((0, length), np.uint8)
-        run_first, run_end = io.page_runs(starts, length)
-        if self._pr is None:
-            io.advise_runs(self._mm, run_first, run_end)
-            return lambda: np.stack([self._whole[s:s + length] for s in starts.tolist()])
-        pending = self._pr.start(run_first, run_end)
-
-        def done() -> np.ndarray:
-            buf = pending.result()
-            data = np.frombuffer(buf, np.uint8)
-            # a span's pages are adjacent, so they sit in one run and back to back in the buffer
-            page = starts // PAGE
-            run = np.searchsorted(run_first, page, side="right") - 1
-            at = (io.run_positions(run_first, run_end)[run] + page - run_first[run]) * PAGE + starts % PAGE
-            out = np.empty((starts.size, length), np.uint8)
-            for i, a in enumerate(at.tolist()):
-                out[i] = data[a:a + length]
-            del data
-            buf.close()
-            return out
-        return done
-
-
-_readers: dict[tuple, SpanReader] = {}
-_readers_lock = threading.Lock()
-
-
-def reader(path: Path, mode: str, depth: int) -> SpanReader:
-    key = (str(Path(path).resolve()), mode, depth)
-    with _readers_lock:
-        if key not in _readers:
-            _readers[key] = SpanReader(Path(path), mode, depth)
-        return _readers[key]
-
-
-# --- sources: where fetched experts come from --------------------------------------------
-
-class _Source:
-    """Gives the raw blocks of some experts: uint8 CPU tensors (n, rows, row_bytes), one
-    for each of gate, up, down."""
-    shapes: tuple  # ((rows, row_bytes) of gate, up, down)
-
-    def fetch(self, experts: list[int]) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        raise NotImplementedError
-
-
-class _HostSource(_Source):
-    def __init__(self, tensors: tuple[torch.Tensor, ...]):
-        self.tensors = tensors
-        self.shapes = tuple(tuple(t.shape[1:]) for t in tensors)
-
-    def fetch(self, experts):
-        idx = torch.as_tensor(experts, dtype=torch.long)
-        return tuple(t.index_select(0, idx) for t in self.tensors)
-
-    def describe(self) -> str:
-        return "host RAM"
-
-
-class _FileSource(_Source):
-    """Experts read in place from the GGUF: expert e of a tensor at offset + e * bytes."""
-
-    def __init__(self, ts: tuple[QTensor, ...], mode: str, depth: int):
-        self.where = [tensor_file(t) for t in ts]
-        self.shapes = tuple(_slab_shape(t) for t in ts)
-        self.bytes = [rows * rb for rows, rb in self.shapes]
-        self.readers = [reader(p, mode, depth) for p, _ in self.where]
-
-    def fetch(self, experts):
-        e = np.asarray(experts, np.int64)
-        # the three tensors' reads start together, so they share the pool's queue depth
-        waits = [r.start(off + e * n, n) for r, (_, off), n in zip(self.readers, self.where, self.bytes)]
-        return tuple(torch.from_numpy(w().reshape(len(e), *shape)) for w, shape in zip(waits, self.shapes))
-
-    def describe(self) -> str:
-        r = self.readers[0]
-        how = f"O_DIRECT at depth {r._pr.depth}" if r.direct else (
-            "buffered pread (O_DIRECT refused)" if r.mode == "direct" else "mmap + MADV_WILLNEED")
-        return f"{self.where[0][0].name} in place ({how})"
-
-
-class _PackedSource(_Source):
-    """Experts from experts.bin: gate, up, down of one expert adjacent, so one read each."""
-
-    def __init__(self, ts: tuple[QTensor, ...], pack: Pack, mode: str, depth: int):
-        entries = [pack.entry(t) for t in ts]
-        self.shapes = tuple(_slab_shape(t) for t in ts)
-        self.bytes = [rows * rb for rows, rb in self.shapes]
-        g = entries[0]
-        for ent, before in zip(entries[1:], np.cumsum(self.bytes)[:-1].tolist()):
-            if ent.packed_offset != g.packed_offset + before or ent.stride != g.stride:
-                raise ValueError(f"{pack.index}: {ent.name} is not adjacent to {g.name} in {PACK_BIN}; "
-                                 f"the pack is not one this Strata wrote: run `strata pack` again")
-        self.base, self.stride, self.span = g.packed_offset, g.stride, sum(self.bytes)
-        self.reader = reader(pack.bin, mode, depth)
-        self.pack = pack
-
-    def fetch(self, experts):
-        e = np.asarray(experts, np.int64)
-        raw = self.reader.start(self.base + e * self.stride, self.span)()
-        out, at = [], 0
-        for n, shape in zip(self.bytes, self.shapes):
-            out.append(torch.from_numpy(np.ascontiguousarray(raw[:, at:at + n]).reshape(len(e), *shape)))
-            at += n
-        return tuple(out)
-
-    def describe(self) -> str:
-        how = f"O_DIRECT at depth {self.reader._pr.depth}" if self.reader.direct else (
-            "buffered pread (O_DIRECT refused)" if self.reader.mode == "direct" else "mmap + MADV_WILLNEED")
-        return f"{self.pack.bin} ({how})"
-
-
-def _slab_shape(t: QTensor) -> tuple[int, int]:
-    e = t.shape[0]
-    return t.data.shape[0] // e, t.data.shape[-1]
-
-
-def _slabs(t: QTensor) -> torch.Tensor:
-    """(E, rows, row_bytes) uint8 view of a stacked expert tensor."""
-    import warnings
-    with warnings.catch_warnings():  # a read-only mapping: nothing writes it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(t.data).reshape(t.shape[0], *_slab_shape(t))
-
-
-def _read_host(ts: tuple[QTensor, ...], pin: bool) -> tuple[torch.Tensor, ...]:
-    """The tensors' blocks read once into anonymous memory: O_DIRECT where the file system
-    allows (the page cache keeps no second copy), else a copy of the mapping."""
-    out = []
-    for t in ts:
-        try:
-            path, offset = tensor_file(t)
-        except ValueError:
-            host = torch.from_numpy(np.array(t.data))
-        else:
-            base = offset // PAGE * PAGE
-            span = offset - base + t.nbytes
-            buf = mmap.mmap(-1, -(-span // PAGE) * PAGE)
-            r = io.PageReader(path, depth=4, say=lambda _msg: None)
-            try:
-                got = r.read_span(buf, base, len(buf))
-            finally:
-                r.close()
-            if got < span:
-                raise ValueError(f"{path}: the file ends inside tensor {t.name!r}; it is truncated")
-            host = torch.from_numpy(np.frombuffer(buf, np.uint8)[offset - base:offset - base + t.nbytes])
-        host = host.reshape(t.shape[0], *_slab_shape(t))
-        out.append(host.pin_memory() if pin else host)
-    return tuple(out)
 
 
 # --- the store ---------------------------------------------------------------------------
@@ -354,7 +73,7 @@ class ExpertStore(torch.nn.Module):
         self._counts = {"calls": 0, "experts": 0, "hits": 0, "misses": 0, "evictions": 0,
                         "bytes": 0, "fetch_s": 0.0}
         self.expert_bytes = gate.nbytes // self.n_experts + up.nbytes // self.n_experts + down.nbytes // self.n_experts
-        self.source: _Source | None = None
+        self.source: Source | None = None
         self.compact = False  # fetch what a batch needs, then compute on that compact set
         ts = (gate, up, down)
         kind = spec.kind
@@ -363,26 +82,26 @@ class ExpertStore(torch.nn.Module):
             self.w13 = torch.cat([gate.dequantize(dtype), up.dequantize(dtype)], dim=1)
             self.w2 = down.dequantize(dtype)
         elif kind == "device":
-            self.wg, self.wu, self.wd = (_slabs(t).to(device) for t in ts)
+            self.wg, self.wu, self.wd = (slabs(t).to(device) for t in ts)
         elif kind == "host":
-            host = _read_host(ts, pin=not on_cpu)
+            host = read_host(ts, pin=not on_cpu)
             if on_cpu:
                 self.wg, self.wu, self.wd = host
             else:
-                self.source, self.compact = _HostSource(host), True
+                self.source, self.compact = HostSource(host), True
         else:
             backing = spec.backing if kind == "cache" else kind
             if backing == "host":
-                self.source = _HostSource(_read_host(ts, pin=not on_cpu))
+                self.source = HostSource(read_host(ts, pin=not on_cpu))
             elif backing == "packed":
                 where = experts_dir or default_pack_dir(tensor_file(gate)[0])
-                self.source = _PackedSource(ts, Pack.open(where), io_mode, depth)
+                self.source = PackedSource(ts, Pack.open(where), io_mode, depth)
             else:
-                self.source = _FileSource(ts, io_mode, depth)
+                self.source = FileSource(ts, io_mode, depth)
             if kind == "cache":
                 n = min(spec.slots, self.n_experts)
                 self.slots = n
-                self.wg, self.wu, self.wd = (torch.empty((n, *_slab_shape(t)), dtype=torch.uint8, device=device)
+                self.wg, self.wu, self.wd = (torch.empty((n, *slab_shape(t)), dtype=torch.uint8, device=device)
                                              for t in ts)
                 self._lru: collections.OrderedDict[int, int] = collections.OrderedDict()  # expert -> slot
                 self._free = list(range(n))
@@ -397,7 +116,7 @@ class ExpertStore(torch.nn.Module):
         elif hasattr(self, "wg"):
             ts = (self.wg, self.wu, self.wd)
         else:
-            ts = self.source.tensors if isinstance(self.source, _HostSource) else ()
+            ts = self.source.tensors if isinstance(self.source, HostSource) else ()
         return sum(t.numel() * t.element_size() for t in ts)
 
     def describe(self) -> str:
@@ -577,169 +296,3 @@ def stats_line(stores) -> str:
     speed = f" ({c['gb_per_s']:.2f} GB/s)" if c["gb_per_s"] else ""
     return (f"experts [{tiers}]: {c['hits']:,} hits, {c['misses']:,} misses (hit rate {rate}), "
             f"{c['evictions']:,} evictions, {c['bytes'] / 1e9:.3f} GB fetched in {c['fetch_s']:.3f} s{speed}")
-
-
-# --- the pack ----------------------------------------------------------------------------
-
-def default_pack_dir(gguf: str | os.PathLike) -> Path:
-    """Where `strata pack` writes without --out: packs/<file stem> in the Strata cache."""
-    from strata.hub import cache_dir
-    return cache_dir() / "packs" / Path(gguf).name.removesuffix(".gguf")
-
-
-@dataclass(frozen=True)
-class PackEntry:
-    layer: int
-    tensor: str  # gate, up or down
-    name: str
-    fmt: str
-    shape: tuple[int, ...]
-    gguf_offset: int
-    expert_bytes: int
-    packed_offset: int
-    stride: int  # bytes from one expert to the next in experts.bin
-    gguf_size: int
-    gguf: str
-
-
-_INDEX_HEAD = """\
-# Strata expert pack, version 1.
-# experts.bin holds the routed experts layer by layer, expert after expert; each expert's
-# gate, up and down blocks sit back to back (one read an expert), and each expert starts on
-# a {align}-byte boundary. Expert e of a tensor is at packed_offset + e * stride in
-# experts.bin, and at gguf_offset + e * expert_bytes in its GGUF file. Tab-separated.
-"""
-_COLUMNS = ("layer", "tensor", "name", "format", "shape", "gguf_offset", "expert_bytes",
-            "packed_offset", "stride", "gguf_size", "gguf")
-
-
-class Pack:
-    """An opened pack: `bin` (experts.bin), `index` (experts.txt), entries by tensor name."""
-
-    def __init__(self, index: Path, entries: dict[str, PackEntry]):
-        self.index, self.bin, self.entries = index, index.with_name(PACK_BIN), entries
-
-    @classmethod
-    def open(cls, where: str | os.PathLike) -> Pack:
-        where = Path(where)
-        index = where / PACK_INDEX if where.is_dir() or not where.suffix else where
-        if not index.is_file() or not index.with_name(PACK_BIN).is_file():
-            raise ValueError(f"{where}: no expert pack ({PACK_BIN} and {PACK_INDEX}); write one with "
-                             f"`strata pack MODEL.gguf --out {where}`, or pass --experts-dir")
-        return _open_pack(str(index.resolve()), index.stat().st_mtime_ns)
-
-    def entry(self, t: QTensor) -> PackEntry:
-        ent = self.entries.get(t.name)
-        if ent is None:
-            raise ValueError(f"{self.index}: no entry for tensor {t.name!r}; this pack is of another "
-                             f"model: run `strata pack` on this one")
-        path, offset = tensor_file(t)
-        size = path.stat().st_size
-        if (ent.fmt, ent.shape, ent.expert_bytes) != (t.fmt.name, tuple(t.shape), t.nbytes // t.shape[0]) \
-                or ent.gguf_size != size or ent.gguf_offset != offset:
-            raise ValueError(f"{self.index}: tensor {t.name!r} was packed from {ent.gguf} ({ent.fmt} "
-                             f"{ent.shape}, file of {ent.gguf_size:,} bytes, offset {ent.gguf_offset}) "
-                             f"but {path} has {t.fmt.name} {tuple(t.shape)}, {size:,} bytes, offset "
-                             f"{offset}: the pack is stale; run `strata pack {path} --out {self.index.parent}`")
-        return ent
-
-
-_packs: dict[tuple, Pack] = {}
-
-
-def _open_pack(index: str, mtime: int) -> Pack:
-    """Parsed once per index file (and version of it), however many layers ask."""
-    key = (index, mtime)
-    if key not in _packs:
-        entries = {}
-        with open(index) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip() or line.startswith("#"):
-                    continue
-                cols = line.rstrip("\n").split("\t")
-                if cols[0] == "layer":  # the header row
-                    continue
-                if len(cols) != len(_COLUMNS):
-                    raise ValueError(f"{index}:{n}: {len(cols)} columns, expected {len(_COLUMNS)} "
-                                     f"({' '.join(_COLUMNS)}); run `strata pack` again")
-                try:
-                    ent = PackEntry(int(cols[0]), cols[1], cols[2], cols[3], tuple(int(s) for s in cols[4].split("x")),
-                                    *(int(c) for c in cols[5:10]), cols[10])
-                except ValueError:
-                    raise ValueError(f"{index}:{n}: cannot read {line.strip()!r}; run `strata pack` again") from None
-                entries[ent.name] = ent
-        _packs[key] = Pack(Path(index), entries)
-    return _packs[key]
-
-
-def _expert_tensors(gguf: Path) -> dict[int, dict[str, QTensor]]:
-    """Layer -> {gate, up, down} expert tensors of a GGUF and the other shards of its set."""
-    from strata.gguf import open_gguf
-    from strata.storage.ple import _SHARD
-    files = [gguf]
-    m = _SHARD.match(gguf.name)
-    if m:
-        n = int(m["n"])
-        files = [gguf.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
-    layers: dict[int, dict[str, QTensor]] = collections.defaultdict(dict)
-    for p in files:
-        if not p.is_file():
-            raise ValueError(f"{gguf}: shard {p.name} of its set is missing")
-        for name, t in open_gguf(p).tensors.items():
-            mm = _EXPS.match(name)
-            if mm:
-                layers[int(mm[1])][mm[2]] = t
-    for i, d in layers.items():
-        if set(d) != set(EXPERT_TENSORS):
-            raise ValueError(f"{gguf}: layer {i} has expert tensors {sorted(d)}, not gate, up and down")
-    return dict(sorted(layers.items()))
-
-
-def pack(gguf: str | os.PathLike, out: str | os.PathLike | None = None, say=io.log) -> Path:
-    """Write experts.bin and its index experts.txt for a GGUF's routed experts into `out`
-    (default `default_pack_dir`); returns the index's path. Both appear complete or not at
-    all: they are written beside and renamed into place."""
-    gguf = Path(gguf)
-    layers = _expert_tensors(gguf)
-    if not layers:
-        raise ValueError(f"{gguf}: no routed expert tensors (blk.N.ffn_gate_exps.weight ...): nothing to pack")
-    out = Path(out) if out is not None else default_pack_dir(gguf)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp_bin, tmp_idx = out / (PACK_BIN + ".partial"), out / (PACK_INDEX + ".partial")
-    rows = []
-    t0, pos = time.perf_counter(), 0
-    try:
-        with open(tmp_bin, "wb") as f:
-            for i, d in layers.items():
-                ts = [d[k] for k in EXPERT_TENSORS]
-                E = ts[0].shape[0]
-                if any(t.shape[0] != E for t in ts):
-                    raise ValueError(f"{gguf}: layer {i}'s expert tensors disagree on the expert count "
-                                     f"({', '.join(f'{t.name} {t.shape}' for t in ts)})")
-                per = [t.nbytes // E for t in ts]
-                stride = -(-sum(per) // PACK_ALIGN) * PACK_ALIGN
-                views = [t.data.reshape(E, -1) for t in ts]
-                pad = bytes(stride - sum(per))
-                for e in range(E):
-                    f.writelines(memoryview(v[e]) for v in views)
-                    f.write(pad)
-                at = pos
-                for kind, t, n in zip(EXPERT_TENSORS, ts, per):
-                    path, offset = tensor_file(t)
-                    rows.append((i, kind, t.name, t.fmt.name, "x".join(map(str, t.shape)), offset, n, at, stride,
-                                 path.stat().st_size, str(path.resolve())))
-                    at += n
-                pos += E * stride
-        with open(tmp_idx, "w") as f:
-            f.write(_INDEX_HEAD.format(align=PACK_ALIGN))
-            f.write("\t".join(_COLUMNS) + "\n")
-            f.writelines("\t".join(map(str, r)) + "\n" for r in rows)
-        os.replace(tmp_bin, out / PACK_BIN)
-        os.replace(tmp_idx, out / PACK_INDEX)
-    except BaseException:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_idx.unlink(missing_ok=True)
-        raise
-    say(f"strata: packed {len(layers)} layers of experts of {gguf.name} ({pos / 2**30:.2f} GiB) into "
-        f"{out / PACK_BIN} in {time.perf_counter() - t0:.1f} s; index {out / PACK_INDEX}")
-    return out / PACK_INDEX

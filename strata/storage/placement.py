@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import quant
 from strata.storage.io import PAGE, gib
-from strata.storage.plan import PLE_ROWS_PER_TOKEN
+from strata.names.qwen4exp import EXPERT_TENSOR, PLE_ROWS_PER_TOKEN, PLE_TABLE, TOKEN_EMBD
 
 GiB = 2**30
 
@@ -101,22 +101,20 @@ SHAPES = {"flash-next": flash_next}
 
 def shape_of(g) -> ModelShape:
     """The shape of a GGUF file's model (a GGUFFile)."""
-    import re
     a = g.arch
     L = int(g.get(f"{a}.block_count", 0))
-    exps = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
     layer_bytes, expert_total = [0] * L, 0
     for name, t in g.tensors.items():
-        m = exps.match(name)
+        m = EXPERT_TENSOR.match(name)
         if m:
             expert_total += t.nbytes
         elif name.startswith("blk.") and int(name.split(".")[1]) < L:
             layer_bytes[int(name.split(".")[1])] += t.nbytes
     E = int(g.get(f"{a}.expert_count", 0))
-    emb = g.tensors.get("token_embd.weight")
-    ple = g.tensors.get("per_layer_token_embd.weight")
+    emb = g.tensors.get(TOKEN_EMBD)
+    ple = g.tensors.get(PLE_TABLE)
     out = sum(t.nbytes for n, t in g.tensors.items()
-              if not n.startswith("blk.") and n not in ("token_embd.weight", "per_layer_token_embd.weight"))
+              if not n.startswith("blk.") and n not in (TOKEN_EMBD, PLE_TABLE))
     kv_heads = int(g.get(f"{a}.attention.head_count_kv", 0))
     head_dim = int(g.get(f"{a}.attention.key_length", 0) or
                    int(g.get(f"{a}.embedding_length", 0)) // max(int(g.get(f"{a}.attention.head_count", 1)), 1))

@@ -22,7 +22,6 @@ import errno
 import json
 import mmap
 import os
-import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,15 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
+from strata.names.qwen4exp import EXPERT_TENSOR, PLE_ROWS_PER_TOKEN, PLE_TABLE, TOKEN_EMBD
 from strata.storage import io
 from strata.storage.io import PAGE, gib
 
 TOKENS = 32768
-PLE_ROWS_PER_TOKEN = 16  # 8 bigram + 8 trigram heads (REFERENCE §3)
 RANDOM_BYTES, SEQ_BYTES = 4096, 1 << 20
 PLAN_DEPTH_RANDOM, PLAN_DEPTH_SEQ = 16, 4  # the PLE pool's default depth; a few large reads in flight
 MAX_AGE_S = 7 * 86400  # a drive measured within a week is not measured again
-_EXPS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$")
 
 
 # --- the drive ---------------------------------------------------------------------------
@@ -147,7 +145,7 @@ def measure_drive(path: str | os.PathLike, random_depths=(PLAN_DEPTH_RANDOM,), s
 
 
 def _cache_file() -> Path:
-    from strata.hub import cache_dir
+    from strata.cache import cache_dir
     return cache_dir() / "drives.json"
 
 
@@ -204,11 +202,11 @@ class Part:
 def _parts(g) -> dict[str, int]:
     sizes = {"embeddings": 0, "layers": 0, "experts": 0, "PLE table": 0, "output": 0}
     for name, t in g.tensors.items():
-        if name == "token_embd.weight":
+        if name == TOKEN_EMBD:
             sizes["embeddings"] += t.nbytes
-        elif name == "per_layer_token_embd.weight":
+        elif name == PLE_TABLE:
             sizes["PLE table"] += t.nbytes
-        elif _EXPS.match(name):
+        elif EXPERT_TENSOR.match(name):
             sizes["experts"] += t.nbytes
         elif name.startswith("blk."):
             sizes["layers"] += t.nbytes
@@ -272,7 +270,7 @@ def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: st
               measure: bool = True, mem_available: int | None = None) -> Plan:
     """The plan of GGUF `g` (a GGUFFile or a path) with the given flags."""
     from strata.gguf import GGUFFile, open_gguf
-    from strata.storage.experts import parse_tier
+    from strata.storage.expert_tier import parse_tier
     g = g if isinstance(g, GGUFFile) else open_gguf(g)
     sizes = _parts(g)
     on_cpu = device == "cpu"
@@ -280,7 +278,7 @@ def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: st
     n_exp, top_k = int(_arch(g, "expert_count", 0)), int(_arch(g, "expert_used_count", 0))
     parts: list[Part] = []
 
-    emb = g.tensors.get("token_embd.weight")
+    emb = g.tensors.get(TOKEN_EMBD)
     emb_reads = 0.0
     if emb is not None:  # a token's row, a page at least
         emb_rows = min(tokens, emb.shape[0])
@@ -311,7 +309,7 @@ def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: st
             backing = spec.backing if spec.kind == "cache" else spec.kind
             src = {"host": "host RAM", "packed": f"experts.bin ({how})", "file": f"the GGUF in place ({how})"}[backing]
             if backing == "packed":
-                from strata.storage.experts import PACK_INDEX, default_pack_dir
+                from strata.storage.pack import PACK_INDEX, default_pack_dir
                 pack_dir = Path(experts_dir) if experts_dir else default_pack_dir(g.path)
                 if not (pack_dir / PACK_INDEX).is_file():
                     src += f" - none in {pack_dir} yet: `strata pack {g.path} --out {pack_dir}` writes it"
@@ -332,7 +330,7 @@ def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: st
     else:
         parts.append(Part("experts", 0, "none (a dense model)", "resident"))
 
-    ple = g.tensors.get("per_layer_token_embd.weight")
+    ple = g.tensors.get(PLE_TABLE)
     if ple is not None:
         rows = tokens * PLE_ROWS_PER_TOKEN
         row_bytes = ple.data.shape[-1]
@@ -404,61 +402,3 @@ def choose_experts(expert_bytes: int, other_bytes: int, per_expert: float, layer
     slots = min(slots, n_experts)
     return f"cache:{slots}:{backing}", (f"{slots} of {n_experts} expert slots a layer fit 80% of the free "
                                         f"memory beside the rest; misses from {where}")
-
-
-def plan_lines(g, **kw) -> list[str]:
-    """The plan's lines, for a start to print (see make_plan for the keywords)."""
-    return make_plan(g, **kw).lines()
-
-
-def plan_from_args(g, args) -> Plan:
-    """The plan for the flags of a command (missing flags take their defaults)."""
-    return make_plan(g, experts=getattr(args, "experts", None), ple_io=getattr(args, "ple_io", "auto"),
-                     device=getattr(args, "device", None) or "cpu", experts_io=getattr(args, "experts_io", "direct"),
-                     experts_dir=getattr(args, "experts_dir", None),
-                     tokens=getattr(args, "tokens", None) or TOKENS)
-
-
-def _placement(args):
-    """`strata plan --device cuda`: the placement on a machine with GPUs (this one, or the
-    one --gpu-mem, --gpus and --ram describe), for a GGUF or a known shape (flash-next)."""
-    from strata.storage import placement as pl
-    name, _, experts = args.model.partition(":")
-    if name in pl.SHAPES:
-        shape = pl.SHAPES[name](experts or "IQ3_XXS")
-    else:
-        from strata.gguf import open_gguf
-        from strata.hub import resolve_model
-        shape = pl.shape_of(open_gguf(resolve_model(args.model)))
-    if args.gpu_mem:
-        gpu = int(args.gpu_mem * pl.GiB)
-    else:
-        import torch
-        if not torch.cuda.is_available():
-            raise ValueError("strata plan --device cuda: torch sees no GPU here; give --gpu-mem GIB "
-                             "(and --gpus, --ram) to plan for another machine")
-        gpu = torch.cuda.mem_get_info()[1]
-    ram = int(args.ram * pl.GiB) if args.ram else (io.mem_available() or 0)
-    machine = pl.Machine(args.gpus, gpu, ram, args.vram_reserve_mib * 2**20)
-    return pl.place(shape, machine, ctx=args.tokens)
-
-
-def run(args) -> int:
-    """`strata plan MODEL`."""
-    from strata.hub import resolve_model
-    from strata.storage import placement as pl
-    if str(args.device).startswith("cuda") or args.gpu_mem or args.model.partition(":")[0] in pl.SHAPES:
-        p = _placement(args)
-        print(json.dumps({"lines": p.lines(), "expert_tier": p.expert_tier, "slots": p.slots,
-                          "ple": p.ple_where, "per_token_bytes": p.per_token()}, indent=1)
-              if args.json else "\n".join(p.lines()))
-        return 0
-    path = resolve_model(args.model)
-    if args.remeasure:
-        save_drive(measure_drive(path))
-    plan = plan_from_args(path, args)
-    if args.json:
-        print(json.dumps(plan.as_dict(), indent=1))
-    else:
-        print("\n".join(plan.lines()))
-    return 0

@@ -1,10 +1,8 @@
 """The PLE table: ~320M quantized rows of 160 values, 16 scattered rows per token.
 
-Layout: GGUF `per_layer_token_embd.weight`, [160, 320001536] in GGUF's order (here rows
-first: (320001536, 160)), IQ4_NL (90 B a row, 26.8 GiB) or Q8_0; or a safetensors table
-of FP8 e4m3 rows with one global bf16 `weight_scale`. A machine that cannot hold the model
-often cannot hold this either, so how rows reach the gather kernel is a choice
-(`--ple-io`), and each choice is what a field report measured:
+The table's file and layout are found by strata.storage.ple_source (`find_ple`). A
+machine that cannot hold the model often cannot hold this either, so how rows reach the
+gather kernel is a choice (`--ple-io`), and each choice is what a field report measured:
 
 - `ram`: the table read whole into anonymous memory, then mlock'ed. `locked` is True only
   when the lock of the whole table worked; a refused lock is said once (with the limit and
@@ -19,7 +17,8 @@ often cannot hold this either, so how rows reach the gather kernel is a choice
   `prefetch` starts the reads of the next step's rows. The gather kernel gets the compact
   rows read and ids remapped into them.
 - `auto`: measures the real pattern in each candidate mode after a warm-up and keeps the
-  faster by a margin (a cold, single-depth probe once picked the slower mode: seeds/003).
+  faster by a margin (a cold, single-depth probe once picked the slower mode: seeds/003);
+  strata.storage.ple_auto (`choose_mode`).
 
 The model calls, per step (prefill: the whole ubatch; decode: the next token's rows are
 hinted while this token's step computes):
@@ -31,18 +30,12 @@ hinted while this token's step computes):
 from __future__ import annotations
 
 import collections
-import dataclasses
-import json
-import math
 import mmap
 import os
-import re
-import struct
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,9 +43,8 @@ import torch
 import quant
 from strata.storage import io
 from strata.storage.io import PAGE, gib
+from strata.storage.ple_source import PleSource, find_ple
 
-PLE_TENSOR = "per_layer_token_embd.weight"
-PLE_FORMATS = ("F32", "F16", "BF16", "FP8_E4M3", "Q8_0", "Q4_0", "IQ4_NL")
 MODES = ("ram", "mmap", "direct")
 # when mmap mode leaves a hint out (see PleTable.prefetch): steps of up to SMALL_STEP rows
 # (decode: 16 a token) after IDLE_HINTS hints in a row that started no read, but for one
@@ -61,157 +53,6 @@ SMALL_STEP = 64
 IDLE_HINTS = 8
 PROBE_EVERY = 15
 SAMPLE_PAGES = 16
-HEADS = 16  # rows per token: 8 bigram and 8 trigram heads (REFERENCE §3)
-READ_CHUNK = 64 << 20  # ram mode reads the table in chunks of this many bytes
-
-
-# --- where the table is ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PleSource:
-    """Where a PLE table's rows sit: `rows` rows of `row_bytes` bytes from `offset` on."""
-    path: Path
-    tensor: str
-    offset: int
-    rows: int
-    row_dim: int
-    fmt: quant.Format
-    scale: float | None = None  # FP8 tables: one global scale; None: none
-
-    @property
-    def row_bytes(self) -> int:
-        return self.fmt.row_bytes(self.row_dim)
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.row_bytes
-
-    def describe(self) -> str:
-        return f"{self.path} tensor {self.tensor!r} ({self.rows:,} rows of {self.row_dim} {self.fmt.name}, {gib(self.nbytes)})"
-
-
-def _ple_format(path: Path, tensor: str, fmt: quant.Format) -> quant.Format:
-    if fmt.name not in PLE_FORMATS:
-        raise ValueError(f"{path}: tensor {tensor!r} is {fmt.name}; a PLE table is one of "
-                         f"{', '.join(PLE_FORMATS)}: requantize it to IQ4_NL or Q8_0")
-    return fmt
-
-
-_SHARD = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
-
-
-def _gguf_source(path: Path, tensor: str) -> PleSource:
-    from strata.gguf import open_gguf
-    candidates = [path]
-    m = _SHARD.match(path.name)
-    if m:  # the released files keep the table alone in shard 2 (REFERENCE §3)
-        n = int(m["n"])
-        candidates += [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf")
-                       for i in range(1, n + 1) if i != int(m["i"])]
-    for p in candidates:
-        if not p.is_file():
-            continue
-        gf = open_gguf(p)
-        if tensor not in gf.tensors:
-            continue
-        qt = gf.tensors[tensor]
-        if len(qt.shape) != 2:
-            raise ValueError(f"{p}: tensor {tensor!r} has shape {qt.shape}; a PLE table is 2-D "
-                             f"(rows, row dim)")
-        # QTensor.data is a view into the reader's memmap of the whole file: its address
-        # less the map's is the tensor's byte offset in the file
-        offset = qt.data.ctypes.data - gf._reader.data.ctypes.data
-        rows, row_dim = qt.shape
-        fmt = _ple_format(p, tensor, qt.fmt)
-        del qt, gf
-        return PleSource(p, tensor, offset, rows, row_dim, fmt)
-    where = " or its other shards" if m else ""
-    raise ValueError(f"{path}: no tensor {tensor!r} in this GGUF{where}; pass the file that holds "
-                     f"the PLE table with --ple-gguf")
-
-
-def _fp8_format(path: Path) -> quant.Format:
-    try:
-        return quant.get("FP8_E4M3")
-    except ValueError:
-        raise ValueError(f"{path}: an FP8 e4m3 PLE table needs the FP8_E4M3 format in quant/, "
-                         f"which this install lacks; convert the table to a GGUF (IQ4_NL or "
-                         f"Q8_0) or update Strata") from None
-
-
-_ST_DTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F8_E4M3": "FP8_E4M3"}
-
-
-def _safetensors_source(path: Path, tensor: str | None) -> PleSource:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: not a safetensors file: shorter than its 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not a safetensors file: its header is not JSON ({e})") from None
-    header.pop("__metadata__", None)
-    tables = {k: v for k, v in header.items() if len(v.get("shape", ())) == 2 and v["dtype"] in _ST_DTYPES}
-    if tensor is None or tensor not in tables:
-        if tensor in header:
-            raise ValueError(f"{path}: tensor {tensor!r} is {header[tensor]['dtype']} of shape "
-                             f"{header[tensor]['shape']}; a PLE table is a 2-D F32/F16/BF16/F8_E4M3 tensor")
-        # by name first, else the one FP8 table (the releases' format), else the only 2-D one
-        named = [k for k in tables if k.endswith(PLE_TENSOR)]
-        fp8 = [k for k in tables if tables[k]["dtype"] == "F8_E4M3"]
-        pick = next((c for c in (named, fp8, list(tables)) if len(c) == 1), None)
-        if pick:
-            tensor = pick[0]
-        else:
-            raise ValueError(f"{path}: cannot tell which tensor is the PLE table (2-D candidates: "
-                             f"{', '.join(tables) or 'none'}); name it ({PLE_TENSOR!r} is looked for)")
-    info = tables[tensor]
-    rows, row_dim = info["shape"]
-    dtype = _ST_DTYPES[info["dtype"]]
-    fmt = _fp8_format(path) if dtype == "FP8_E4M3" else quant.get(dtype)
-    start, end = info["data_offsets"]
-    if end - start != rows * fmt.row_bytes(row_dim):
-        raise ValueError(f"{path}: tensor {tensor!r} holds {end - start} bytes, not the "
-                         f"{rows * fmt.row_bytes(row_dim)} its shape {info['shape']} needs")
-    scale = None
-    stem = tensor[: -len("weight")] if tensor.endswith("weight") else tensor + "."
-    for key in (tensor + "_scale", stem + "weight_scale", "weight_scale"):
-        if key in header:
-            scale = _read_scale(path, 8 + n, key, header[key])
-            break
-    else:
-        if dtype == "FP8_E4M3":
-            raise ValueError(f"{path}: FP8 table {tensor!r} has no global scale tensor "
-                             f"({tensor + '_scale'!r} or 'weight_scale')")
-    return PleSource(path, tensor, 8 + n + start, rows, row_dim, fmt, scale)
-
-
-def _read_scale(path: Path, data_start: int, key: str, info: dict) -> float:
-    start, end = info["data_offsets"]
-    with open(path, "rb") as f:
-        f.seek(data_start + start)
-        raw = f.read(end - start)
-    kinds = {"BF16": None, "F16": np.float16, "F32": np.float32}
-    if info["dtype"] not in kinds or len(raw) != np.dtype(kinds[info["dtype"]] or np.uint16).itemsize:
-        raise ValueError(f"{path}: scale {key!r} must be one BF16, F16 or F32 value, got "
-                         f"{info['dtype']} of shape {info['shape']}")
-    if info["dtype"] == "BF16":
-        return float(quant.BF16.dequantize(np.frombuffer(raw, np.uint8))[0])
-    return float(np.frombuffer(raw, kinds[info["dtype"]])[0])
-
-
-def find_ple(path: str | os.PathLike, tensor: str | None = None) -> PleSource:
-    """The PLE table in a GGUF (or in another shard of its set) or a safetensors file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file (the PLE table's file: --ple-gguf)")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic == b"GGUF":
-        return _gguf_source(path, tensor or PLE_TENSOR)
-    return _safetensors_source(path, tensor)
 
 
 # --- what a gather hands on --------------------------------------------------------------
@@ -344,6 +185,8 @@ class PleTable:
         when the table fits beside it. One line on `say` tells the mode that runs and why."""
         source = find_ple(path, tensor)
         if mode == "auto":
+            # here, not at the top: ple_auto measures by opening PleTables of this module
+            from strata.storage.ple_auto import choose_mode
             mode, line = choose_mode(source, depth=depth, prefetch=prefetch,
                                      reserve_bytes=reserve_bytes, ids=probe_ids)
         else:
@@ -542,127 +385,3 @@ class _RowsRead:
             del data
             buf.close()
         return self._rows
-
-
-# --- auto --------------------------------------------------------------------------------
-
-def probe_ids(rows: int, tokens: int, seed: int = 0) -> np.ndarray:
-    """int64 [tokens, 16]: a fixed-seed stand-in for the hashed n-gram rows of a fixed text,
-    head h drawing from its own sixteenth of the table as the real heads do (each head has
-    its own range). Where the hash kernel exists, pass its ids for a fixed text instead
-    (`PleTable.open(..., probe_ids=...)`)."""
-    rng = np.random.default_rng(seed)
-    width = max(rows // HEADS, 1)
-    heads = np.minimum(np.arange(HEADS) * width, rows - 1)
-    return np.minimum(heads + rng.integers(0, width, (tokens, HEADS)), rows - 1).astype(np.int64)
-
-
-def measure(table: PleTable, ids: np.ndarray, budget_s: float, ubatch: int = 256) -> dict:
-    """rows/s of the model's two patterns on `ids` [T, 16], after a warm-up: decode (hint
-    the next token, gather this one) and prefill (hint and gather `ubatch` tokens a step),
-    half the budget each. The warm-up (the pool's threads, the first cold reads) keeps one
-    slow first read from deciding (seeds/003). Walks on through `ids` so that no pattern
-    rereads another's rows."""
-    pos = 0
-
-    def take(n):
-        nonlocal pos
-        if pos + n > len(ids):
-            pos = 0
-        out = ids[pos:pos + n]
-        pos += n
-        return out
-
-    for step in (take(1) for _ in range(8)):  # warm-up
-        table.prefetch(step)
-        table.gather(step).rows()
-    out = {}
-    for name, per_step in (("decode", 1), ("prefill", ubatch)):
-        rows, t0 = 0, time.perf_counter()
-        cur = take(per_step)
-        table.prefetch(cur)
-        while True:
-            if per_step == 1:  # decode: the next token is hinted while this one is gathered
-                nxt = take(1)
-                table.prefetch(nxt)
-            table.gather(cur).rows()
-            rows += cur.size
-            if time.perf_counter() - t0 >= budget_s / 2:
-                break
-            if per_step == 1:
-                cur = nxt
-            else:  # prefill: the whole ubatch hinted, then gathered
-                cur = take(per_step)
-                table.prefetch(cur)
-        out[name] = rows / (time.perf_counter() - t0)
-    return out
-
-
-def _ram_sample(source: PleSource, ids: np.ndarray, budget_s: float) -> dict:
-    """ram's rates without loading the whole table: the same calls on a ram table of its
-    first 64 MiB of rows (ids folded into them); a resident row costs the same anywhere."""
-    n = max(1, min(source.rows, (64 << 20) // source.row_bytes))
-    table = PleTable(dataclasses.replace(source, rows=n), "ram", say=lambda _msg: None)
-    try:
-        return measure(table, ids % n, budget_s)
-    finally:
-        table.close()
-
-
-def _rate(r: dict) -> float:
-    return math.sqrt(r["decode"] * r["prefill"])
-
-
-def _k(x: float) -> str:
-    return f"{x / 1e3:,.0f}k" if x >= 1e4 else f"{x:,.0f}"
-
-
-def choose_mode(source: PleSource, *, depth: int = 16, prefetch: bool = True, reserve_bytes: int = 0,
-                ids: np.ndarray | None = None, budget_s: float = 0.3, margin: float = 0.10,
-                mem_available: int | None = None) -> tuple[str, str]:
-    """Measure each candidate mode on the real pattern for `budget_s` and return (mode,
-    the line that says why). Candidates from the cheapest to run: mmap (nothing held),
-    direct (a thread pool), ram (the table's size in RAM and its load time; only when it
-    fits beside `reserve_bytes` in MemAvailable). A costlier mode wins only when faster by
-    `margin` (rates: the geometric mean of decode and prefill rows/s)."""
-    ids = probe_ids(source.rows, 4096) if ids is None else np.asarray(ids, np.int64).reshape(-1, HEADS)
-    avail = io.mem_available() if mem_available is None else mem_available
-    quiet = lambda _msg: None
-    results: dict[str, dict] = {}
-    notes = []
-    for mode in ("mmap", "direct"):
-        t = PleTable(source, mode, depth=depth, prefetch=prefetch, say=quiet)  # the table opened says it
-        try:
-            results[mode] = measure(t, ids, budget_s)
-            if mode == "direct" and not t._reader.direct:
-                notes.append("direct measured buffered reads: the file system refuses O_DIRECT")
-        finally:
-            t.close()
-    if avail is not None and source.nbytes + reserve_bytes < avail:
-        results["ram"] = _ram_sample(source, ids, budget_s)
-    else:
-        have = "unknown" if avail is None else gib(avail)
-        notes.append(f"ram not tried (table {gib(source.nbytes)} + model {gib(reserve_bytes)} "
-                     f"> MemAvailable {have})")
-    best = "mmap"
-    for mode in ("direct", "ram"):
-        if mode in results and _rate(results[mode]) > _rate(results[best]) * (1 + margin):
-            best = mode
-    nums = ", ".join(f"{m} {_k(r['decode'])}|{_k(r['prefill'])}" for m, r in results.items())
-    # rates: the geometric mean of decode and prefill rows/s, so that neither pattern alone
-    # decides (a probe of one pattern mispredicted the other: seeds/003)
-    why = (f"the cheapest; no other faster by {margin:.0%}" if best == "mmap" else
-           f"{_rate(results[best]) / _rate(results['mmap']):.2f}x mmap in the geometric mean of "
-           f"decode and prefill, more than the {margin:.0%} margin")
-    line = (f"--ple-io auto -> {best} ({why}); rows/s decode|prefill at depth {depth}: {nums}"
-            + ("; " + "; ".join(notes) if notes else "")
-            + "; --ple-io ram|mmap|direct forces a mode")
-    return best, line
-
-
-def open_from_args(args, model_path: str | os.PathLike, reserve_bytes: int = 0,
-                   say: Callable[[str], None] = io.log) -> PleTable:
-    """The table the `--ple-*` flags (strata.cli.add_ple_args) ask for; the model's own GGUF
-    (or its shard set) unless --ple-gguf names another file."""
-    return PleTable.open(args.ple_gguf or model_path, args.ple_io, depth=args.ple_io_depth,
-                         prefetch=not args.no_ple_prefetch, reserve_bytes=reserve_bytes, say=say)

@@ -14,7 +14,6 @@ whole record (seeds/000); and the drive is measured, not assumed (seeds/004).
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
 from pathlib import Path
@@ -85,7 +84,7 @@ def _cgroup_limit() -> int | None:
 def _scratch() -> Path:
     """A file to measure the drive on when no model is given: the largest GGUF in the
     Strata cache, else a scratch file written there once."""
-    from strata.hub import cache_dir
+    from strata.cache import cache_dir
     ggufs = sorted(cache_dir().rglob("*.gguf"), key=lambda p: p.stat().st_size, reverse=True)
     if ggufs:
         return ggufs[0]
@@ -137,8 +136,9 @@ def probe(model: str | os.PathLike | None = None, *, device: str = "cpu", second
 
 
 def _choices(out: dict, g, device: str, avail: int | None, ple_budget_s: float) -> None:
-    from strata.storage import experts as ex
-    from strata.storage.ple import PLE_TENSOR, choose_mode, find_ple
+    from strata.storage import pack as ex
+    from strata.storage.ple_auto import choose_mode
+    from strata.storage.ple_source import PLE_TENSOR, find_ple
     sizes = plan._parts(g)
     other = sum(v for k, v in sizes.items() if k not in ("experts", "PLE table"))
     if PLE_TENSOR in g.tensors:
@@ -205,12 +205,3 @@ def table(out: dict) -> str:
     rows.append(f"--experts: {out['experts']['tier'] or '-'}: {out['experts']['why']}")
     rows += [f"note: {n}" for n in out["notes"]]
     return "\n".join(rows)
-
-
-def run(args) -> int:
-    """`strata probe [MODEL]`."""
-    from strata.hub import resolve_model
-    path = resolve_model(args.model) if args.model else None
-    out = probe(path, device=args.device, seconds=args.seconds)
-    print(json.dumps(out, indent=1) if args.json else table(out))
-    return 0

@@ -12,7 +12,7 @@ def smollm2_gguf():
 
 @pytest.fixture(scope="session")
 def smollm2_bf16(smollm2_gguf):
-    from strata.models import load_model
+    from strata.load import load_model
     return load_model(smollm2_gguf)
 
 
@@ -20,3 +20,19 @@ def smollm2_bf16(smollm2_gguf):
 def smollm2_tokenizer(smollm2_gguf):
     from strata.tokenizer import Tokenizer
     return Tokenizer.from_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def flash_tiny_gguf():
+    """flash-tiny (built into the cache on first use), opened."""
+    from strata.hub import synth_flash_tiny
+    return open_gguf(synth_flash_tiny(quiet=True))
+
+
+@pytest.fixture(scope="session")
+def flash_tiny_pack(flash_tiny_gguf, tmp_path_factory):
+    """flash-tiny's experts packed (`strata pack`) into a directory of this session."""
+    from strata.storage.pack import pack
+    d = tmp_path_factory.mktemp("pack")
+    pack(flash_tiny_gguf.path, d, say=lambda _msg: None)
+    return d

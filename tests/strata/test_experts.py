@@ -10,9 +10,12 @@ import pytest
 import torch
 
 import quant
+from strata.cli.args import add_expert_args, store_kwargs
 from strata.gguf import open_gguf, write_gguf
-from strata.hub import synth_flash_tiny
 from strata.storage import experts as ex
+from strata.storage.expert_sources import tensor_file
+from strata.storage.expert_tier import ExpertTier, parse_tier
+from strata.storage.pack import PACK_ALIGN, PACK_BIN, pack
 from strata.tensors import QTensor
 
 NAMES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -30,15 +33,13 @@ def _layer(g, i=0):
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return open_gguf(synth_flash_tiny(quiet=True))
+def tiny(flash_tiny_gguf):
+    return flash_tiny_gguf
 
 
 @pytest.fixture(scope="module")
-def tiny_pack(tiny, tmp_path_factory):
-    d = tmp_path_factory.mktemp("pack")
-    ex.pack(tiny.path, d, say=lambda _msg: None)
-    return d
+def tiny_pack(flash_tiny_pack):
+    return flash_tiny_pack
 
 
 def _batches(n_experts, k, hidden, seed=0):
@@ -114,19 +115,19 @@ def _small_gguf(path, layers=2, E=6, H=64, inter=32, seed=0):
 
 def test_pack_round_trip_and_index(tmp_path):
     g = open_gguf(_small_gguf(tmp_path / "small.gguf"))
-    index = ex.pack(g.path, tmp_path / "pack", say=lambda _msg: None)
+    index = pack(g.path, tmp_path / "pack", say=lambda _msg: None)
     text = index.read_text()
     # human-readable: comments say the layout, then a header row and a row per tensor
     assert text.startswith("# Strata expert pack") and "\nlayer\ttensor\tname\t" in text
     rows = [line.split("\t") for line in text.splitlines() if line and not line.startswith(("#", "layer\t"))]
     assert [(r[0], r[1]) for r in rows] == [(str(i), k) for i in range(2) for k in ("gate", "up", "down")]
-    data = (tmp_path / "pack" / ex.PACK_BIN).read_bytes()
+    data = (tmp_path / "pack" / PACK_BIN).read_bytes()
     for r in rows:
         t = g.tensor(r[2])
-        path, offset = ex.tensor_file(t)
+        path, offset = tensor_file(t)
         assert (int(r[5]), r[10]) == (offset, str(path.resolve()))
         per, at, stride = int(r[6]), int(r[7]), int(r[8])
-        assert stride % ex.PACK_ALIGN == 0
+        assert stride % PACK_ALIGN == 0
         for e in range(t.shape[0]):  # expert e of the tensor is where the index says
             assert data[at + e * stride:at + e * stride + per] == t.data.reshape(t.shape[0], -1)[e].tobytes()
     ts = _layer(g, 1)
@@ -140,7 +141,7 @@ def test_pack_round_trip_and_index(tmp_path):
 def test_stale_or_missing_pack_says_what_to_do(tmp_path):
     a = open_gguf(_small_gguf(tmp_path / "a.gguf", seed=0))
     b = open_gguf(_small_gguf(tmp_path / "b.gguf", E=4, seed=1))
-    ex.pack(a.path, tmp_path / "pa", say=lambda _msg: None)
+    pack(a.path, tmp_path / "pa", say=lambda _msg: None)
     with pytest.raises(ValueError, match="stale; run `strata pack"):
         ex.ExpertStore(*_layer(b), torch.float32, "cpu", None, "packed", experts_dir=tmp_path / "pa")
     with pytest.raises(ValueError, match="no expert pack.*strata pack"):
@@ -148,18 +149,18 @@ def test_stale_or_missing_pack_says_what_to_do(tmp_path):
 
 
 def test_tier_specs():
-    assert ex.parse_tier("cache:64:file") == ex.ExpertTier("cache", 64, "file")
-    assert ex.parse_tier("cache:8") == ex.ExpertTier("cache", 8, "host")
-    assert ex.parse_tier("blocks") == ex.parse_tier("device") == ex.ExpertTier("device")
-    assert [str(ex.parse_tier(s)) for s in ("host", "packed", "file", "CACHE:3:Packed")] == \
+    assert parse_tier("cache:64:file") == ExpertTier("cache", 64, "file")
+    assert parse_tier("cache:8") == ExpertTier("cache", 8, "host")
+    assert parse_tier("blocks") == parse_tier("device") == ExpertTier("device")
+    assert [str(parse_tier(s)) for s in ("host", "packed", "file", "CACHE:3:Packed")] == \
         ["host", "packed", "file", "cache:3:packed"]
     for bad in ("cache", "cache:0", "cache:x:file", "cache:4:disk", "ssd"):
         with pytest.raises(ValueError, match="--experts"):
-            ex.parse_tier(bad)
+            parse_tier(bad)
     p = argparse.ArgumentParser()
-    ex.add_expert_args(p)
+    add_expert_args(p)
     args = p.parse_args(["--experts", "cache:16:packed", "--experts-dir", "/d", "--experts-io", "mmap"])
-    assert ex.store_kwargs(args) == {"tier": "cache:16:packed", "experts_dir": "/d", "io_mode": "mmap", "depth": 16}
+    assert store_kwargs(args) == {"tier": "cache:16:packed", "experts_dir": "/d", "io_mode": "mmap", "depth": 16}
     with pytest.raises(SystemExit):
         p.parse_args(["--experts", "cache:-1"])
 

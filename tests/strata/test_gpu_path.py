@@ -26,8 +26,9 @@ import torch
 import quant
 from strata.gguf import open_gguf, write_gguf
 from strata.hub import synth_flash_tiny
-from strata.models import load_model
+from strata.load import load_model
 from strata.storage import experts as ex
+from strata.storage.pack import pack as write_pack
 from strata.tensors import QTensor
 from triton_kernels import configs
 from triton_kernels.backend import interpreter_on
@@ -166,7 +167,7 @@ def test_every_expert_tier_runs_the_moe_kernels(tiny_mixed, moe_batches, tmp_pat
     which is within the bound of the torch path (moe_batches)."""
     pack = tmp_path_factory.getbasetemp() / "mixed-pack"
     if tier == "packed" and not pack.exists():
-        ex.pack(tiny_mixed, pack, say=lambda _msg: None)
+        write_pack(tiny_mixed, pack, say=lambda _msg: None)
     store = ex.ExpertStore(*_layer1(tiny_mixed), torch.float32, "cpu", None, tier, experts_dir=pack, depth=4,
                            kernels="triton")
     for x, w, ids, want in moe_batches:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.models import load_model
+from strata.load import load_model
 from strata.runtime.graphs import DecodeGraph
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.models import load_model
+from strata.load import load_model
 
 GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "data" / "smollm2_golden.json").read_text())
 PROMPTS = GOLDEN["prompts"]

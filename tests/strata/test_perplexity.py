@@ -35,7 +35,7 @@ def tokens(text, smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def smollm2_f32(smollm2_gguf):
-    from strata.models import load_model
+    from strata.load import load_model
     return load_model(smollm2_gguf, dtype=torch.float32)
 
 

@@ -100,7 +100,7 @@ def test_smollm2_requantized_lines_and_types(smollm2_quantized):
 
 
 def test_smollm2_requantized_generates_in_strata(smollm2_quantized):
-    from strata.models import load_model
+    from strata.load import load_model
     from strata.runtime import SamplingParams, generate
     from strata.tokenizer import Tokenizer
     g = open_gguf(smollm2_quantized[0])

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from strata.gguf import open_gguf, write_gguf  # noqa: E402
 from strata.hub import flash_tiny_checkpoint, synth_flash_tiny  # noqa: E402
-from strata.models import load_model  # noqa: E402
+from strata.load import load_model  # noqa: E402
 from strata.tensors import QTensor  # noqa: E402
 
 REL = 1e-4

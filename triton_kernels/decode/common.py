@@ -26,6 +26,24 @@ def load_f16(q_ptr, off, mask):
 
 
 @triton.jit
+def negate_where(v, minus):
+    """v, negated where `minus` is non-zero: as a product, since -v is 0 - v on a GPU and
+    -0 would come out +0."""
+    return v * tl.where(minus != 0, -1.0, 1.0)
+
+
+@triton.jit
+def xxs_scale_sign(word, j, ksigns_ptr, mask):
+    """IQ2_XXS and IQ3_XXS: a 32-weight group's u32 holds a 4-bit scale on top and, under
+    it, a 7-bit KSIGNS index per 8 weights. Returns (the scale as float32, weight j's sign
+    bit) with KSIGNS at ksigns_ptr."""
+    s = (word >> 28).to(tl.float32)
+    sidx = ((word >> (7 * ((j % 32) // 8)).to(tl.uint32)) & 0x7F).to(tl.int32)
+    ks = tl.load(ksigns_ptr + sidx, mask=mask, other=0).to(tl.int32)
+    return s, (ks >> (j % 8)) & 1
+
+
+@triton.jit
 def round_to_bf16_bits(v):
     """float32 -> bf16 bit patterns (as int16, for a store through an int16 view), rounded to
     nearest even, NaN kept quiet: by hand, because the interpreter holds bf16 as raw uint16

@@ -6,13 +6,12 @@ Tables (triton_kernels.decode.table): grid bytes (8 a entry) from 0, then for IQ
 import triton
 import triton.language as tl
 
-from .common import load_f16, load_u16, load_u32
+from .common import load_f16, load_u16, load_u32, negate_where, xxs_scale_sign
 
 
 @triton.jit
 def _signed(d, s, g, minus):
-    v = d * (0.5 + s) * 0.25 * g
-    return v * tl.where(minus != 0, -1.0, 1.0)  # -v is 0 - v on a GPU: -0 would be +0
+    return negate_where(d * (0.5 + s) * 0.25 * g, minus)
 
 
 @triton.jit
@@ -22,11 +21,8 @@ def decode_iq2_xxs(q_ptr, tab_ptr, blk, j, mask):
     grp = base + 2 + (j // 32) * 8
     gi = tl.load(q_ptr + grp + (j % 32) // 8, mask=mask, other=0).to(tl.int32)
     g = tl.load(tab_ptr + gi * 8 + j % 8, mask=mask, other=0).to(tl.float32)
-    word = load_u32(q_ptr, grp + 4, mask)
-    s = (word >> 28).to(tl.float32)
-    sidx = ((word >> (7 * ((j % 32) // 8)).to(tl.uint32)) & 0x7F).to(tl.int32)
-    ks = tl.load(tab_ptr + 2048 + sidx, mask=mask, other=0).to(tl.int32)
-    return _signed(d, s, g, (ks >> (j % 8)) & 1)
+    s, minus = xxs_scale_sign(load_u32(q_ptr, grp + 4, mask), j, tab_ptr + 2048, mask)
+    return _signed(d, s, g, minus)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ IQ3_S grid bytes at 0..2047.
 import triton
 import triton.language as tl
 
-from .common import f16_at, hw, load_f16, load_u32, word_at
+from .common import f16_at, hw, load_f16, load_u32, negate_where, word_at, xxs_scale_sign
 
 
 @triton.jit
@@ -16,12 +16,8 @@ def decode_iq3_xxs(q_ptr, tab_ptr, blk, j, mask):
     gi = tl.load(q_ptr + base + 2 + j // 4, mask=mask, other=0).to(tl.int32)
     g = tl.load(tab_ptr + gi * 4 + j % 4, mask=mask, other=0).to(tl.float32)
     word = load_u32(q_ptr, base + 66 + (j // 32) * 4, mask)
-    s = (word >> 28).to(tl.float32)
-    sidx = ((word >> (7 * ((j % 32) // 8)).to(tl.uint32)) & 0x7F).to(tl.int32)
-    ks = tl.load(tab_ptr + 1024 + sidx, mask=mask, other=0).to(tl.int32)
-    minus = (ks >> (j % 8)) & 1
-    v = d * (0.5 + s) * 0.5 * g
-    return v * tl.where(minus != 0, -1.0, 1.0)  # -v is 0 - v on a GPU: -0 would be +0
+    s, minus = xxs_scale_sign(word, j, tab_ptr + 1024, mask)
+    return negate_where(d * (0.5 + s) * 0.5 * g, minus)
 
 
 @triton.jit
@@ -36,8 +32,7 @@ def decode_iq3_s(q_ptr, tab_ptr, blk, j, mask):
     minus = (sb >> (j % 8)) & 1
     sc = tl.load(q_ptr + base + 106 + j // 64, mask=mask, other=0).to(tl.int32)
     s = (sc >> (4 * ((j // 32) % 2))) & 0x0F
-    v = d * (1 + 2 * s).to(tl.float32) * g
-    return v * tl.where(minus != 0, -1.0, 1.0)  # -v is 0 - v on a GPU: -0 would be +0
+    return negate_where(d * (1 + 2 * s).to(tl.float32) * g, minus)
 
 
 # --- int8 units (decode/common.py) ---------------------------------------------------------

@@ -5,14 +5,14 @@ import triton.language as tl
 
 from ..asm import prmt
 from .common import f16_at, load_f16, load_u16
-from .legacy import _nibble, nibble_words
+from .legacy import nibble, nibble_words
 
 
 @triton.jit
 def decode_iq4_nl(q_ptr, tab_ptr, blk, j, mask):
     base = blk * 18
     d = load_f16(q_ptr, base, mask)
-    code = _nibble(q_ptr, base + 2, j, mask)
+    code = nibble(q_ptr, base + 2, j, mask)
     v = tl.load(tab_ptr + code, mask=mask, other=0).to(tl.int8, bitcast=True)
     return d * v.to(tl.float32)
 
@@ -26,7 +26,7 @@ def decode_iq4_xs(q_ptr, tab_ptr, blk, j, mask):
     sl = tl.load(q_ptr + base + 4 + ib // 2, mask=mask, other=0).to(tl.int32)
     ls = ((sl >> (4 * (ib % 2))) & 0x0F) | (((sh >> (2 * ib)) & 3) << 4)
     dl = d * (ls - 32).to(tl.float32)
-    code = _nibble(q_ptr, base + 8 + ib * 16, j % 32, mask)
+    code = nibble(q_ptr, base + 8 + ib * 16, j % 32, mask)
     v = tl.load(tab_ptr + code, mask=mask, other=0).to(tl.int8, bitcast=True)
     return dl * v.to(tl.float32)
 

@@ -1,68 +1,17 @@
-"""The text front ends: `strata pull`, `strata generate`, `strata chat`."""
+"""The text front ends: `strata pull`, `strata generate`, `strata chat`, `strata serve`."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from types import SimpleNamespace
 
-import torch
-
+from strata.cli.load import load
 from strata.hub import resolve_model
 from strata.runtime import SamplingParams, generate
+
 
 def pull(args) -> int:
     path = resolve_model(args.name)
     print(path)
     return 0
-
-
-def load(args):
-    """Model and tokenizer for `--model`, with the plan line on stderr."""
-    from strata.gguf import open_gguf
-    from strata.models import load_model
-    from strata.tokenizer import Tokenizer
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
-    g = open_gguf(path)
-    model = load_model(g, dtype=args.dtype, device=getattr(args, "device", None) or "cpu",
-                       kernels=getattr(args, "kernels", None), **model_options(args, g, path))
-    print(f"strata: {model.plan_line()}", file=sys.stderr)
-    if g.arch == "qwen4exp":  # where the parts sit and what a long prompt will read
-        from strata.storage.plan import plan_from_args
-        for line in plan_from_args(g, args).lines():
-            print(f"strata: {line}", file=sys.stderr)
-    return model, Tokenizer.from_gguf(g)
-
-
-def model_options(args, g, path) -> dict:
-    """The architecture's own options from the command line (qwen4exp: QSA, PLE table I/O)."""
-    if g.arch != "qwen4exp":
-        return {}
-    from strata.storage.experts import store_kwargs
-    opts = {"qsa": getattr(args, "qsa", "on") != "off"}
-    if getattr(args, "experts", None):
-        opts["expert_opts"] = store_kwargs(args)
-    elif str(getattr(args, "device", "cpu")).startswith("cuda"):
-        # no --experts on a GPU: the placement decides (what fits VRAM, then RAM, then the
-        # drive), and says so
-        from strata.storage import placement as pl
-        from strata.storage.experts import PACK_INDEX, default_pack_dir
-        pack = Path(getattr(args, "experts_dir", None) or default_pack_dir(path)) / PACK_INDEX
-        p = pl.place(pl.shape_of(g), pl.this_machine(args.device, getattr(args, "vram_reserve_mib", 1024)),
-                     pack_exists=pack.is_file())
-        for line in p.lines():
-            print(f"strata: {line}", file=sys.stderr)
-        opts["expert_opts"] = store_kwargs(SimpleNamespace(**{**vars(args), "experts": p.expert_tier}))
-    # commands without the PLE flags (perplexity, imatrix, bench) take their defaults
-    args = SimpleNamespace(**{"ple_io": "auto", "ple_gguf": None, "no_ple_prefetch": False,
-                              "ple_io_depth": 16, **vars(args)})
-    if "per_layer_token_embd.weight" in g.tensors or args.ple_gguf:
-        from strata.storage.ple import open_from_args
-        # ram is a candidate only when the table fits beside the rest of the model
-        rest = sum(t.nbytes for n, t in g.tensors.items() if n != "per_layer_token_embd.weight")
-        opts["ple_table"] = open_from_args(args, path, reserve_bytes=rest)
-    return opts
 
 
 def sampling(args) -> SamplingParams:

@@ -1,72 +1,14 @@
-"""`strata`: the one command-line parser."""
+"""`strata`: the one command-line parser (the flags several commands share are strata.cli.args')."""
 from __future__ import annotations
 
 import argparse
-import sys
 
-import torch
-
-
-def _formats(text: str) -> list[str]:
-    import quant
-    try:
-        return [quant.get(t.strip()).name for t in text.split(",") if t.strip()]
-    except ValueError as e:  # argparse prints an ArgumentTypeError's own words
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _device_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, metavar="cuda|cpu",
-                   help="where the model computes: cuda[:N] or cpu (default: cuda when torch sees one)")
-    p.add_argument("--kernels", choices=("triton", "torch"), default=None,
-                   help="the ops' implementation (default: triton on a GPU, torch on the CPU; triton on "
-                        "the CPU runs the Triton interpreter: slow, for checking the GPU path)")
-    p.add_argument("--vram-reserve-mib", type=int, default=1024,
-                   help="VRAM a GPU keeps free (activations, KV growth, the CUDA context) when the "
-                        "placement sizes the expert cache (default 1024)")
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default="smollm2",
-                   help="a known model (smollm2: pulled on first use) or a .gguf path")
-    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
-                   help="compute dtype (bf16: fast; f32: exact weights)")
-    _device_args(p)
-    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--qsa", choices=("on", "off"), default="on",
-                   help="qwen4exp: QSA sparse attention past the indexer's budget (on, as transformers) "
-                        "or dense attention at every length (off, as llama.cpp)")
-    add_ple_args(p)
-    from strata.storage.experts import add_expert_args
-    add_expert_args(p)
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--n-predict", "-n", type=int, default=256, help="most tokens to generate")
-    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=40, help="0: off")
-    p.add_argument("--top-p", type=float, default=0.95, help="1.0: off")
-    p.add_argument("--min-p", type=float, default=0.05, help="0.0: off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-
-
-def add_ple_args(p: argparse.ArgumentParser) -> None:
-    """The PLE table's flags, for every command that loads a model with one
-    (strata.storage.ple.open_from_args reads them)."""
-    p.add_argument("--ple-io", choices=("auto", "ram", "mmap", "direct"), default="auto",
-                   help="how PLE rows are read: ram (read whole, mlock), mmap (page cache, hinted), "
-                        "direct (O_DIRECT, thread pool), auto (measure, keep the faster; default)")
-    p.add_argument("--ple-gguf", default=None, metavar="PATH",
-                   help="the file holding the PLE table (GGUF or safetensors FP8; default: the model's GGUF)")
-    p.add_argument("--no-ple-prefetch", action="store_true",
-                   help="announce no step's rows ahead: no MADV_WILLNEED hints (mmap), no read-ahead (direct)")
-    p.add_argument("--ple-io-depth", type=int, default=16, metavar="N",
-                   help="direct reads in flight (threads) for --ple-io direct (default 16)")
+from strata.cli.args import (add_device_args, add_expert_args, add_model_args, add_ple_args,
+                              add_sampling_args, formats)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="strata", description=__doc__)
+    p = argparse.ArgumentParser(prog="strata", description="Strata: quantized GGUF models on Triton kernels")
     sub = p.add_subparsers(dest="command", required=True)
 
     pull = sub.add_parser("pull", help="fetch a known model into the cache")
@@ -80,16 +22,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as is")
-    _model_args(gen)
-    _sampling_args(gen)
+    add_model_args(gen)
+    add_sampling_args(gen)
 
     chat = sub.add_parser("chat", help="interactive chat (one line a turn; /reset, /exit)")
     chat.add_argument("--system", default=None, help="system prompt")
-    _model_args(chat)
-    _sampling_args(chat)
+    add_model_args(chat)
+    add_sampling_args(chat)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with slots and a conversation cache")
-    _model_args(srv)
+    add_model_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
     srv.add_argument("--slots", "-np", type=int, default=4, help="requests decoded together")
@@ -102,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure kernels and paths against their peers")
     bsub = bench.add_subparsers(dest="what", required=True)
     dq = bsub.add_parser("dequant", help="dequantization throughput: torch path, Triton kernel, gguf-py")
-    dq.add_argument("--formats", type=_formats, default=None,
+    dq.add_argument("--formats", type=formats, default=None,
                     help="comma-separated formats (default: all), e.g. IQ3_XXS,IQ3_S")
     dq.add_argument("--mib", type=float, default=64.0,
                     help="MiB of quantized blocks per format (default 64; at least 1024 on CUDA)")
@@ -120,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--model", "-m", default="smollm2")
     bm.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     bm.add_argument("--threads", "-t", type=int, default=2)
-    _device_args(bm)
+    add_device_args(bm)
     bm.add_argument("--n-prompt", "-p", type=int, default=512)
     bm.add_argument("--n-gen", "-n", type=int, default=128)
     bm.add_argument("--repeats", "-r", type=int, default=3)
@@ -173,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     pp.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     pp.add_argument("--threads", "-t", type=int, default=None)
-    _device_args(pp)
+    add_device_args(pp)
 
     im = sub.add_parser("imatrix", help="llama-imatrix: importance matrix (GGUF) for llama-quantize --imatrix")
     im.add_argument("model", nargs="?", default="smollm2", help="a known model (smollm2) or a .gguf path")
@@ -184,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--process-output", action="store_true", help="also collect output.weight")
     im.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     im.add_argument("--threads", "-t", type=int, default=None)
-    _device_args(im)
+    add_device_args(im)
 
     qz = sub.add_parser("quantize", help="llama-quantize: requantize a GGUF (IQ3_XXS, IQ3_S, Q4_0, ...)")
     qz.add_argument("input", help="source .gguf (a quantized source is dequantized first)")
@@ -201,7 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("output", help=".gguf to write; an mtp.* block goes to mtp-<name> beside it")
     cv.add_argument("--outtype", default="f16", help="f32, f16 (default), bf16 or q8_0")
 
-    from strata.storage.experts import add_expert_args
     pk = sub.add_parser("pack", help="write experts.bin and its index for the packed expert tier")
     pk.add_argument("model", help="a .gguf path (or a known model); the other shards of its set come along")
     pk.add_argument("--out", default=None, metavar="DIR",
@@ -233,75 +174,3 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seconds", type=float, default=0.2, help="seconds a drive reading (8 readings)")
     pr.add_argument("--json", action="store_true")
     return p
-
-
-def _interpret(argv: list[str] | None) -> None:
-    """`--kernels triton` on the CPU runs the Triton interpreter, which must be on before
-    triton is imported: start again with TRITON_INTERPRET=1."""
-    import os
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    args = sys.argv[1:] if argv is None else argv
-    os.execve(sys.executable, [sys.executable, "-m", "strata", *args], env)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from strata import commands
-    from strata.hub import HubError
-    from triton_kernels import configs
-    from triton_kernels.backend import choose_device, interpreter_on
-    if hasattr(args, "dtype"):  # one spelling on the command line, a torch dtype past here
-        args.dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
-    if args.command in ("generate", "chat", "serve", "perplexity", "imatrix") or (
-            args.command == "bench" and args.what == "model"):
-        try:
-            args.device = choose_device(args.device)
-        except ValueError as e:
-            print(f"strata: {e}", file=sys.stderr)
-            return 2
-    elif args.command == "plan" and args.device is None:  # a plan may be for another machine
-        args.device = "cuda" if args.gpu_mem else choose_device(None)
-    interpret = getattr(args, "kernels", None) == "triton" and str(args.device).startswith("cpu")
-    if interpret and not interpreter_on():
-        _interpret(argv)
-    with configs.interpreter_tiles(interpret):
-        return _run(args, commands, HubError)
-
-
-def _run(args, commands, HubError) -> int:
-    try:
-        if args.command in ("pack", "plan", "probe"):
-            from strata.storage import experts, plan, probe
-            if args.command == "pack":
-                from strata.hub import resolve_model
-                experts.pack(resolve_model(args.model), args.out)
-                return 0
-            return {"plan": plan.run, "probe": probe.run}[args.command](args)
-        if args.command == "synth":
-            from strata.hub import synth_flash_tiny
-            print(synth_flash_tiny(force=args.force))
-            return 0
-        if args.command == "convert":
-            from strata.convert import convert
-            convert(args.hf_dir, args.output, args.outtype)
-            return 0
-        if args.command == "quantize":
-            from strata import quantize
-            return quantize.run(args)
-        if args.command in ("perplexity", "imatrix"):
-            from strata import imatrix, perplexity
-            return {"perplexity": perplexity.run, "imatrix": imatrix.run}[args.command](args)
-        if args.command == "bench" and args.what == "ple":
-            from strata.bench import ple
-            return ple.run(args)
-        if args.command == "bench":
-            from strata.bench import dequant, kernels, model, serve
-            return {"dequant": dequant.run, "kernels": kernels.run, "model": model.run,
-                    "serve": serve.run}[args.what](args)
-        return {"pull": commands.pull, "generate": commands.generate_cmd,
-                "chat": commands.chat_cmd, "serve": commands.serve_cmd}[args.command](args)
-    except (ValueError, HubError) as e:  # bad input or file, named by the code that found it
-        print(f"strata: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130

@@ -1,0 +1,89 @@
+"""`strata`: the command line. The parser (strata.cli.parser) and the flags several
+commands share (strata.cli.args); each command's function takes the parsed flags, turns
+them into a library call's plain arguments, and prints. Nothing below this package
+imports it."""
+from __future__ import annotations
+
+import sys
+
+from strata.cli.args import DTYPES
+from strata.cli.parser import build_parser
+
+# commands that load a model, and so take --device and --kernels
+_LOADS = ("generate", "chat", "serve", "perplexity", "imatrix")
+
+
+def _interpret(argv: list[str] | None) -> None:
+    """`--kernels triton` on the CPU runs the Triton interpreter, which must be on before
+    triton is imported: start again with TRITON_INTERPRET=1."""
+    import os
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    args = sys.argv[1:] if argv is None else argv
+    os.execve(sys.executable, [sys.executable, "-m", "strata", *args], env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from triton_kernels import configs
+    from triton_kernels.backend import choose_device, interpreter_on
+    if hasattr(args, "dtype"):  # one spelling on the command line, a torch dtype past here
+        args.dtype = DTYPES[args.dtype]
+    if args.command in _LOADS or (args.command == "bench" and args.what == "model"):
+        try:
+            args.device = choose_device(args.device)
+        except ValueError as e:
+            print(f"strata: {e}", file=sys.stderr)
+            return 2
+    elif args.command == "plan" and args.device is None:  # a plan may be for another machine
+        args.device = "cuda" if args.gpu_mem else choose_device(None)
+    interpret = getattr(args, "kernels", None) == "triton" and str(args.device).startswith("cpu")
+    if interpret and not interpreter_on():
+        _interpret(argv)
+    with configs.interpreter_tiles(interpret):
+        return _run(args)
+
+
+def _bench(args) -> int:
+    from strata import hub
+    if args.what == "ple":
+        from strata.bench import ple
+        return ple.run(args)
+    if args.what in ("dequant", "kernels"):
+        from strata.bench import dequant, kernels
+        return {"dequant": dequant.run, "kernels": kernels.run}[args.what](args)
+    path = hub.resolve_model(args.model)
+    if args.what == "serve":
+        from strata.bench import serve
+        return serve.run(args, path)
+    from strata.bench import model
+    hf_dir = getattr(args, "hf_dir", None) or (hub.flash_tiny_checkpoint() if path == hub.flash_tiny_path() else None)
+    return model.run(args, path, hf_dir)
+
+
+def _run(args) -> int:
+    from strata.hub import HubError
+    try:
+        if args.command in ("pack", "plan", "probe"):
+            from strata.cli import storage
+            return {"pack": storage.pack, "plan": storage.plan, "probe": storage.probe}[args.command](args)
+        if args.command == "synth":
+            from strata.hub import synth_flash_tiny
+            print(synth_flash_tiny(force=args.force))
+            return 0
+        if args.command == "convert":
+            from strata.convert import convert
+            convert(args.hf_dir, args.output, args.outtype)
+            return 0
+        if args.command in ("perplexity", "imatrix", "quantize"):
+            from strata.cli import eval as ev
+            return {"perplexity": ev.perplexity, "imatrix": ev.imatrix, "quantize": ev.quantize}[args.command](args)
+        if args.command == "bench":
+            return _bench(args)
+        from strata.cli import text
+        return {"pull": text.pull, "generate": text.generate_cmd, "chat": text.chat_cmd,
+                "serve": text.serve_cmd}[args.command](args)
+    except (ValueError, HubError) as e:  # bad input or file, named by the code that found it
+        print(f"strata: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,124 @@
+"""The flags that several commands share, and what they become: model flags to
+strata.load.Options, sampling flags to SamplingParams."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def formats(text: str) -> list[str]:
+    """`--formats A,B`: format names as quant spells them."""
+    import quant
+    try:
+        return [quant.get(t.strip()).name for t in text.split(",") if t.strip()]
+    except ValueError as e:  # argparse prints an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def tier(text: str) -> str:
+    """`--experts TIER`, checked as the flag is read."""
+    from strata.storage.expert_tier import parse_tier
+    try:
+        parse_tier(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, metavar="cuda|cpu",
+                   help="where the model computes: cuda[:N] or cpu (default: cuda when torch sees one)")
+    p.add_argument("--kernels", choices=("triton", "torch"), default=None,
+                   help="the ops' implementation (default: triton on a GPU, torch on the CPU; triton on "
+                        "the CPU runs the Triton interpreter: slow, for checking the GPU path)")
+    p.add_argument("--vram-reserve-mib", type=int, default=1024,
+                   help="VRAM a GPU keeps free (activations, KV growth, the CUDA context) when the "
+                        "placement sizes the expert cache (default 1024)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default="smollm2",
+                   help="a known model (smollm2: pulled on first use) or a .gguf path")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
+                   help="compute dtype (bf16: fast; f32: exact weights)")
+    add_device_args(p)
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--qsa", choices=("on", "off"), default="on",
+                   help="qwen4exp: QSA sparse attention past the indexer's budget (on, as transformers) "
+                        "or dense attention at every length (off, as llama.cpp)")
+    add_ple_args(p)
+    add_expert_args(p)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n-predict", "-n", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0: off")
+    p.add_argument("--top-p", type=float, default=0.95, help="1.0: off")
+    p.add_argument("--min-p", type=float, default=0.05, help="0.0: off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def add_ple_args(p: argparse.ArgumentParser) -> None:
+    """The PLE table's flags, for every command that loads a model with one."""
+    p.add_argument("--ple-io", choices=("auto", "ram", "mmap", "direct"), default="auto",
+                   help="how PLE rows are read: ram (read whole, mlock), mmap (page cache, hinted), "
+                        "direct (O_DIRECT, thread pool), auto (measure, keep the faster; default)")
+    p.add_argument("--ple-gguf", default=None, metavar="PATH",
+                   help="the file holding the PLE table (GGUF or safetensors FP8; default: the model's GGUF)")
+    p.add_argument("--no-ple-prefetch", action="store_true",
+                   help="announce no step's rows ahead: no MADV_WILLNEED hints (mmap), no read-ahead (direct)")
+    p.add_argument("--ple-io-depth", type=int, default=16, metavar="N",
+                   help="direct reads in flight (threads) for --ple-io direct (default 16)")
+
+
+def add_expert_args(p: argparse.ArgumentParser) -> None:
+    """The expert tier's flags, for every command that loads a MoE model."""
+    p.add_argument("--experts", type=tier, default=None, metavar="TIER",
+                   help="where routed experts live: device (resident), host (RAM; pinned on CUDA), "
+                        "cache:N[:host|packed|file] (N slots on the device, LRU), packed (experts.bin "
+                        "of `strata pack`), file (read in place from the GGUF). Default: dense on the "
+                        "CPU while memory lasts, else device; on a GPU, what the placement fits")
+    p.add_argument("--experts-dir", default=None, metavar="DIR",
+                   help="the directory `strata pack --out` wrote experts.bin and experts.txt to "
+                        "(default: packs/<model> in the Strata cache)")
+    p.add_argument("--experts-io", choices=("direct", "mmap"), default="direct",
+                   help="how packed and file tiers read: direct (O_DIRECT, thread pool; default) or "
+                        "mmap (page cache, one batched MADV_WILLNEED a fetch)")
+    p.add_argument("--experts-io-depth", type=int, default=16, metavar="N",
+                   help="direct reads in flight (threads) for --experts-io direct (default 16)")
+
+
+def store_kwargs(args) -> dict:
+    """ExpertStore's keyword arguments from add_expert_args' flags."""
+    return {"tier": args.experts, "experts_dir": args.experts_dir, "io_mode": args.experts_io,
+            "depth": args.experts_io_depth}
+
+
+def load_options(args, **override):
+    """strata.load.Options from a command's flags; a command without some of them (perplexity,
+    imatrix, bench) takes their defaults, except that a command-line load reads the PLE table
+    through the storage tier (--ple-io auto), where a library load keeps it in the mapping."""
+    from strata.load import Options
+    get = (lambda k, d=None: override.get(k, getattr(args, k, d)))
+    dtype = get("dtype", "bf16")
+    return Options(
+        dtype=DTYPES.get(dtype, dtype), device=get("device"), kernels=get("kernels"), threads=get("threads"),
+        qsa=get("qsa", "on") != "off", experts=get("experts"), experts_dir=get("experts_dir"),
+        experts_io=get("experts_io", "direct"), experts_io_depth=get("experts_io_depth", 16),
+        ple_io=get("ple_io", "auto"), ple_file=get("ple_gguf"), ple_prefetch=not get("no_ple_prefetch", False),
+        ple_io_depth=get("ple_io_depth", 16), vram_reserve_mib=get("vram_reserve_mib", 1024),
+        tokens=get("tokens", None) or 32768)
+
+
+def open_ple_table(args, model_path, reserve_bytes: int = 0, say=None):
+    """The PLE table the --ple-* flags ask for: the model's own GGUF (or its shard set)
+    unless --ple-gguf names another file."""
+    from strata.storage import io
+    from strata.storage.ple import PleTable
+    return PleTable.open(args.ple_gguf or model_path, args.ple_io, depth=args.ple_io_depth,
+                         prefetch=not args.no_ple_prefetch, reserve_bytes=reserve_bytes, say=say or io.log)

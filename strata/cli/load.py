@@ -1,0 +1,27 @@
+"""A model for a command: the flags become strata.load.Options, `decide` makes the plan,
+its lines go to stderr, and the model is built from that same plan."""
+from __future__ import annotations
+
+import sys
+
+from strata.cli.args import load_options
+from strata.hub import resolve_model
+
+
+def say(line: str) -> None:
+    print(f"strata: {line}", file=sys.stderr)
+
+
+def load(args, model: str | None = None, dtype=None):
+    """(model, tokenizer) for `--model` (or `model`, a known name or a .gguf path) with the
+    command's flags; `dtype` (a torch dtype, or bf16/f32) overrides --dtype."""
+    from strata.gguf import open_gguf
+    from strata.load import build, decide
+    from strata.tokenizer import Tokenizer
+    g = open_gguf(resolve_model(model or args.model))
+    plan = decide(g, load_options(args, **({"dtype": dtype} if dtype is not None else {})))
+    for line in plan.lines():
+        say(line)
+    m = build(plan)
+    say(m.plan_line())
+    return m, Tokenizer.from_gguf(g)

@@ -1,0 +1,195 @@
+"""The decision: what a model's load will do, made once, in one place.
+
+`decide(gguf, options, machine)` turns a GGUF file, what the user asked for (`Options`:
+the command-line flags, or a notebook's keywords) and the machine into a `LoadPlan`:
+where the model computes and with which kernels, in which dtype; where the routed
+experts live (`--experts`, or what the placement fits on a GPU); how the PLE table is
+read (`--ple-io`, `auto` measured here); and why. The loaders build the model from the
+plan and nothing else (strata.load.build), the plan lines are printed from it
+(`LoadPlan.lines`), and `LoadPlan.check(model)` says whether a loaded model holds what
+its plan says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from strata.gguf import GGUFFile
+from strata.names import qwen4exp as qn
+from strata.storage.expert_tier import parse_tier
+from triton_kernels.backend import choose_device, choose_kernels
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a load is asked to do. None: decided (see `decide`)."""
+    dtype: torch.dtype = torch.bfloat16
+    device: str | None = None  # cuda[:N] or cpu; None: cuda when torch sees one
+    kernels: str | None = None  # triton or torch; None: the device's default
+    threads: int | None = None  # CPU threads; None: torch's
+    qsa: bool = True  # qwen4exp: QSA sparse attention past the indexer's budget
+    experts: str | None = None  # an --experts spec; None: the default for the device
+    experts_dir: str | None = None  # where `strata pack` wrote the pack
+    experts_io: str = "direct"
+    experts_io_depth: int = 16
+    ple_io: str | None = None  # ram, mmap, direct or auto; None: the table's blocks in the mapping
+    ple_file: str | None = None  # the file holding the PLE table (default: the model's GGUF)
+    ple_prefetch: bool = True
+    ple_io_depth: int = 16
+    vram_reserve_mib: int = 1024
+    tokens: int = 32768  # the prompt length the drive plan counts reads for
+
+
+@dataclass(frozen=True)
+class ExpertChoice:
+    """Where the routed experts live: `tier` an --experts spec, or None for the CPU's
+    default (dense while the DenseBudget lasts, else the blocks in the mapping)."""
+    tier: str | None
+    why: str
+    experts_dir: str | None = None
+    io_mode: str = "direct"
+    depth: int = 16
+
+    def store_kwargs(self) -> dict:
+        return {"tier": self.tier, "experts_dir": self.experts_dir, "io_mode": self.io_mode, "depth": self.depth}
+
+    def kinds(self) -> set[str]:
+        """The ExpertStore tier names a store built from this choice may report."""
+        if self.tier is None:
+            return {"dense", "blocks"}
+        return {"blocks"} if self.tier == "blocks" else {str(parse_tier(self.tier))}
+
+
+@dataclass(frozen=True)
+class PleChoice:
+    """How the PLE table is read: `mode` ram, mmap or direct through strata.storage.ple
+    from `path`, or None: the table's blocks in the model's own mapping."""
+    mode: str | None
+    why: str
+    path: Path | None = None
+    depth: int = 16
+    prefetch: bool = True
+
+
+@dataclass
+class LoadPlan:
+    gguf: GGUFFile
+    options: Options
+    device: str
+    kernels: str
+    dtype: torch.dtype
+    threads: int
+    experts: ExpertChoice | None  # None: a dense model
+    ple: PleChoice | None  # None: no PLE table
+    placement: object | None = None  # strata.storage.placement.Placement, on a GPU
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def arch(self) -> str:
+        return self.gguf.arch
+
+    def lines(self, drive: bool = True) -> list[str]:
+        """What the load does and why; with `drive`, first the parts' sizes and tiers and
+        what a prompt reads from the drive (strata.storage.plan, from this plan's choices)."""
+        o = self.options
+        out = self.drive_plan().lines() if drive and self.arch == qn.ARCH else []
+        out += [f"plan: {self.arch} on {self.device}, {self.kernels} kernels, "
+               f"{str(self.dtype).replace('torch.', '')}, {self.threads} threads"
+               + ("" if self.arch != qn.ARCH else f", {'QSA on' if o.qsa else 'QSA off (dense attention)'}")]
+        if self.placement is not None:
+            out += self.placement.lines()
+        if self.experts is not None:
+            out.append(f"--experts {self.experts.tier or 'default'}: {self.experts.why}")
+        if self.ple is not None:
+            out.append(f"PLE table: {self.ple.why}")
+        return out + self.notes
+
+    def drive_plan(self, measure: bool = True):
+        """strata.storage.plan.Plan for this plan's tiers: sizes, page cache, drive reads."""
+        from strata.storage.plan import make_plan
+        e = self.experts
+        ple = self.ple.mode if self.ple is not None and self.ple.mode else "mmap"
+        return make_plan(self.gguf, experts=e.tier if e else None, ple_io=ple, device=self.device,
+                         experts_io=e.io_mode if e else "direct", experts_dir=e.experts_dir if e else None,
+                         tokens=self.options.tokens, measure=measure)
+
+    def check(self, model) -> list[str]:
+        """What the loaded model holds that its plan does not say: empty when they agree."""
+        bad = []
+        if torch.device(self.device) != model.device:
+            bad.append(f"device {model.device}, planned {self.device}")
+        if model.kernels != self.kernels:
+            bad.append(f"kernels {model.kernels}, planned {self.kernels}")
+        if model.dtype != self.dtype:
+            bad.append(f"dtype {model.dtype}, planned {self.dtype}")
+        stores = [l.moe.experts for l in getattr(model, "layers", [])]
+        if self.experts is not None:
+            kinds = self.experts.kinds()
+            for i, s in enumerate(stores):
+                if s.tier not in kinds or s.kernels != self.kernels:
+                    bad.append(f"layer {i}'s experts: {s.tier} with {s.kernels} kernels, planned "
+                               f"{' or '.join(sorted(kinds))} with {self.kernels}")
+        ple = getattr(model, "ple", None)
+        if self.ple is not None:
+            held = getattr(ple.table, "table", None) if ple is not None else None
+            mode = getattr(held, "mode", None)
+            if ple is None or mode != self.ple.mode:
+                bad.append(f"PLE table {mode or 'in the mapping' if ple else 'absent'}, planned "
+                           f"{self.ple.mode or 'in the mapping'}")
+        return bad
+
+
+def _rest_bytes(g: GGUFFile) -> int:
+    return sum(t.nbytes for n, t in g.tensors.items() if n != qn.PLE_TABLE)
+
+
+def _experts(g: GGUFFile, o: Options, device: str, machine) -> tuple[ExpertChoice | None, object | None]:
+    if not any(n.endswith(qn.MOE["gate_exps"]) for n in g.tensors):
+        return None, None
+    kw = dict(experts_dir=o.experts_dir, io_mode=o.experts_io, depth=o.experts_io_depth)
+    if o.experts:
+        return ExpertChoice(str(parse_tier(o.experts)) if o.experts != "blocks" else "blocks", "given", **kw), None
+    if not device.startswith("cuda"):
+        return ExpertChoice(None, "dense copies while STRATA_DENSE_MIB lasts, else the blocks in the "
+                                  "mapped file (the page cache holds them)", **kw), None
+    # a GPU without --experts: what fits VRAM, then RAM, then the drive (the placement)
+    from strata.storage import placement as pl
+    from strata.storage.pack import PACK_INDEX, default_pack_dir
+    pack = Path(o.experts_dir or default_pack_dir(g.path)) / PACK_INDEX
+    machine = machine or pl.this_machine(device, o.vram_reserve_mib)
+    p = pl.place(pl.shape_of(g), machine, ctx=o.tokens, pack_exists=pack.is_file())
+    return ExpertChoice(p.expert_tier, "the placement's (above)", **kw), p
+
+
+def _ple(g: GGUFFile, o: Options) -> PleChoice | None:
+    if qn.PLE_TABLE not in g.tensors and not o.ple_file:
+        return None
+    if o.ple_io is None:
+        t = g.tensors.get(qn.PLE_TABLE)
+        size = f"{t.nbytes / 2**20:.0f} MiB {t.fmt.name}, " if t is not None else ""
+        return PleChoice(None, f"the file's blocks in memory ({size}no --ple-io: read through the mapping)")
+    from strata.storage.ple_source import find_ple
+    source = find_ple(o.ple_file or g.path)
+    if o.ple_io == "auto":
+        from strata.storage.ple_auto import choose_mode
+        # ram is a candidate only when the table fits beside the rest of the model
+        mode, line = choose_mode(source, depth=o.ple_io_depth, prefetch=o.ple_prefetch,
+                                 reserve_bytes=_rest_bytes(g))
+    else:
+        mode, line = o.ple_io, f"--ple-io {o.ple_io} (given; not measured)"
+    return PleChoice(mode, f"{source.describe()}: {line}", source.path, o.ple_io_depth, o.ple_prefetch)
+
+
+def decide(g: GGUFFile, options: Options | None = None, machine=None) -> LoadPlan:
+    """The plan for loading `g` as `options` ask on this machine (or `machine`, a
+    strata.storage.placement.Machine, for a GPU placement). Measures what `auto` leaves
+    open (the PLE table's I/O mode); reads nothing else of the file."""
+    o = options or Options()
+    device = choose_device(o.device)
+    kernels = choose_kernels(o.kernels, device)
+    experts, placement = _experts(g, o, device, machine) if g.arch == qn.ARCH else (None, None)
+    ple = _ple(g, o) if g.arch == qn.ARCH else None
+    return LoadPlan(g, o, device, kernels, o.dtype, o.threads or torch.get_num_threads(), experts, ple, placement)
+

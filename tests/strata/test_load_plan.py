@@ -1,0 +1,66 @@
+"""The plan is the decision: for each expert tier and PLE mode, the model built from a
+LoadPlan holds exactly what the plan says, and the plan's lines say it."""
+import pytest
+import torch
+
+from strata.load import Options, build, decide
+
+# (--experts, --ple-io): every tier and every PLE mode, paired to keep the loads few
+CASES = [(None, None), ("device", "ram"), ("host", "mmap"), ("cache:8:host", "direct"),
+         ("cache:4:file", "auto"), ("file", "mmap"), ("packed", "direct"), ("blocks", None)]
+
+
+@pytest.fixture(scope="module")
+def tiny(flash_tiny_gguf):
+    return flash_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def pack_dir(flash_tiny_pack):
+    return flash_tiny_pack
+
+
+@pytest.mark.parametrize("experts,ple_io", CASES)
+def test_the_model_holds_what_its_plan_says(tiny, pack_dir, experts, ple_io):
+    opts = Options(dtype=torch.float32, device="cpu", kernels="torch", experts=experts,
+                   experts_dir=str(pack_dir), experts_io_depth=4, ple_io=ple_io, ple_io_depth=4)
+    plan = decide(tiny, opts)
+    model = build(plan)  # build raises when the model differs from the plan
+    assert plan.check(model) == []
+    stores = {l.moe.experts.tier for l in model.layers}
+    table = getattr(model.ple.table, "table", None)
+    if experts is None:
+        assert stores <= {"dense", "blocks"}
+    else:
+        assert stores == {experts if experts == "blocks" else experts}
+        assert all(l.moe.experts.kernels == "torch" for l in model.layers)
+    assert (table.mode if table is not None else None) == plan.ple.mode
+    if ple_io not in (None, "auto"):
+        assert plan.ple.mode == ple_io
+    lines = "\n".join(plan.lines(drive=False))
+    assert f"--experts {experts or 'default'}: " in lines and "PLE table: " in lines
+    assert "on cpu, torch kernels, float32" in lines
+    if table is not None:
+        table.close()
+
+
+def test_a_model_that_differs_from_its_plan_is_named(tiny):
+    plan = decide(tiny, Options(dtype=torch.float32, device="cpu", kernels="torch", experts="host"))
+    model = build(plan)
+    other = decide(tiny, Options(dtype=torch.float32, device="cpu", kernels="torch", experts="file",
+                                 ple_io="mmap"))
+    bad = other.check(model)
+    assert any("layer 0's experts: host" in b and "planned file" in b for b in bad), bad
+    assert any("PLE table in the mapping, planned mmap" in b for b in bad), bad
+    assert decide(tiny, Options(dtype=torch.bfloat16, device="cpu", kernels="torch", experts="host")).check(model)
+
+
+def test_the_command_line_prints_the_plan_it_builds_from(tiny, capsys):
+    from strata.cli import main
+    assert main(["generate", "-m", str(tiny.path), "--raw", "-n", "1", "--temperature", "0", "--dtype", "f32",
+                 "--experts", "cache:4:host", "--ple-io", "mmap", "--device", "cpu", "Hi"]) == 0
+    err = capsys.readouterr().err
+    assert "strata: plan: qwen4exp on cpu, torch kernels, float32" in err
+    assert "strata: --experts cache:4:host: given" in err
+    assert "--ple-io mmap (given; not measured)" in err and "PLE table opened: mmap" in err
+    assert "experts: cache:4:host (4 slots" in err and "PLE table mmap from" in err
