@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import operator
 import os
 import re
 from datetime import datetime
@@ -21,6 +22,16 @@ from strata.gguf.reader import GGUFError, GGUFFile
 
 class TokenizerError(GGUFError):
     """A GGUF tokenizer Strata cannot build; the message names the file and the key."""
+
+
+class TokenizerInputError(ValueError):
+    """Input a built tokenizer cannot take: text with no UTF-8 form, a token id outside the
+    vocabulary; the message names the tokenizer's file, what is wrong and where."""
+
+
+class TokenIdError(TokenizerInputError, IndexError):
+    """A token id that is not an integer in 0..vocab_size-1. Also an IndexError: the id
+    indexes the vocabulary, and callers catching IndexError for it keep working."""
 
 
 # llama.cpp's `tokenizer.ggml.pre` names and the regexes it splits text with, applied in
@@ -189,7 +200,26 @@ class Tokenizer:
         return parts
 
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
-        """Token ids of `text`; add_bos None follows the GGUF's tokenizer.ggml.add_bos_token."""
+        """Token ids of `text`; add_bos None follows the GGUF's tokenizer.ggml.add_bos_token.
+
+        `text` is any str that has a UTF-8 form: all of Unicode but lone surrogates, which
+        raise TokenizerInputError (a ValueError). `decode` gives the text back, less the
+        bytes the vocabulary has no token for (llama.cpp drops them too: for SmolLM2 the
+        controls U+0004, U+0006, U+0013, U+0014, U+0016, U+001D and the lead byte of
+        U+40000..U+BFFFF, whose other bytes decode as U+FFFD).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}; decode bytes first")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # A lone surrogate (from errors="surrogateescape" or "surrogatepass", or a JSON
+            # "\ud800" escape) has no bytes to tokenize; `tokenizers` refuses such a str
+            # with a TypeError that says nothing of the text.
+            raise TokenizerInputError(
+                f"{self.source}: cannot encode text with U+{ord(text[e.start]):04X}, a lone "
+                f"surrogate, at index {e.start}: it has no UTF-8 form; decode the bytes the text "
+                f"came from with errors='replace' (or fix the escape that made it)") from None
         parts = self._partition(text, parse_special)
         raw = [p for p in parts if isinstance(p, str)]
         encoded = iter(self._hf.encode_batch(raw, add_special_tokens=False)) if raw else iter(())
@@ -209,10 +239,17 @@ class Tokenizer:
     # -- decoding ---------------------------------------------------------------------------
 
     def _check(self, token_id: int) -> int:
-        if not 0 <= token_id < self.vocab_size:
-            raise IndexError(f"{self.source}: token id {token_id} is outside the vocabulary "
-                             f"(0..{self.vocab_size - 1})")
-        return token_id
+        try:
+            # operator.index: a float or a str would otherwise reach the comparison or the
+            # list index below and fail with a TypeError naming neither the id nor the vocabulary
+            i = operator.index(token_id)
+        except TypeError:
+            raise TokenIdError(f"{self.source}: token id {token_id!r} is a "
+                               f"{type(token_id).__name__}, not an integer") from None
+        if not 0 <= i < self.vocab_size:
+            raise TokenIdError(f"{self.source}: token id {i} is outside the vocabulary "
+                               f"(0..{self.vocab_size - 1})")
+        return i
 
     def is_special(self, token_id: int) -> bool:
         """Control and unknown tokens: the ones decode(skip_special=True) leaves out."""
@@ -226,6 +263,8 @@ class Tokenizer:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """The text of `ids` (bytes that are no whole UTF-8 character show as U+FFFD);
+        TokenIdError for an id that is not an integer in 0..vocab_size-1."""
         return b"".join(self.token_bytes(i) for i in ids
                         if not (skip_special and self.is_special(i))).decode("utf-8", errors="replace")
 

@@ -9,14 +9,15 @@ if not ON_DEVICE:
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# 200 examples per property; CI (CI=true) also derandomises, as Hypothesis' own ci profile.
+# 200 examples per property; CI (CI=true, as CI services and .ci/run set it; not CI=false)
+# also derandomises, as Hypothesis' own ci profile.
 settings.register_profile("strata", max_examples=200, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                  HealthCheck.filter_too_much])
 # (filter_too_much: drawing many fp16 scales at once rejects often; it costs time, not rigour)
 settings.register_profile("strata-ci", parent=settings.get_profile("strata"), derandomize=True,
                           database=None, print_blob=True)
-settings.load_profile("strata-ci" if os.environ.get("CI") else "strata")
+settings.load_profile("strata-ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "strata")
 
 # Each xdist worker computes on one thread: two workers already fill the two cores, and
 # torch's OpenMP teams spinning against each other made small ops 100-1000x slower.

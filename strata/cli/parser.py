@@ -40,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="memory for finished conversations' KV state, reused by prompts that extend them")
     srv.add_argument("--ctx-size", "-c", type=int, default=None, help="tokens per request (default: the model's)")
     srv.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of a request")
+    srv.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                          "$STRATA_API_KEY; none: anyone who reaches the port may use the model)")
+    srv.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="N",
+                     help="largest request body accepted, in bytes (413 above it; default 8 MiB)")
+    srv.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                     help="longest prompt accepted, in tokens (400 above it; default: the context size)")
 
     bench = sub.add_parser("bench", help="measure kernels and paths against their peers")
     bsub = bench.add_subparsers(dest="what", required=True)

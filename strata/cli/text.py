@@ -71,6 +71,7 @@ def serve_cmd(args) -> int:
     """The HTTP server runs on a thread of its own and the engine on the main thread (see
     strata.server.engine on why); the model loads while /health already answers 503."""
     import logging
+    import os
     import threading
 
     import uvicorn
@@ -79,7 +80,14 @@ def serve_cmd(args) -> int:
     from strata.server.engine import Engine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     path = resolve_model(args.model)  # fail now on a bad --model
-    app = create_app(args.model if args.model == "smollm2" else path.stem, default_max_tokens=args.max_tokens)
+    key = args.api_key or os.environ.get("STRATA_API_KEY") or None
+    if not key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("strata.server").warning(
+            "listening on %s without --api-key: anyone who can reach port %d can use this model "
+            "(set --api-key KEY or STRATA_API_KEY)", args.host, args.port)
+    app = create_app(args.model if args.model == "smollm2" else path.stem, default_max_tokens=args.max_tokens,
+                     api_key=key, max_request_bytes=args.max_request_bytes,
+                     max_prompt_tokens=args.max_prompt_tokens)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
     http = threading.Thread(target=server.run, name="strata-http", daemon=True)
     http.start()

@@ -2,8 +2,10 @@
 
 gguf-py's `GGUFReader` parses the header, metadata and tensor infos; on a bad file it fails
 with whatever numpy says (a dtype view or reshape error), so the reader here checks the
-magic and version first, turns a read past the end of the file into a "truncated" error,
-and validates every tensor info (type, shape, byte range) itself before viewing any data.
+magic and version first, turns a read past the end of the file into a "truncated" error
+naming the metadata key or tensor being read, checks each count and length against the
+bytes left in the file before looping over it, and validates every tensor info (type,
+shape, byte range) itself before viewing any data.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, ReaderField
 
 import quant
 from strata.tensors import QTensor
@@ -24,6 +26,7 @@ MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, metadata count
 MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses tensors with more
 _VALUE_TYPES = {int(t) for t in GGUFValueType}
+_ARRAY = int(GGUFValueType.ARRAY)
 
 
 class GGUFError(ValueError):
@@ -31,55 +34,158 @@ class GGUFError(ValueError):
 
 
 class _Truncated(Exception):
-    def __init__(self, section: str, end: int):
-        self.section, self.end = section, end
+    def __init__(self, section: str, end: int, item: str = "", detail: str = ""):
+        self.section, self.end, self.item, self.detail = section, end, item, detail
 
 
 class _Corrupt(Exception):
     pass
 
 
+# The fewest bytes one of each can take: a count in the file that cannot fit in what is
+# left of it is an error before anything loops over it or allocates for it.
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, ggml type, data offset
+_VALUE_BYTES = {t: np.dtype(d).itemsize for t, d in GGUFReader.gguf_scalar_to_np.items()}
+_VALUE_BYTES[GGUFValueType.STRING] = 8  # its length
+# numpy refuses a shape whose nonzero dimensions multiply past 2**63 bytes, even with no
+# elements; 8-byte items cover every dtype a tensor is viewed or dequantized as.
+MAX_ELEMENTS = 2**63 // 8
+
+
 class _Reader(GGUFReader):
     """GGUFReader that reports a read past the end of the file as truncation of the part
-    being parsed, and leaves the tensor data to GGUFFile (its own tensor views compute
-    sizes with numpy integers that can overflow, and fail with reshape errors)."""
+    being parsed, naming the metadata key or tensor info it was reading, checks every count
+    against the bytes left before looping over it, and leaves the tensor data to GGUFFile
+    (its own tensor views compute sizes with numpy integers that can overflow, and fail
+    with reshape errors)."""
 
     section = "header"
+    item = ""  # the metadata key or tensor info being parsed, for errors
 
     def __init__(self, path, mode="r"):
         try:
             super().__init__(path, mode)
         except (_Truncated, _Corrupt):
             raise
-        except Exception as e:  # duplicate keys, unknown value types, bad alignment, bad UTF-8
-            raise _Corrupt(f"corrupt {self.section}: {type(e).__name__}: {e}") from e
+        except Exception as e:  # duplicate keys, and whatever else gguf-py refuses
+            where = f" ({self.item})" if self.item else ""
+            raise _Corrupt(f"corrupt {self.section}: {type(e).__name__}: {e}{where}") from e
 
     def _get(self, offset, dtype, count=1, override_order=None):
         # numpy slicing past the end returns a short array silently; catch it here
         end = int(offset) + np.dtype(dtype).itemsize * int(count)
         if end > self.data.shape[0]:
-            raise _Truncated(self.section, end)
+            raise _Truncated(self.section, end, self.item)
         return super()._get(offset, dtype, count, override_order)
 
     def _get_str(self, offset):
-        # remembered so that a bad value type can name its key, read just before it
-        self._last_str = out = super()._get_str(offset)
-        return out
+        slen = self._get(offset, np.uint64)
+        n = int(slen[0])
+        if int(offset) + 8 + n > self.data.shape[0]:
+            raise _Truncated(self.section, int(offset) + 8 + n, self.item,
+                             f"a string of {n} bytes; the file is cut short, or that length is corrupt")
+        return slen, GGUFReader._get(self, offset + 8, np.uint8, n)  # checked just above
+
+    def _decode(self, raw, what: str) -> str:
+        try:
+            return str(bytes(raw), encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise _Corrupt(f"{self.item}: {what} is not UTF-8 ({e})") from None
+
+    def _fit(self, offs: int, count: int, each: int, what: str) -> None:
+        if offs + count * each > self.data.shape[0]:
+            raise _Truncated(self.section, offs + count * each, "",
+                             f"the header counts {count} {what}, of at least {each} bytes each; "
+                             f"the file is cut short, or that count is corrupt")
 
     def _get_field_parts(self, orig_offs, raw_type):
-        if int(raw_type) not in _VALUE_TYPES:
-            key = bytes(self._last_str[1]).decode("utf-8", "replace")
-            raise _Corrupt(f"metadata key {key!r} has unknown value type {int(raw_type)} "
-                           f"(at byte {orig_offs})")
+        vtype = int(raw_type)
+        if vtype not in _VALUE_TYPES:
+            raise _Corrupt(f"{self.item} has unknown value type {vtype} (at byte {orig_offs})")
+        if vtype == _ARRAY:  # an int: an enum member looked up per item is slow
+            # checked here, before gguf-py loops over the items: an empty array's item type
+            # is read later (metadata_types), and a huge count would loop to the end
+            (itype,) = self._get(orig_offs, np.uint32).tolist()
+            (n,) = self._get(orig_offs + 4, np.uint64).tolist()
+            if itype == _ARRAY:
+                raise _Corrupt(f"{self.item} is an array of arrays (at byte {orig_offs}), which "
+                               f"GGUF readers (llama.cpp, Strata) do not accept")
+            if itype not in _VALUE_TYPES:
+                raise _Corrupt(f"{self.item} is an array of unknown value type {itype} "
+                               f"(at byte {orig_offs})")
+            end = orig_offs + 12 + n * _VALUE_BYTES[GGUFValueType(itype)]
+            if end > self.data.shape[0]:
+                raise _Truncated(self.section, end, self.item,
+                                 f"an array of {n} {GGUFValueType(itype).name} items; the file "
+                                 f"is cut short, or that count is corrupt")
         return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_fields(self, offs, count):
+        # gguf-py's loop, naming each key for errors and decoding it here
         self.section = "metadata"
-        return super()._build_fields(offs, count)
+        count = int(count)
+        self._fit(offs, count, _MIN_KV_BYTES, "metadata keys")
+        for i in range(count):
+            self.item = f"metadata key number {i}"
+            orig_offs = offs
+            kv_klen, kv_kdata = self._get_str(offs)
+            offs += int(kv_klen.nbytes + kv_kdata.nbytes)
+            key = self._decode(kv_kdata, "its name")
+            self.item = f"metadata key {key!r}"
+            raw_kv_type = self._get(offs, np.uint32)
+            offs += int(raw_kv_type.nbytes)
+            parts = [kv_klen, kv_kdata, raw_kv_type]
+            size, field_parts, field_idxs, field_types = self._get_field_parts(offs, raw_kv_type[0])
+            parts += field_parts
+            field = ReaderField(orig_offs, key, parts, [k + 3 for k in field_idxs], field_types)
+            self._push_field(field, skip_sum=True)
+            offs += size
+        self.item = ""
+        return offs
 
     def _build_tensor_info(self, offs, count):
         self.section = "tensor infos"
-        return super()._build_tensor_info(offs, count)
+        count = int(count)
+        self._fit(offs, count, _MIN_TENSOR_INFO_BYTES, "tensors")
+        fields = []
+        for i in range(count):
+            self.item = f"tensor info number {i}"
+            orig_offs = offs
+            name_len, name_data = self._get_str(offs)
+            offs += int(name_len.nbytes + name_data.nbytes)
+            name = self._decode(name_data, "its name")
+            self.item = f"tensor {name!r}"
+            n_dims = self._get(offs, np.uint32)
+            offs += 4
+            if int(n_dims[0]) > MAX_DIMS:  # before reading that many dims
+                raise _Corrupt(f"tensor {name!r} has {int(n_dims[0])} dimensions; GGUF allows "
+                               f"1 to {MAX_DIMS}")
+            dims = self._get(offs, np.uint64, n_dims[0])
+            offs += int(dims.nbytes)
+            raw_dtype = self._get(offs, np.uint32)
+            offset_tensor = self._get(offs + 4, np.uint64)
+            offs += 12
+            fields.append(ReaderField(orig_offs, name,
+                                      [name_len, name_data, n_dims, dims, raw_dtype, offset_tensor],
+                                      [1, 3, 4, 5]))
+        self.item = ""
+        self._check_alignment()
+        return offs, fields
+
+    def _check_alignment(self) -> None:
+        # gguf-py checks it next, but as "corrupt tensor infos"; name the key instead
+        field = self.fields.get("general.alignment")
+        if field is None:
+            return
+        value = field.parts[-1].tolist()[0] if field.types == [GGUFValueType.UINT32] else None
+        if not value or value & (value - 1):
+            try:
+                shown = repr(field.contents())
+            except UnicodeDecodeError:
+                shown = "a string that is not UTF-8"
+            raise _Corrupt(f"metadata key 'general.alignment' is {shown} ({field.types[0].name}); "
+                           f"it must be a UINT32 power of two")
 
     def _build_tensors(self, start_offs, fields):
         self.tensor_fields = fields
@@ -129,8 +235,10 @@ class GGUFFile:
         try:
             self._reader = _Reader(self.path, "r")
         except _Truncated as e:
+            where = ", ".join(filter(None, (e.item, e.detail)))
             raise GGUFError(f"{self.path}: truncated file: the {e.section} run past the end "
-                            f"(they need at least {e.end} bytes, the file has {self.size})") from None
+                            f"(they need at least {e.end} bytes, the file has {self.size})"
+                            f"{': ' + where if where else ''}") from None
         except _Corrupt as e:
             raise GGUFError(f"{self.path}: {e}") from None
         self.metadata: dict[str, Any] = {}
@@ -190,6 +298,15 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: tensor {name!r} data at bytes [{start}, {end}) runs "
                                 f"past the end of the file ({self.size} bytes): the file is "
                                 f"truncated, or the tensor's offset or shape is corrupt")
+            # Only a tensor with a zero dimension, so no bytes, gets here with a shape this
+            # large; numpy refuses it all the same (the zero dimensions left out, its elements
+            # must fit in MAX_ELEMENTS), and llama.cpp takes at most 2**63 - 1 elements.
+            count = 1
+            for n in shape:
+                count *= n or 1
+            if count >= MAX_ELEMENTS:
+                raise GGUFError(f"{self.path}: tensor {name!r} ({fmt.name}) has shape {shape}: 2**60 "
+                                f"or more elements, zero dimensions left out; its shape is corrupt")
             spans.append((start, end, name, fmt, shape))
             data = np.asarray(r.data[start:end]).reshape(rows, row_bytes)  # zero-copy view
             self.tensors[name] = QTensor(name, fmt, shape, data)

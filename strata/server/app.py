@@ -2,11 +2,14 @@
 
 POST /v1/chat/completions, /v1/completions (stream or not), /tokenize, /detokenize;
 GET /v1/models, /health (503 while loading), /metrics (Prometheus text). Errors are HTTP
-400 {"error": {"message", "type", "code"}}; a full queue is 503 with Retry-After.
+4xx/5xx {"error": {"message", "type", "code"}}: 400 for a bad request, 401 without the API
+key (every route but /health, when the server has one), 413 for a body over the byte
+bound, 503 with Retry-After for a full queue.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -17,9 +20,11 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata.runtime.sampling import SamplingParams
 from strata.server.engine import Engine, QueueFull, Request
+from strata.tokenizer import TokenizerInputError
 
 log = logging.getLogger("strata.server")
 
@@ -31,9 +36,56 @@ class ApiError(Exception):
 
 
 def error(message: str, code: str, status: int = 400, headers=None) -> JSONResponse:
-    kind = "invalid_request_error" if status == 400 else "server_error"
+    kind = ("authentication_error" if status == 401 else "invalid_request_error" if status < 500
+            else "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "code": code}},
                         status_code=status, headers=headers)
+
+
+class Guard:
+    """ASGI middleware in front of every route: the API key (`Authorization: Bearer KEY`
+    on every route but /health, compared in constant time) and the bound on a request's
+    body bytes (413 before the body is parsed; a body without Content-Length is read up to
+    the bound, then handed on)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.max = app, max_body_bytes
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.key and scope["path"] != "/health" and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.key):
+            return await error("missing or wrong API key: send the header 'Authorization: Bearer KEY' "
+                               "with the server's --api-key", "invalid_api_key", 401,
+                               {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        too_big = error(f"the request body is over this server's bound of {self.max:,} bytes "
+                        f"(--max-request-bytes)", "request_too_large", 413)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max:
+            return await too_big(scope, receive, send)
+        if scope["method"] in ("GET", "HEAD") or length is not None:
+            return await self.app(scope, receive, send)
+        body, more = b"", True  # no length given: read up to the bound
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max:
+                return await too_big(scope, receive, send)
+        replayed = False
+
+        async def again():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        return await self.app(scope, again, send)
 
 
 class _Sampling(BaseModel):
@@ -76,10 +128,14 @@ class State:
         self.load_error: str | None = None
 
 
-def create_app(model_id: str, default_max_tokens: int = 512) -> FastAPI:
+def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None = None,
+               max_request_bytes: int = 8 << 20, max_prompt_tokens: int | None = None) -> FastAPI:
     """The routes; `app.state.strata.engine` is set once the model has loaded (until then
-    /health says 503), or `load_error` if it failed."""
+    /health says 503), or `load_error` if it failed. `api_key`: required of every request
+    but /health (None: none); `max_request_bytes`: the bound on a request's body;
+    `max_prompt_tokens`: the bound on a prompt (None: the engine's context size)."""
     app = FastAPI(title="strata")
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_request_bytes)
     st = State()
     st.model_id = model_id
     app.state.strata = st
@@ -87,6 +143,15 @@ def create_app(model_id: str, default_max_tokens: int = 512) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
         return error(e.message, e.code, e.status, e.headers)
+
+    @app.exception_handler(TokenizerInputError)
+    async def _bad_text(_, e: TokenizerInputError):  # text the tokenizer cannot take (a lone surrogate)
+        return error(str(e), "invalid_text")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):  # a body that is not JSON, an unknown route
+        return error(str(e.detail), "invalid_request" if e.status_code < 500 else "internal_error", e.status_code,
+                     getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
@@ -158,6 +223,9 @@ def create_app(model_id: str, default_max_tokens: int = 512) -> FastAPI:
 
     async def run(http: HTTPRequest, prompt: list[int], sp: SamplingParams, body: _Sampling, chat: bool):
         e = engine()
+        if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
+            raise ApiError(f"the prompt has {len(prompt)} tokens; this server takes at most {max_prompt_tokens} "
+                           f"(--max-prompt-tokens)", "prompt_too_long")
         if len(prompt) + sp.max_tokens > e.ctx_size:
             raise ApiError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({sp.max_tokens}) exceeds "
                            f"the context size ({e.ctx_size} tokens)", "context_length_exceeded")

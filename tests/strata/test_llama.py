@@ -7,7 +7,8 @@ fp32) logits at those ids, and its own greedy continuation.
 
 Tolerances:
 - fp32: Strata computes what transformers computes, in another summation order: logits
-  within 1e-4 (measured 3e-5, on logits up to about 30).
+  within 5e-6 of the largest (measured 0.9e-6 to 2.3e-6; 4e-5 to 8.4e-5 absolute on logits
+  up to 38.5).
 - Logits are compared "centered" on llama.cpp's top-1 token (c(v) = v - v[top1]): softmax
   ignores a common shift, and llama.cpp's logits carry one of up to 0.7 per position.
 - llama.cpp is not exact: its CPU path rounds activations to 8 bits before each quantized
@@ -70,7 +71,7 @@ def test_matches_the_reference(run):
         ours = np.take_along_axis(lg, np.array(p["top_ids"]), -1)
         ref = np.array(p["hf_at_top_ids"])
         if dtype == torch.float32:
-            assert np.abs(ours - ref).max() <= 1e-4
+            assert np.abs(ours - ref).max() <= 5e-6 * np.abs(ref).max()
             assert lg.argmax(-1).tolist() == p["hf_argmax"]
         else:  # bf16: no further from the reference than llama.cpp is
             dev = np.abs(centered(ours) - centered(ref))

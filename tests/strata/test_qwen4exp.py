@@ -1,10 +1,12 @@
 """Flash-Next (qwen4exp) on flash-tiny against transformers' Qwen4ExpForCausalLM, the math
 reference, on the same weights in float32.
 
-Tolerance: relative to the largest |logit|, 1e-4. Both sides compute in float32 and
+Tolerance: relative to the largest |logit|, 2e-6. Both sides compute in float32 and
 differ only in summation order (chunked vs recurrent DeltaNet, fused vs separate norms),
-which measures at about 1e-6 here; a wrong formula (a missing +1, a head order, a tap of
-the dilated conv, a tie broken the other way in the QSA top-k) gives 1e-2 or more.
+which measures 6.7e-7 to 8.9e-7 on the four comparisons below (2 cores, 1 or 2 torch
+threads); 2e-6 leaves room for other CPUs' summation orders. A wrong formula (a missing
++1, a head order, a tap of the dilated conv, a tie broken the other way in the QSA top-k)
+gives 1e-2 or more; the norms' epsilon off by 0.01% already gives 4.8e-6.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from strata.hub import flash_tiny_checkpoint, synth_flash_tiny  # noqa: E402
 from strata.load import load_model  # noqa: E402
 from strata.tensors import QTensor  # noqa: E402
 
-REL = 1e-4
+REL = 2e-6
 EOS = 2
 
 

@@ -17,6 +17,8 @@ import time
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 def _free_port() -> int:
@@ -26,7 +28,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, key: str | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "strata", "serve", "--port", str(self.port),
@@ -47,7 +49,7 @@ class Server:
             time.sleep(0.1)
         else:
             raise RuntimeError("server did not become healthy in 120 s")
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=120)
 
     def metrics(self) -> dict:
         text = httpx.get(self.url + "/metrics").text
@@ -175,3 +177,118 @@ def test_load_64_requests_16_clients_no_mixups_no_leaks(server):
         time.sleep(0.2)
     m = server.metrics()
     assert m["strata_busy_slots"] == 0 and m["strata_queue_length"] == 0
+
+
+@pytest.fixture(scope="module")
+def guarded(smollm2_gguf):
+    s = Server("--slots", "1", "--queue", "1", "--api-key", "s3cret", "--max-request-bytes", "4096",
+               "--max-prompt-tokens", "64", "--max-tokens", "2", key="s3cret")
+    yield s
+    s.stop()
+
+
+def test_the_api_key_keeps_strangers_out(guarded):
+    assert httpx.get(guarded.url + "/health").status_code == 200  # a load balancer needs no key
+    for path, method in (("/v1/models", "GET"), ("/metrics", "GET"), ("/v1/chat/completions", "POST"),
+                         ("/tokenize", "POST")):
+        for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.request(method, guarded.url + path, headers=auth, json={"content": "hi"})
+            assert r.status_code == 401, (path, auth)
+            err = r.json()["error"]
+            assert "--api-key" in err["message"] and err["type"] == "authentication_error"
+            assert r.headers["www-authenticate"] == "Bearer"
+    stranger = openai.OpenAI(base_url=guarded.url + "/v1", api_key="guess", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.models.list()
+    assert guarded.client.models.list().data[0].id == "smollm2"
+
+
+def test_request_bounds_are_named(guarded):
+    key = {"Authorization": "Bearer s3cret"}
+    big = json.dumps({"prompt": "x" * 5000}).encode()
+    for headers in (key, {**key, "Transfer-Encoding": "chunked"}):
+        body = big if "Transfer-Encoding" not in headers else iter([big[:3000], big[3000:]])
+        r = httpx.post(guarded.url + "/v1/completions", content=body, headers=headers)
+        assert r.status_code == 413 and "4,096 bytes" in r.json()["error"]["message"], headers
+    with pytest.raises(openai.BadRequestError, match="at most 64"):
+        guarded.client.completions.create(model="smollm2", prompt="word " * 200)
+    assert guarded.client.completions.create(model="smollm2", prompt="Hi").choices[0].text is not None
+
+
+def test_a_full_queue_answers_503_with_retry_after(guarded):
+    """One slot and a queue of one: of several long requests at once, the ones that find
+    both taken get 503 with Retry-After, through the openai client too."""
+    def ask(_):
+        return httpx.post(guarded.url + "/v1/completions", headers={"Authorization": "Bearer s3cret"},
+                          json={"prompt": "Tell me a long story.", "max_tokens": 48, "temperature": 0}, timeout=120)
+    with cf.ThreadPoolExecutor(6) as ex:
+        codes = [r for r in ex.map(ask, range(6))]
+    busy = [r for r in codes if r.status_code == 503]
+    assert busy and all(r.headers["retry-after"] for r in busy) and any(r.status_code == 200 for r in codes)
+    assert busy[0].json()["error"]["code"] == "queue_full"
+
+
+def test_sampling_parameters_take_effect(server):
+    def ask(top_k=None, min_p=None, **kw):  # llama-server's top_k and min_p go as extra fields
+        extra = {k: v for k, v in (("top_k", top_k), ("min_p", min_p)) if v is not None}
+        return server.client.completions.create(model="smollm2", prompt="My favourite animal is", max_tokens=12,
+                                                extra_body=extra, **kw).choices[0].text
+    greedy = ask(temperature=0)
+    assert ask(temperature=1.0, top_k=1) == greedy  # one candidate left: the greedy token
+    seeded = ask(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    assert ask(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7) == seeded  # a seed repeats
+    others = {ask(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=s) for s in range(1, 5)}
+    assert len(others | {seeded}) > 1  # and other seeds draw otherwise
+    stopped = server.client.completions.create(model="smollm2", prompt="Count: 1, 2, 3,", max_tokens=24,
+                                               temperature=0, stop=[","])
+    assert "," not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    short = server.client.completions.create(model="smollm2", prompt="Hi", max_tokens=3, temperature=0)
+    assert short.usage.completion_tokens <= 3 and short.choices[0].finish_reason in ("length", "stop")
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                     | st.text(max_size=20), lambda kids: st.lists(kids, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), kids, max_size=4), max_leaves=8)
+_FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+           "min_p", "seed", "stop", "stream", "stream_options", "content", "tokens", "add_special"]
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | _JSON,
+                                  "content": st.text(max_size=30) | _JSON})
+
+
+@st.composite
+def _bodies(draw):
+    """A request body: random JSON for the known fields (and some unknown ones), or bytes
+    that are not JSON at all. Token budgets stay small, so that a body that is valid costs
+    a token or two."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.binary(max_size=64))
+    body = draw(st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=6), _JSON, max_size=6))
+    if draw(st.booleans()):
+        body["messages"] = draw(st.lists(_MESSAGE, max_size=3) | _JSON)
+    if draw(st.booleans()):
+        body["prompt"] = draw(st.text(max_size=40) | st.lists(st.integers(-5, 60000), max_size=6) | _JSON)
+    if isinstance(body.get("max_tokens"), int) or "max_tokens" not in body:
+        body["max_tokens"] = draw(st.integers(-3, 1))
+    body.pop("max_completion_tokens", None)
+    return json.dumps(body).encode()
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]),
+       body=_bodies())
+def test_fuzzed_bodies_get_4xx_with_an_error_and_the_next_request_is_served(server, path, body):
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    if r.status_code != 200:
+        assert 400 <= r.status_code < 500, (r.status_code, body, r.text[:300])
+        err = r.json()["error"]
+        assert err["message"] and err["type"] and err["code"], r.text
+    # the next request is served: the engine's tokenizer each time, a whole completion
+    # (a model step) after every twenty
+    assert httpx.post(server.url + "/tokenize", json={"content": "Hi"}, timeout=60).json()["tokens"]
+    _fuzzed[0] += 1
+    if _fuzzed[0] % 20 == 0:
+        good = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
+        assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"]
+
+
+_fuzzed = [0]
