@@ -5,7 +5,7 @@
 
 The first needs llama-cpp-python (`pip install llama-cpp-python`, a llama.cpp build) and the
 SmolLM2 GGUF (`strata.hub.pull_smollm2()`). The second prints `_LLAMA_CPP_CLASSES`, the
-letter/number table of strata/tokenizer.py, from llama.cpp's own Unicode data: llama.cpp
+letter/number/mark table of strata/tokenizer.py, from llama.cpp's own Unicode data: llama.cpp
 splits text by its table, not by the Unicode version of the regex engine or of Python.
 """
 from __future__ import annotations
@@ -72,12 +72,13 @@ SYSTEM = [{"role": "system", "content": "You answer in one word."}] + MESSAGES[:
 
 
 def unicode_table(path: Path) -> str:
-    """llama.cpp's codepoint classes as `class letter + hex gap` runs: L letter, N number, O other."""
+    """llama.cpp's codepoint classes as `class letter + hex gap` runs: L letter, N number, M mark
+    (for qwen35's \\p{M}), O other."""
     body = path.read_text().split("unicode_ranges_flags = {", 1)[1].split("};", 1)[0]
     ranges = [(int(a, 16), int(f, 16)) for a, f in re.findall(r"\{0x([0-9A-F]+), 0x([0-9A-F]+)\}", body)]
     runs: list[tuple[int, str]] = []
     for start, flags in ranges[:-1]:  # the last entry only ends the table
-        cls = "L" if flags & 0x4 else "N" if flags & 0x2 else "O"
+        cls = "L" if flags & 0x4 else "N" if flags & 0x2 else "M" if flags & 0x10 else "O"
         if not runs or runs[-1][1] != cls:
             runs.append((start, cls))
     text, prev = "", 0

@@ -39,7 +39,7 @@ def run(args, path) -> int:
     base = rows[0]["tok_s"]
     for r in rows:
         r["vs_first"] = r["tok_s"] / base
-    result = {"bench": "serve", "machine": machine(), "dtype": str(args.dtype), "rows": rows}
+    result = {"bench": "serve", "machine": machine(), "dtype": str(args.dtype).replace("torch.", ""), "rows": rows}
     table = markdown(rows, [("slots", "slots"), ("requests", "requests"), ("generated", "tokens"),
                             ("wall_s", "wall s"), ("tok_s", "tok/s"), ("vs_first", f"x {rows[0]['slots']} slot(s)")])
     emit(result, table, args.json)

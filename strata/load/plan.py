@@ -68,7 +68,7 @@ class PleChoice:
     from `path`, or None: the table's blocks in the model's own mapping."""
     mode: str | None
     why: str
-    path: Path | None = None
+    source: object = None  # strata.storage.ple_source.PleSource, for a mode
     depth: int = 16
     prefetch: bool = True
 
@@ -171,7 +171,7 @@ def _ple(g: GGUFFile, o: Options) -> PleChoice | None:
         size = f"{t.nbytes / 2**20:.0f} MiB {t.fmt.name}, " if t is not None else ""
         return PleChoice(None, f"the file's blocks in memory ({size}no --ple-io: read through the mapping)")
     from strata.storage.ple_source import find_ple
-    source = find_ple(o.ple_file or g.path)
+    source = find_ple(o.ple_file or g.path, opened=g)
     if o.ple_io == "auto":
         from strata.storage.ple_auto import choose_mode
         # ram is a candidate only when the table fits beside the rest of the model
@@ -179,7 +179,7 @@ def _ple(g: GGUFFile, o: Options) -> PleChoice | None:
                                  reserve_bytes=_rest_bytes(g))
     else:
         mode, line = o.ple_io, f"--ple-io {o.ple_io} (given; not measured)"
-    return PleChoice(mode, f"{source.describe()}: {line}", source.path, o.ple_io_depth, o.ple_prefetch)
+    return PleChoice(mode, f"{source.describe()}: {line}", source, o.ple_io_depth, o.ple_prefetch)
 
 
 def decide(g: GGUFFile, options: Options | None = None, machine=None) -> LoadPlan:

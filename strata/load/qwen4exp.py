@@ -104,8 +104,7 @@ class _Loader:
         if choice.mode is None:
             return InMemoryTable(g.tensor(n.PLE_TABLE), self.device, self.kernels)
         from strata.storage.ple import PleTable
-        from strata.storage.ple_source import find_ple
-        table = PleTable(find_ple(choice.path), choice.mode, depth=choice.depth, prefetch=choice.prefetch)
+        table = PleTable(choice.source, choice.mode, depth=choice.depth, prefetch=choice.prefetch)
         hints = "hints on" if table.hinting else "no hints"
         lock = ", locked" if table.locked else (", unlocked" if choice.mode == "ram" else "")
         io.log(f"strata: PLE table opened: {choice.mode}, {hints}{lock}")

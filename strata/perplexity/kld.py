@@ -206,9 +206,9 @@ def kl_divergence(model: LogitsModel, tokens, base: LogitsModel | SavedLogits, n
 
 # -- reports ---------------------------------------------------------------------------------
 
-def print_kld(r: KLDResult, out=sys.stdout) -> None:
+def print_kld(r: KLDResult, out=None) -> None:
     """The three blocks llama-perplexity --kl-divergence prints at the end."""
-    p = lambda s="": print(s, file=out)
+    p = lambda s="": print(s, file=out or sys.stdout)  # sys.stdout at the call, not at import
     p("====== Perplexity statistics ======")
     p(f"Mean PPL(Q)                   : {r.ppl:10.6f} ± {r.ppl_err:10.6f}")
     p(f"Mean PPL(base)                : {r.ppl_base:10.6f} ± {r.ppl_base_err:10.6f}")

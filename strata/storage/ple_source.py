@@ -54,7 +54,7 @@ def _ple_format(path: Path, tensor: str, fmt: quant.Format) -> quant.Format:
     return fmt
 
 
-def _gguf_source(path: Path, tensor: str) -> PleSource:
+def _gguf_source(path: Path, tensor: str, opened=None) -> PleSource:
     from strata.gguf import open_gguf
     # the file first, then the rest of its shard set: the released files keep the table
     # alone in shard 2 (REFERENCE §3)
@@ -62,7 +62,8 @@ def _gguf_source(path: Path, tensor: str) -> PleSource:
     for p in [path, *others]:
         if not p.is_file():
             continue
-        gf = open_gguf(p)
+        # a file already open is not parsed again (a large vocabulary takes seconds)
+        gf = opened if opened is not None and Path(opened.path) == p else open_gguf(p)
         if tensor not in gf.tensors:
             continue
         qt = gf.tensors[tensor]
@@ -153,13 +154,14 @@ def _read_scale(path: Path, data_start: int, key: str, info: dict) -> float:
     return float(np.frombuffer(raw, kinds[info["dtype"]])[0])
 
 
-def find_ple(path: str | os.PathLike, tensor: str | None = None) -> PleSource:
-    """The PLE table in a GGUF (or in another shard of its set) or a safetensors file."""
+def find_ple(path: str | os.PathLike, tensor: str | None = None, opened=None) -> PleSource:
+    """The PLE table in a GGUF (or in another shard of its set) or a safetensors file;
+    `opened`: that GGUF, already open (a GGUFFile), to read instead of parsing it again."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file (the PLE table's file: --ple-gguf)")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return _gguf_source(path, tensor or PLE_TENSOR)
+        return _gguf_source(path, tensor or PLE_TENSOR, opened)
     return _safetensors_source(path, tensor)

@@ -8,7 +8,7 @@ has int8 units (Q8_0, Q4_0, ...), a decode step's matmuls quantize x to int8 in 
 of 32, as llama.cpp's GPU kernels do (Q8_1): each x carries an error of up to 1/254 of its
 block's largest |x|, about 0.3% of a dot product of 256 to 1536 terms (measured 2% of
 the largest output on one 49152 x 256 Q8_0 GEMV of random x, whose outputs are all of a
-size). Two layers of SmolLM2 or eight of flash-tiny add those up; the torch path keeps
+size). Two layers of SmolLM2 or four of flash-tiny add those up; the torch path keeps
 float32 throughout. A wrong decode, layout or routing gives differences of the logits'
 own size (ratio near 1), and most likely another token.
 
@@ -52,17 +52,26 @@ def _requant(t: QTensor, fmt: str) -> QTensor:
 
 @pytest.fixture(scope="module")
 def tiny_mixed(tmp_path_factory):
-    """flash-tiny with unit formats where the decode step's int8 kernels take them: the
-    routed experts of layer 1 in Q8_0 and of layer 2 in Q4_0 (the MoE dp4a kernels),
-    the output in Q8_0 (the dp4a GEMV); the rest F32 (the float kernels)."""
+    """flash-tiny's first 4 layers (DeltaNet, DeltaNet with the PLE block, DeltaNet, gated
+    attention with QSA: every kind of layer, at half the interpreter's time) with unit
+    formats where the decode step's int8 kernels take them: the routed experts of layer 1
+    in Q8_0 and of layer 2 in Q4_0 (the MoE dp4a kernels), the output in Q8_0 (the dp4a
+    GEMV); the rest F32 (the float kernels)."""
     src = open_gguf(synth_flash_tiny(quiet=True))
+    n = 4
+    meta = src.typed_metadata()
+    for key in ("block_count", "attention.recurrent_layers", "attention.compress_ratios"):
+        v, kind = meta[f"{src.arch}.{key}"]
+        meta[f"{src.arch}.{key}"] = (n if key == "block_count" else v[:n], kind)
+    assert max(meta[f"{src.arch}.ple.layers"][0]) < n and not all(meta[f"{src.arch}.attention.recurrent_layers"][0])
     to = {"output.weight": "Q8_0"}
     for i, fmt in ((1, "Q8_0"), (2, "Q4_0")):
         for w in ("gate", "up", "down"):
             to[f"blk.{i}.ffn_{w}_exps.weight"] = fmt
-    tensors = {n: _requant(t, to[n]) if n in to else t for n, t in src.tensors.items()}
+    tensors = {name: _requant(t, to[name]) if name in to else t for name, t in src.tensors.items()
+               if not name.startswith("blk.") or int(name.split(".")[1]) < n}
     dst = tmp_path_factory.mktemp("mixed") / "flash-tiny-mixed.gguf"
-    write_gguf(dst, src.arch, src.typed_metadata(), tensors)
+    write_gguf(dst, src.arch, meta, tensors)
     return dst
 
 
