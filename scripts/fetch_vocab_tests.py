@@ -115,7 +115,7 @@ def _fetch(files: dict[str, tuple[str, int]], dest: Path, quiet: bool) -> None:
         # pip's metadata step takes seconds, not a source build of scikit-build-core
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                "--quiet", "-d", tmp, SDIST]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if proc.returncode != 0:
             err = proc.stderr.strip()
             raise VocabFetchError(f"pip download {SDIST} failed: {err[-500:]}",
@@ -197,8 +197,8 @@ _POOLS = [
     " \u00a0\u2028\u2029\u3000\u200b\u0085\x0b\x0c\x1c\x1d\x1e\x1f",
     "0123456789\u0660\u0661\u0662\u0969\u096a\u096b\u0be7\u00b9\u00b2\u00bd\u216b",
     "\u0301\u0308\u0327\u0903\u093f\u094d\u0e31\u0e48\u20dd\u200d\ufe0f\U0001f3fb\u0489",
-    "\u00e9\u00f1\u00e7\u00e5\u00f8\u00df\u0416\u0436\u03a9\u03c9\u05d0\u05d1\u0639\u0631\u0628"
-    "\u0915\u094d\u0937\u093f\u0e2a\u0e27\u0e31\u0e14\u0e35\u65e5\u672c\u8a9e\ud55c\uad6d",
+    ("\u00e9\u00f1\u00e7\u00e5\u00f8\u00df\u0416\u0436\u03a9\u03c9\u05d0\u05d1\u0639\u0631\u0628"
+     "\u0915\u094d\u0937\u093f\u0e2a\u0e27\u0e31\u0e14\u0e35\u65e5\u672c\u8a9e\ud55c\uad6d"),
     ".,;:!?-_()[]{}<>/\\|\"#$%&*+=@^`~\u2026\u2014\u00ab\u00bb\u201c\u201d",
     "\U0001f600\U0001f680\U0001f44d\U0001f3fb\U0001f1eb\U0001f1f7\u2764\ufe0f",
     "\x00\x01\x7f\ufffe\U000e0001\U0010fffd\U00050000\u0378\u08b5",

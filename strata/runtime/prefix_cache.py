@@ -1,5 +1,14 @@
-"""Conversation (prefix) cache: finished sequences' KV states, reused by later prompts
-that extend them, under a memory budget with least-recently-used eviction."""
+"""Conversation (prefix) cache: finished prompts' KV states, reused by later prompts that
+extend them, under a memory budget with least-recently-used eviction.
+
+The same answer whatever the cache: a token's logits must not depend on whether its
+prefix came from the cache. The engine prefills in chunks aligned to multiples of
+`align` tokens from position 0, and the cache keeps and hands out whole chunks only, so a
+reused prefix holds exactly the values a fresh prefill computes, and the rest runs in the
+same chunks, at the same shapes, through the same kernels. (Reusing a prefix of any
+length made the next tokens run at another shape and through another attention path, and
+in bf16 one greedy answer in 8 changed.) A decoded answer's own KV is not kept: decode
+computes it one token at a time, not as a prefill would."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,8 +25,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
+    def __init__(self, budget_bytes: int, align: int = 1):
+        self.budget, self.align = budget_bytes, align
         self.entries: OrderedDict[int, tuple[list[int], KVCache]] = OrderedDict()
         self._next = 0
         self.hits = 0
@@ -41,11 +50,12 @@ class PrefixCache:
             self.entries.popitem(last=False)
 
     def take(self, prompt: list[int]) -> tuple[KVCache | None, int]:
-        """A cache holding the longest cached prefix of `prompt` (a copy: the entry stays)
-        and its length; at least one prompt token is left to evaluate, for its logits."""
+        """A cache holding the longest cached prefix of `prompt` in whole chunks of `align`
+        (a copy: the entry stays) and its length; at least one prompt token is left to
+        evaluate, for its logits."""
         best, best_n = None, 0
         for key, (toks, cache) in self.entries.items():
-            n = min(common_prefix(toks, prompt), len(prompt) - 1)
+            n = min(common_prefix(toks, prompt), len(prompt) - 1) // self.align * self.align
             if n < len(toks) and not getattr(cache, "rewindable", True):
                 continue  # a recurrent state summarises all its tokens: usable whole or not at all
             if n > best_n:

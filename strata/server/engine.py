@@ -6,9 +6,11 @@ thread (measured: a 1536x576 int4 GEMV 24 us on the main thread, 57 us elsewhere
 SmolLM2 decode step 9.6 ms against 19.3 ms).
 
 Requests wait in a bounded queue. Between steps, waiting requests take free slots: each
-prefills (reusing the longest cached prefix of its prompt from the conversation cache),
-then every busy slot decodes one token in a single batched forward. A finished or
-cancelled request leaves at once, and its KV state goes to the conversation cache.
+prefills (reusing the longest cached prefix of its prompt from the conversation cache, in
+whole chunks of `align` tokens), then every busy slot decodes one token in a single
+batched forward. A finished or cancelled request leaves at once, and its prompt's KV
+state, in whole chunks, goes to the conversation cache (see strata.runtime.prefix_cache
+on why chunks).
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ from strata.runtime.sampling import Sampler, SamplingParams
 from strata.runtime.text import TextOut
 
 log = logging.getLogger("strata.server")
+
+# Prompts prefill in chunks of this many tokens, aligned from position 0, and the
+# conversation cache reuses whole chunks: small enough that a conversation's earlier
+# turns are reused, large enough that a chunk keeps the matmuls busy.
+PREFILL_CHUNK = 64
 
 
 class QueueFull(Exception):
@@ -55,16 +62,19 @@ class Slot:
     sampler: Sampler | None = None
     out: TextOut | None = None
     logits: torch.Tensor | None = None
+    keep: tuple | None = None  # (prompt tokens, state) in whole chunks, for the conversation cache
 
 
 class Engine:
     def __init__(self, model, tokenizer, slots: int = 4, queue_size: int = 64,
-                 cache_mib: float = 512, ctx_size: int | None = None, start_thread: bool = True):
-        self.model, self.tok = model, tokenizer
+                 cache_mib: float = 512, ctx_size: int | None = None, start_thread: bool = True,
+                 align: int = PREFILL_CHUNK):
+        """`align`: the prefill's chunk, and the conversation cache's unit of reuse."""
+        self.model, self.tok, self.align = model, tokenizer, align
         self.ctx_size = ctx_size or model.cfg.context_length
         self.slots = [Slot(i) for i in range(slots)]
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
-        self.prefix = PrefixCache(int(cache_mib * 2**20))
+        self.prefix = PrefixCache(int(cache_mib * 2**20), align)
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "requests": 0, "cached_tokens": 0,
                       "decode_seconds": 0.0}
         self._ids = 0
@@ -133,7 +143,13 @@ class Engine:
         slot.req, slot.cache = req, cache
         slot.sampler = Sampler(req.params)
         slot.out = TextOut(self.tok, req.params.stop)
-        slot.logits = self.model(req.prompt[reused:], cache, last_only=True)[-1]
+        P, a = len(req.prompt), self.align
+        whole = P // a * a  # the prompt's whole chunks: what the conversation cache may keep
+        slot.keep = None
+        for s in range(reused, P, a):
+            slot.logits = self.model(req.prompt[s:s + a], cache, last_only=True)[-1]
+            if s + a == whole and whole > reused and not getattr(cache, "rewindable", True):
+                slot.keep = (req.prompt[:whole], cache.copy())  # a recurrent state cannot be cut back later
         self.stats["prompt_tokens"] += len(req.prompt)
         self.stats["cached_tokens"] += reused
         self.stats["requests"] += 1
@@ -186,7 +202,10 @@ class Engine:
             req.emit({"type": "text", "text": piece})
         req.text = slot.out.text
         req.emit({"type": "done", "finish_reason": reason})
-        # the state after prompt + all but the last sampled token is in the cache
-        seen = (req.prompt + req.tokens)[:slot.cache.length]
-        self.prefix.put(seen, slot.cache)
-        slot.req = slot.cache = slot.sampler = slot.out = slot.logits = None
+        # the prompt's whole chunks, as a fresh prefill computes them
+        whole = len(req.prompt) // self.align * self.align
+        if getattr(slot.cache, "rewindable", True) and whole > req.cached_tokens:
+            self.prefix.put(req.prompt[:whole], slot.cache.copy(whole))
+        elif slot.keep is not None:
+            self.prefix.put(*slot.keep)
+        slot.req = slot.cache = slot.sampler = slot.out = slot.logits = slot.keep = None

@@ -95,3 +95,26 @@ def test_a_recurrent_state_is_reused_whole_or_not_at_all():
     cache.put([1, 2, 3, 4], State())
     assert cache.take([1, 2, 3, 9, 9]) == (None, 0)          # shares 3 of 4: not usable
     assert cache.take([1, 2, 3, 4, 5, 6]) == (("copy", 4), 4)  # extends it: reused whole
+
+
+def test_a_recurrent_model_reuses_whole_prompt_chunks_with_the_same_answer(flash_tiny_gguf):
+    """flash-tiny (DeltaNet states: no rewinding) through the engine with chunks of 8: a
+    second prompt that extends the first reuses the first's whole chunks (16 of its 21
+    tokens, kept as the prefill passed them) and answers as an engine without a cache does."""
+    from strata.load import load_model
+    from strata.tokenizer import Tokenizer
+    model = load_model(flash_tiny_gguf, dtype=torch.float32, kernels="torch")
+    tok = Tokenizer.from_gguf(flash_tiny_gguf)
+    first = list(range(100, 121))
+    second = first + list(range(300, 310))
+
+    def run(engine, prompt):
+        req = engine.submit(Request(prompt, SamplingParams(temperature=0, max_tokens=3), collect()[2]))
+        engine.run(until_idle=True)
+        return req
+    cached = Engine(model, tok, slots=1, align=8, start_thread=False)
+    cold = Engine(model, tok, slots=1, align=8, cache_mib=0, start_thread=False)
+    run(cached, first)
+    again = run(cached, second)
+    assert again.cached_tokens == 16 and cached.prefix.hits == 1
+    assert again.tokens == run(cold, second).tokens and len(again.tokens) == 3

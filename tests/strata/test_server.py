@@ -9,6 +9,7 @@ f32 such differences stay near 1e-6 of the logits, far below the margins of thes
 import concurrent.futures as cf
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -28,11 +29,11 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, key: str | None = None):
+    def __init__(self, *args: str, key: str | None = None, dtype: str = "f32"):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "strata", "serve", "--port", str(self.port),
-                                      "-t", "2", "--dtype", "f32", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      "-t", "2", "--dtype", dtype, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env=dict(os.environ))
         self.health = []  # status codes seen while starting
         deadline = time.time() + 120
@@ -140,14 +141,22 @@ def test_batching_does_not_change_greedy_output(server):
             f.result()
 
 
+OWLS = ("Owls hunt at night over fields and woods, turning their heads to listen for mice in the "
+        "grass, and they fly without a sound because of the soft fringes on their feathers. "
+        "Tell me one more fact about owls.")
+
+
 def test_conversation_cache_reuses_the_shared_prefix(server, smollm2_gguf):
-    turn1 = chat(server, [{"role": "user", "content": "Tell me a fact about owls."}])
-    history = [{"role": "user", "content": "Tell me a fact about owls."},
+    from strata.server.engine import PREFILL_CHUNK
+    turn1 = chat(server, [{"role": "user", "content": OWLS}])
+    history = [{"role": "user", "content": OWLS},
                {"role": "assistant", "content": turn1.choices[0].message.content},
                {"role": "user", "content": "And one about cats?"}]
     turn2 = chat(server, history)
     cached = turn2.usage.prompt_tokens_details.cached_tokens
-    assert cached >= turn1.usage.prompt_tokens  # only the new turn was evaluated
+    # the first turn's prompt, in whole prefill chunks, came from the cache
+    assert turn1.usage.prompt_tokens >= PREFILL_CHUNK
+    assert cached == turn1.usage.prompt_tokens // PREFILL_CHUNK * PREFILL_CHUNK
     # the same second turn on a server without a conversation cache
     cold = Server("--slots", "1", "--conversation-cache-mib", "0")
     try:
@@ -292,3 +301,28 @@ def test_fuzzed_bodies_get_4xx_with_an_error_and_the_next_request_is_served(serv
 
 
 _fuzzed = [0]
+
+
+def test_the_same_answer_whatever_the_cache_and_the_company():
+    """bf16, the conversation cache on (the defaults): 8 prompts asked alone, then again
+    among 64 requests from 16 clients on 4 slots: every answer is the same, token for
+    token. The prompts share a system message longer than a prefill chunk, which the
+    cache reuses."""
+    s = Server("--slots", "4", dtype="bf16")
+    system = {"role": "system", "content": OWLS + " Answer in plain words, briefly, as a careful teacher would."}
+    try:
+        ask = (lambda content: s.client.chat.completions.create(  # noqa: E731
+            model="smollm2", messages=[system, {"role": "user", "content": content}], temperature=0,
+            max_tokens=12).choices[0].message.content)
+        mine = [f"Describe the colour of the {w} in one sentence." for w in
+                ("sky", "sea", "grass", "sun", "snow", "night", "rust", "sand")]
+        alone = [ask(p) for p in mine]
+        others = [f"Write a line about the number {i}." for i in range(56)]
+        order = mine + others
+        random.Random(0).shuffle(order)
+        with cf.ThreadPoolExecutor(16) as ex:
+            got = dict(zip(order, ex.map(ask, order)))
+        assert [got[p] for p in mine] == alone
+        assert s.metrics()["strata_cache_hits_total"] > 0  # the cache was used
+    finally:
+        s.stop()

@@ -18,7 +18,7 @@ from strata.gguf import open_gguf, write_gguf
 from strata.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from fetch_vocab_tests import VocabFetchError, fetch, read_vectors  # noqa: E402
+from fetch_vocab_tests import VocabFetchError, fetch, read_vectors
 
 # inputs per .inp file: a shorter file would pass with fewer checks
 VECTORS = {"qwen2": 46, "qwen35": 50}
