@@ -17,7 +17,6 @@ every codepoint) into pre-tokens with strata.tokenizer's regexes, for each Qwen 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import struct
 import subprocess
@@ -25,6 +24,8 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from strata.hub import sha256
 
 SDIST = "llama-cpp-python==0.3.36"
 PREFIX = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
@@ -74,14 +75,6 @@ class VocabFetchError(RuntimeError):
 def vocab_dir() -> Path:
     from strata.cache import cache_dir
     return cache_dir() / "vocabs"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _cached(files: dict[str, tuple[str, int]], dest: Path) -> bool:
@@ -140,7 +133,7 @@ def _fetch(files: dict[str, tuple[str, int]], dest: Path, quiet: bool) -> None:
             raise VocabFetchError(f"{sdists[0].name} has no {', '.join(missing)} under {PREFIX}; "
                                   f"a different sdist than the one these hashes are of")
         for member, (sha, _size) in files.items():
-            if (h := _sha256(got[member])) != sha:
+            if (h := sha256(got[member])) != sha:
                 raise VocabFetchError(f"{member} in {sdists[0].name} has sha256 {h}, expected {sha}; "
                                       "not using it")
         for member in files:

@@ -11,7 +11,7 @@ its plan says.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,7 +84,6 @@ class LoadPlan:
     experts: ExpertChoice | None  # None: a dense model
     ple: PleChoice | None  # None: no PLE table
     placement: object | None = None  # strata.storage.placement.Placement, on a GPU
-    notes: list[str] = field(default_factory=list)
 
     @property
     def arch(self) -> str:
@@ -104,7 +103,7 @@ class LoadPlan:
             out.append(f"--experts {self.experts.tier or 'default'}: {self.experts.why}")
         if self.ple is not None:
             out.append(f"PLE table: {self.ple.why}")
-        return out + self.notes
+        return out
 
     def drive_plan(self, measure: bool = True):
         """strata.storage.plan.Plan for this plan's tiers: sizes, page cache, drive reads."""

@@ -4,6 +4,8 @@ with hints, or direct reads). Both dequantize the rows with the op that the mode
 kernels name (triton_kernels.ple.ple_gather or its torch twin)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from triton_kernels.backend import choose_kernels
@@ -16,7 +18,9 @@ class InMemoryTable:
 
     def __init__(self, t, device="cpu", kernels: str | None = None):
         self.name, self.fmt, self.rows = t.name, t.fmt, t.shape[0]
-        self.q = torch.from_numpy(t.data).to(device)
+        with warnings.catch_warnings():  # a read-only mapping: torch warns, and nothing writes it
+            warnings.simplefilter("ignore", UserWarning)
+            self.q = torch.from_numpy(t.data).to(device)
         self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name} on {torch.device(device)})"
         self._gather = impl("ple_gather", choose_kernels(kernels, device))
 

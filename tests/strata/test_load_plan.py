@@ -10,18 +10,9 @@ CASES = [(None, None), ("device", "ram"), ("host", "mmap"), ("cache:8:host", "di
          ("cache:4:file", "auto"), ("file", "mmap"), ("packed", "direct"), ("blocks", None)]
 
 
-@pytest.fixture(scope="module")
-def tiny(flash_tiny_gguf):
-    return flash_tiny_gguf
-
-
-@pytest.fixture(scope="module")
-def pack_dir(flash_tiny_pack):
-    return flash_tiny_pack
-
-
 @pytest.mark.parametrize("experts,ple_io", CASES)
-def test_the_model_holds_what_its_plan_says(tiny, pack_dir, experts, ple_io):
+def test_the_model_holds_what_its_plan_says(flash_tiny_gguf, flash_tiny_pack, experts, ple_io):
+    tiny, pack_dir = flash_tiny_gguf, flash_tiny_pack
     opts = Options(dtype=torch.float32, device="cpu", kernels="torch", experts=experts,
                    experts_dir=str(pack_dir), experts_io_depth=4, ple_io=ple_io, ple_io_depth=4)
     plan = decide(tiny, opts)
@@ -44,7 +35,8 @@ def test_the_model_holds_what_its_plan_says(tiny, pack_dir, experts, ple_io):
         table.close()
 
 
-def test_a_model_that_differs_from_its_plan_is_named(tiny):
+def test_a_model_that_differs_from_its_plan_is_named(flash_tiny_gguf):
+    tiny = flash_tiny_gguf
     plan = decide(tiny, Options(dtype=torch.float32, device="cpu", kernels="torch", experts="host"))
     model = build(plan)
     other = decide(tiny, Options(dtype=torch.float32, device="cpu", kernels="torch", experts="file",
@@ -55,7 +47,8 @@ def test_a_model_that_differs_from_its_plan_is_named(tiny):
     assert decide(tiny, Options(dtype=torch.bfloat16, device="cpu", kernels="torch", experts="host")).check(model)
 
 
-def test_the_command_line_prints_the_plan_it_builds_from(tiny, capsys):
+def test_the_command_line_prints_the_plan_it_builds_from(flash_tiny_gguf, capsys):
+    tiny = flash_tiny_gguf
     from strata.cli import main
     assert main(["generate", "-m", str(tiny.path), "--raw", "-n", "1", "--temperature", "0", "--dtype", "f32",
                  "--experts", "cache:4:host", "--ple-io", "mmap", "--device", "cpu", "Hi"]) == 0
