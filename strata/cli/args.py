@@ -53,6 +53,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_expert_args(p)
 
 
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="models whose chat template has a thinking switch (Qwen3 and on): --think asks "
+                        "for reasoning first, --no-think for the answer alone (default: the template's)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-predict", "-n", type=int, default=256, help="most tokens to generate")
     p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0: greedy")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from strata.cli.args import (add_device_args, add_expert_args, add_model_args, add_ple_args,
+from strata.cli.args import (add_chat_args, add_device_args, add_expert_args, add_model_args, add_ple_args,
                               add_sampling_args, formats)
 
 
@@ -22,11 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as is")
+    add_chat_args(gen)
     add_model_args(gen)
     add_sampling_args(gen)
 
     chat = sub.add_parser("chat", help="interactive chat (one line a turn; /reset, /exit)")
     chat.add_argument("--system", default=None, help="system prompt")
+    add_chat_args(chat)
     add_model_args(chat)
     add_sampling_args(chat)
 

@@ -14,6 +14,15 @@ def pull(args) -> int:
     return 0
 
 
+def _think(args, tok) -> bool | None:
+    """--think/--no-think for the chat template, said once where the template has no switch."""
+    if args.think is not None and not tok.has_thinking_switch:
+        print(f"strata: --{'' if args.think else 'no-'}think: this model's chat template has no thinking "
+              f"switch; ignored", file=sys.stderr)
+        return None
+    return args.think
+
+
 def sampling(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, seed=args.seed, max_tokens=args.n_predict,
@@ -29,7 +38,7 @@ def generate_cmd(args) -> int:
     model, tok = load(args)
     prompt = args.prompt
     if not args.raw and tok.chat_template:
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=_think(args, tok))
     ids = tok.encode(prompt)
     res = generate(model, tok, ids, sampling(args), on_text=_print)
     print()
@@ -43,6 +52,7 @@ def chat_cmd(args) -> int:
     """Interactive chat: one line per turn; /reset clears the history, /exit or EOF quits."""
     model, tok = load(args)
     history = [{"role": "system", "content": args.system}] if args.system else []
+    think = _think(args, tok)
     params = sampling(args)
     interactive = sys.stdin.isatty()
     while True:
@@ -60,7 +70,7 @@ def chat_cmd(args) -> int:
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(history))
+        ids = tok.encode(tok.apply_chat_template(history, enable_thinking=think))
         res = generate(model, tok, ids, params, on_text=_print)
         print()
         history.append({"role": "assistant", "content": res.text})

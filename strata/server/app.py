@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import Any
 
+import jinja2
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -105,6 +106,8 @@ class _Sampling(BaseModel):
 
 class ChatBody(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    # llama-server's and vLLM's field: {"enable_thinking": false} for Qwen3's templates
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionBody(_Sampling):
@@ -313,7 +316,20 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
             if not isinstance(m.get("content", ""), str) or m.get("role") not in ("system", "user", "assistant", "tool"):
                 raise ApiError("each message needs a role (system, user, assistant) and text content",
                                "invalid_messages")
-        prompt = e.tok.encode(e.tok.apply_chat_template(body.messages))
+        kw = dict(body.chat_template_kwargs or {})
+        think = kw.pop("enable_thinking", None)
+        if think is not None and not isinstance(think, bool):
+            raise ApiError(f"chat_template_kwargs.enable_thinking must be true or false, got {think!r}",
+                           "invalid_request")
+        taken = sorted(set(kw) & {"messages", "add_generation_prompt", "bos_token", "eos_token"})
+        if taken:
+            raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them",
+                           "invalid_request")
+        try:
+            text = e.tok.apply_chat_template(body.messages, enable_thinking=think, **kw)
+        except jinja2.TemplateError as ex:  # the template refused these messages
+            raise ApiError(f"the model's chat template refused these messages: {ex}", "invalid_messages") from None
+        prompt = e.tok.encode(text)
         return await run(http, prompt, sp, body, chat=True)
 
     @app.post("/v1/completions")

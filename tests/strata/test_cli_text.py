@@ -15,9 +15,11 @@ def strata(*args, stdin: str | None = None):
 
 def test_generate_answers(smollm2_gguf):
     r = strata("generate", "What is the capital of France? Answer in one sentence.",
-               "--temperature", "0", "-n", "24", "-t", "2")
+               "--temperature", "0", "-n", "24", "-t", "2", "--no-think")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+    # SmolLM2's template has no thinking switch: said once, and the answer is the plain one
+    assert "--no-think: this model's chat template has no thinking switch; ignored" in r.stderr
     assert "llama, 30 layers" in r.stderr and "matmuls:" in r.stderr  # the plan line
     assert "prompt tokens at" in r.stderr
 

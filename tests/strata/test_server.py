@@ -326,3 +326,15 @@ def test_the_same_answer_whatever_the_cache_and_the_company():
         assert s.metrics()["strata_cache_hits_total"] > 0  # the cache was used
     finally:
         s.stop()
+
+
+def test_chat_template_kwargs(server):
+    """llama-server's and vLLM's chat_template_kwargs: enable_thinking reaches the template
+    (SmolLM2's has no switch: the answer is the same), a wrong type or a variable the
+    server sets is a 400 naming it."""
+    plain = chat(server, max_tokens=6).choices[0].message.content
+    assert chat(server, max_tokens=6, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+                ).choices[0].message.content == plain
+    for kw, words in (({"enable_thinking": "no"}, "true or false"), ({"messages": []}, "may not set messages")):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": CHAT, "chat_template_kwargs": kw})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
