@@ -99,12 +99,6 @@ def add_expert_args(p: argparse.ArgumentParser) -> None:
                    help="direct reads in flight (threads) for --experts-io direct (default 16)")
 
 
-def store_kwargs(args) -> dict:
-    """ExpertStore's keyword arguments from add_expert_args' flags."""
-    return {"tier": args.experts, "experts_dir": args.experts_dir, "io_mode": args.experts_io,
-            "depth": args.experts_io_depth}
-
-
 def load_options(args, **override):
     """strata.load.Options from a command's flags; a command without some of them (perplexity,
     imatrix, bench) takes their defaults, except that a command-line load reads the PLE table
@@ -119,12 +113,3 @@ def load_options(args, **override):
         ple_io=get("ple_io", "auto"), ple_file=get("ple_gguf"), ple_prefetch=not get("no_ple_prefetch", False),
         ple_io_depth=get("ple_io_depth", 16), vram_reserve_mib=get("vram_reserve_mib", 1024),
         tokens=get("tokens", None) or 32768)
-
-
-def open_ple_table(args, model_path, reserve_bytes: int = 0, say=None):
-    """The PLE table the --ple-* flags ask for: the model's own GGUF (or its shard set)
-    unless --ple-gguf names another file."""
-    from strata.storage import io
-    from strata.storage.ple import PleTable
-    return PleTable.open(args.ple_gguf or model_path, args.ple_io, depth=args.ple_io_depth,
-                         prefetch=not args.no_ple_prefetch, reserve_bytes=reserve_bytes, say=say or io.log)

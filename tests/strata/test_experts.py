@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import quant
-from strata.cli.args import add_expert_args, store_kwargs
+from strata.cli.args import add_expert_args, load_options
 from strata.gguf import open_gguf, write_gguf
 from strata.storage import experts as ex
 from strata.storage.expert_sources import tensor_file
@@ -160,7 +160,9 @@ def test_tier_specs():
     p = argparse.ArgumentParser()
     add_expert_args(p)
     args = p.parse_args(["--experts", "cache:16:packed", "--experts-dir", "/d", "--experts-io", "mmap"])
-    assert store_kwargs(args) == {"tier": "cache:16:packed", "experts_dir": "/d", "io_mode": "mmap", "depth": 16}
+    o = load_options(args)
+    assert {"tier": o.experts, "experts_dir": o.experts_dir, "io_mode": o.experts_io, "depth": o.experts_io_depth} \
+        == {"tier": "cache:16:packed", "experts_dir": "/d", "io_mode": "mmap", "depth": 16}
     with pytest.raises(SystemExit):
         p.parse_args(["--experts", "cache:-1"])
 

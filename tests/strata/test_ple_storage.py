@@ -319,7 +319,7 @@ def test_flags_and_the_table_in_another_shard(disk):
     shard of the model's GGUF; a file without it names the flag to use."""
     import argparse
 
-    from strata.cli.args import add_ple_args, open_ple_table
+    from strata.cli.args import add_ple_args, load_options
     fmt = quant.get("Q8_0")
     q = fmt.quantize(np.random.default_rng(8).standard_normal((50, DIM)).astype(np.float32))
     shard1 = disk / "m-00001-of-00002.gguf"
@@ -328,7 +328,9 @@ def test_flags_and_the_table_in_another_shard(disk):
     p = argparse.ArgumentParser()
     add_ple_args(p)
     args = p.parse_args(["--ple-io", "direct", "--ple-io-depth", "2", "--no-ple-prefetch"])
-    with open_ple_table(args, shard1, say=lambda _m: None) as t:
+    o = load_options(args)
+    with PleTable.open(o.ple_file or shard1, o.ple_io, depth=o.ple_io_depth, prefetch=o.ple_prefetch,
+                       say=lambda _m: None) as t:
         assert (t.mode, t.depth, t.reading_ahead) == ("direct", 2, False)
         assert t.source.path.name == "m-00002-of-00002.gguf"
         assert np.array_equal(t.read_row(49), q[49])
