@@ -163,14 +163,19 @@ def _experts(g: GGUFFile, o: Options, device: str, machine) -> tuple[ExpertChoic
 
 
 def _ple(g: GGUFFile, o: Options) -> PleChoice | None:
-    if qn.PLE_TABLE not in g.tensors and not o.ple_file:
+    t = g.tensors.get(qn.PLE_TABLE)
+    if t is None and not o.ple_file and not g.get(f"{qn.ARCH}.ple.layers"):
         return None
-    if o.ple_io is None:
-        t = g.tensors.get(qn.PLE_TABLE)
-        size = f"{t.nbytes / 2**20:.0f} MiB {t.fmt.name}, " if t is not None else ""
-        return PleChoice(None, f"the file's blocks in memory ({size}no --ple-io: read through the mapping)")
+    if o.ple_io is None and t is not None and not o.ple_file:
+        return PleChoice(None, f"the file's blocks in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name}, "
+                               f"no --ple-io: read through the mapping)")
     from strata.storage.ple_source import find_ple
+    # the model's own file, or another shard of its set (the releases keep the table alone
+    # in shard 2), or --ple-gguf's
     source = find_ple(o.ple_file or g.path, opened=g)
+    if o.ple_io is None:  # a table outside the model's file is read as a storage tier does
+        return PleChoice("mmap", f"{source.describe()}: another file than the model's: --ple-io mmap "
+                                 f"(no --ple-io given)", source, o.ple_io_depth, o.ple_prefetch)
     if o.ple_io == "auto":
         from strata.storage.ple_auto import choose_mode
         # ram is a candidate only when the table fits beside the rest of the model

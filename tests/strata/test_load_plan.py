@@ -57,3 +57,25 @@ def test_the_command_line_prints_the_plan_it_builds_from(flash_tiny_gguf, capsys
     assert "strata: --experts cache:4:host: given" in err
     assert "--ple-io mmap (given; not measured)" in err and "PLE table opened: mmap" in err
     assert "experts: cache:4:host (4 slots" in err and "PLE table mmap from" in err
+
+
+def test_a_table_in_another_shard_is_found(tmp_path):
+    """The releases keep the PLE table alone in shard 2 of 2: the plan of shard 1 finds it
+    there, read through the page cache unless --ple-io says otherwise."""
+    import numpy as np
+    from gguf import GGUFValueType
+
+    import quant
+    from strata.gguf import open_gguf, write_gguf
+    from strata.tensors import QTensor
+    fmt = quant.get("Q8_0")
+    q = fmt.quantize(np.random.default_rng(0).standard_normal((40, 32)).astype(np.float32))
+    shard1, shard2 = tmp_path / "m-00001-of-00002.gguf", tmp_path / "m-00002-of-00002.gguf"
+    write_gguf(shard1, "qwen4exp", {"qwen4exp.ple.layers": ([1], GGUFValueType.INT32)},
+               [QTensor("token_embd.weight", quant.F32, (2, 32), np.zeros((2, 128), np.uint8))])
+    write_gguf(shard2, "qwen4exp", {}, [QTensor("per_layer_token_embd.weight", fmt, (40, 32), q)])
+    g = open_gguf(shard1)
+    plan = decide(g, Options(device="cpu", kernels="torch"))
+    assert plan.ple.mode == "mmap" and plan.ple.source.path == shard2 and "--ple-io mmap" in plan.ple.why
+    direct = decide(g, Options(device="cpu", kernels="torch", ple_io="direct", ple_io_depth=2))
+    assert (direct.ple.mode, direct.ple.depth, direct.ple.source.rows) == ("direct", 2, 40)
