@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, key: str | None = None, dtype: str = "f32"):
+    def __init__(self, *args: str, key: str | None = None, dtype: str = "f32", timeout: float = 120):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "strata", "serve", "--port", str(self.port),
@@ -50,7 +50,8 @@ class Server:
             time.sleep(0.1)
         else:
             raise RuntimeError("server did not become healthy in 120 s")
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=120)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0,
+                                    timeout=timeout)
 
     def metrics(self) -> dict:
         text = httpx.get(self.url + "/metrics").text
@@ -308,7 +309,8 @@ def test_the_same_answer_whatever_the_cache_and_the_company():
     among 64 requests from 16 clients on 4 slots: every answer is the same, token for
     token. The prompts share a system message longer than a prefill chunk, which the
     cache reuses."""
-    s = Server("--slots", "4", dtype="bf16")
+    # 64 requests queue behind 4 slots: on a loaded machine the last wait minutes
+    s = Server("--slots", "4", dtype="bf16", timeout=900)
     system = {"role": "system", "content": OWLS + " Answer in plain words, briefly, as a careful teacher would."}
     try:
         ask = (lambda content: s.client.chat.completions.create(  # noqa: E731
