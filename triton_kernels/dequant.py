@@ -8,10 +8,14 @@ per row. Formats with an int8 unit decode (triton_kernels.decode.UNITS: Q8_0, Q4
 IQ4_NL, Q4_K, IQ3_XXS, IQ3_S) run `_dequant_units_kernel`: each thread decodes whole
 units (32 or 64 weights) from whole-word loads and scales each code once. The others run
 `_dequant_kernel`, one weight a lane through the format's per-weight decode function.
-`dequantize_torch` is the same computation in vectorised torch, the CPU fast path.
+`dequantize_torch` is the same computation in vectorised torch, the CPU fast path, with
+torch.compile's one-pass loops for Q8_0, Q4_0 and IQ4_NL on request (dequant_compiled.py).
 """
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +26,7 @@ from .asm import asm_for
 from .backend import use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .decode.common import round_to_bf16_bits
+from .dequant_compiled import dequantize_fused, has_fused
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # units a program of _dequant_units_kernel: one a thread at 4 warps
@@ -190,25 +195,28 @@ class _Tables:
         return cls._cache[key]
 
 
-def _signed_grid(grid, sign_bits_per_entry: int = 4) -> torch.Tensor:
-    """Grid entries with every sign pattern folded in: row gi*16 + signs -> 4 values.
-    Folding the sign into the table is exact: (db*g)*-1 == db*(-g)."""
-    g = torch.from_numpy(grid.astype("float32"))                        # (G, 4)
-    pat = torch.arange(16)[:, None] >> torch.arange(4)                  # (16, 4)
-    sign = torch.where(pat & 1 == 1, -1.0, 1.0)
-    return (g[:, None, :] * sign[None]).reshape(-1, 4)
+def _signed_grid_words(grid) -> torch.Tensor:
+    """Grid entries with every sign pattern folded in, as int8 codes packed four to an int32:
+    word gi*16 + signs holds entry gi's four values, value i negated where bit i of `signs`
+    is set. Folding the sign into the code is exact: (db*g)*-1 == db*(-g), |g| <= 62."""
+    g = grid.astype(np.int16)                                             # (G, 4)
+    pat = (np.arange(16)[:, None] >> np.arange(4)) & 1                   # (16, 4)
+    v = (g[:, None, :] * np.where(pat == 1, -1, 1)[None]).astype(np.int8)
+    return torch.from_numpy(v.reshape(-1, 4).copy().view("<i4").reshape(-1))
 
 
 def _build_table(name: str) -> torch.Tensor:
     from quant import iq3, iq4
-    if name == "iq3_xxs_signed":
-        return _signed_grid(iq3.XXS_GRID)
-    if name == "iq3_s_signed":
-        return _signed_grid(iq3.S_GRID)
+    if name == "iq3_xxs_words":
+        return _signed_grid_words(iq3.XXS_GRID)
+    if name == "iq3_s_words":
+        return _signed_grid_words(iq3.S_GRID)
     if name == "ksigns":
         return torch.from_numpy(iq3.KSIGNS.astype("int32"))
-    if name == "qh_bits":
-        return (torch.arange(256)[:, None] >> torch.arange(8) & 1).to(torch.int32) << 8
+    if name == "ksign_shifts":  # the four 7-bit KSIGNS indices of a group's u32
+        return torch.tensor([0, 7, 14, 21], dtype=torch.int32)
+    if name == "qh_keys":  # qh byte -> the 9th index bit of its 8 grid entries, as key bits (<< 4)
+        return (torch.arange(256)[:, None] >> torch.arange(8) & 1).to(torch.int32) << 12
     if name in ("iq2_xxs", "iq2_xs", "iq2_s"):
         from quant import iq2
         return torch.from_numpy(getattr(iq2, name[4:].upper() + "_GRID").astype("float32"))
@@ -244,12 +252,35 @@ def _deq_fp8_e4m3(b, out):
     out.copy_(b.contiguous().view(torch.float8_e4m3fn))
 
 
+def _lead_scale(b):
+    """(n, block_bytes) blocks -> (n, 1) float32: the fp16 at byte 0 of each block, read in
+    place (dequantize_torch hands over 2-byte aligned rows)."""
+    return b.view(torch.float16)[:, :1].float()
+
+
+# The int8-code formats write `out` once from int8 codes (a contiguous conversion, which
+# runs at the speed of the writes) and scale it in place while the chunk is in cache: the
+# fewest passes eager torch allows. Their float operation is the reference's single
+# product, so the order of the factors cannot change a bit.
+
 def _deq_q8_0(b, out):
-    torch.mul(b[:, 2:].contiguous().view(torch.int8).float(), _f16(b[:, :2]), out=out)
+    out.copy_(b[:, 2:].view(torch.int8))
+    out.mul_(_lead_scale(b))
+
+
+def _nibble_codes(qs, dtype=torch.uint8):
+    """(n, 16) nibble bytes -> (n, 32) codes: byte i's low half is weight i, its high i + 16."""
+    c = torch.empty((qs.shape[0], 2, 16), dtype=dtype, device=qs.device)
+    torch.bitwise_and(qs, 0x0F, out=c[:, 0])
+    torch.bitwise_right_shift(qs, 4, out=c[:, 1])
+    return c.view(-1, 32)
 
 
 def _deq_q4_0(b, out):
-    torch.mul(_f16(b[:, :2]), (_nibbles(b[:, 2:]).to(torch.int8) - 8).float(), out=out)
+    c = _nibble_codes(b[:, 2:])
+    c -= 8  # wraps: the uint8 bytes of the int8 codes q - 8
+    out.copy_(c.view(torch.int8))
+    out.mul_(_lead_scale(b))
 
 
 def _deq_q4_1(b, out):
@@ -263,7 +294,9 @@ def _lookup(tab: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _deq_iq4_nl(b, out):
-    torch.mul(_f16(b[:, :2]), _lookup(_Tables.get("iq4_nl", b.device), _nibbles(b[:, 2:]).to(torch.int32)), out=out)
+    idx = _nibble_codes(b[:, 2:], torch.int32)
+    torch.index_select(_Tables.get("iq4_nl", b.device), 0, idx.view(-1), out=out.view(-1))
+    out.mul_(_lead_scale(b))
 
 
 
@@ -350,35 +383,49 @@ def _deq_iq1_m(b, out):
     vals = (grid + _iq1_delta(nib & 8 != 0)[:, :, None]).view(n, 16, 16)
     torch.mul(dl[:, :, None], vals, out=out.view(n, 16, 16))
 
+
+def _words(h: torch.Tensor) -> torch.Tensor:
+    """(n, 2k) int16 halfwords -> (n, k) little-endian int32 words (IQ3's blocks are 98 and
+    110 bytes: only 2-byte aligned, so a u32 is two halfwords)."""
+    x = h.to(torch.int32)
+    return (x[:, 0::2] & 0xFFFF) | (x[:, 1::2] << 16)
+
+
+def _signed_codes(words: torch.Tensor, key: torch.Tensor, out: torch.Tensor, db: torch.Tensor):
+    """out = db * (the signed grid codes that `key` (n, 64) picks from `words`): a gather of
+    int8 words, one conversion into `out`, one in-place scale per 32 weights."""
+    n = key.shape[0]
+    codes = words.index_select(0, key.view(-1)).view(n, 64)
+    out.copy_(codes.view(torch.int8))
+    out.view(n, 8, 32).mul_(db[:, :, None])
+
+
 def _deq_iq3_xxs(b, out):
     n, dev = b.shape[0], b.device
-    d = _f16(b[:, :2])                                                   # (n, 1)
-    # int32 words: the arithmetic shift's sign bits never reach the masked fields
-    # a copy: a view at a byte offset that is not a multiple of 4 cannot be read as int32
-    words = torch.empty((n, 32), dtype=torch.uint8, device=dev).copy_(b[:, 66:98]).view(torch.int32)
-    db = d * (0.5 + ((words >> 28) & 0x0F).float()) * 0.5                # (n, 8)
-    sidx = torch.stack([(words >> s) & 0x7F for s in (0, 7, 14, 21)], dim=-1)  # (n, 8, 4)
-    ks = _lookup(_Tables.get("ksigns", dev), sidx)
-    # each grid entry covers 4 weights: its sign nibble is half of the group's ksigns byte
-    nib = torch.stack([ks & 0x0F, ks >> 4], dim=-1).reshape(n, 64)
-    key = (b[:, 2:66].to(torch.int32) << 4) | nib
-    vals = _lookup(_Tables.get("iq3_xxs_signed", dev), key)               # (n, 64, 4)
-    torch.mul(db[:, :, None], vals.view(n, 8, 32), out=out.view(n, 8, 32))
+    # the arithmetic shift's sign bits never reach the masked fields
+    words = _words(b.view(torch.int16)[:, 33:49])                        # (n, 8)
+    db = _lead_scale(b) * (0.5 + ((words >> 28) & 0x0F).float()) * 0.5   # (n, 8)
+    sidx = (words[:, :, None] >> _Tables.get("ksign_shifts", dev)) & 0x7F
+    ks = _Tables.get("ksigns", dev).index_select(0, sidx.view(-1)).view(n, 32, 1)
+    # each grid entry covers 4 weights: its sign nibble is half of the 8 weights' ksigns byte
+    key = b[:, 2:66].view(n, 32, 2).to(torch.int32) << 4
+    key[:, :, :1] |= ks & 0x0F
+    key[:, :, 1:] |= ks >> 4
+    _signed_codes(_Tables.get("iq3_xxs_words", dev), key, out, db)
 
 
 def _deq_iq3_s(b, out):
     n, dev = b.shape[0], b.device
-    d = _f16(b[:, :2])
     sc = b[:, 106:110].to(torch.int32)
-    s = torch.stack([sc & 0x0F, sc >> 4], dim=-1).reshape(n, 8)
-    db = d * (1 + 2 * s).float()                                         # (n, 8)
-    # qh byte -> the 9th index bit of its 8 grid entries, already shifted to bit 8
-    qh = _lookup(_Tables.get("qh_bits", dev), b[:, 66:74].to(torch.int32)).reshape(n, 64)
-    sb = b[:, 74:106].to(torch.int32)
-    nib = torch.stack([sb & 0x0F, sb >> 4], dim=-1).reshape(n, 64)
-    key = ((b[:, 2:66].to(torch.int32) | qh) << 4) | nib
-    vals = _lookup(_Tables.get("iq3_s_signed", dev), key)                # (n, 64, 4)
-    torch.mul(db[:, :, None], vals.view(n, 8, 32), out=out.view(n, 8, 32))
+    s = torch.stack([sc & 0x0F, sc >> 4], dim=-1).view(n, 8)
+    db = _lead_scale(b) * (1 + 2 * s).float()                            # (n, 8)
+    key = b[:, 2:66].to(torch.int32) << 4
+    key |= _Tables.get("qh_keys", dev).index_select(0, b[:, 66:74].to(torch.int32).view(-1)).view(n, 64)
+    sb = b[:, 74:106].to(torch.int32)                                    # a sign byte per 8 weights
+    k2 = key.view(n, 32, 2)
+    k2[:, :, 0] |= sb & 0x0F
+    k2[:, :, 1] |= sb >> 4
+    _signed_codes(_Tables.get("iq3_s_words", dev), key, out, db)
 
 
 def _shr(b: torch.Tensor, shifts: tuple, width: int) -> torch.Tensor:
@@ -476,23 +523,69 @@ _TORCH = {
 }
 
 
+def _compile_requested() -> bool:
+    return os.environ.get("STRATA_DEQUANT_COMPILE", "0") not in ("", "0")
+
+
+_compile_broken: list[str] = []  # why the compiled path failed once under STRATA_DEQUANT_COMPILE
+
+
+def _fused(blocks: torch.Tensor, fmt: quant.Format, out: torch.Tensor, compiled: bool | None) -> bool:
+    """Run the compiled one-pass dequant (triton_kernels/dequant_compiled.py) if asked and
+    possible; True when it did."""
+    if compiled is False or not has_fused(fmt) or blocks.device.type != "cpu" or blocks.shape[0] < 2:
+        return False
+    if compiled is None:
+        if not _compile_requested() or _compile_broken:
+            return False
+        try:
+            dequantize_fused(blocks, fmt, out)
+        except Exception as e:  # noqa: BLE001 - any compile failure (no C++ compiler, ...): eager gives the same bits
+            import warnings
+            _compile_broken.append(f"{type(e).__name__}: {e}")
+            warnings.warn(f"STRATA_DEQUANT_COMPILE: torch.compile failed for {fmt.name} ({_compile_broken[0][:200]}); "
+                          f"dequantizing eagerly from now on", RuntimeWarning, stacklevel=3)
+            return False
+        return True
+    dequantize_fused(blocks, fmt, out)
+    return True
+
+
 def dequantize_torch(q: torch.Tensor, fmt: str | int | quant.Format,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                     compiled: bool | None = None) -> torch.Tensor:
+    """`dequantize` in torch. `out`: a contiguous `dtype` tensor of the result's shape to
+    write, as ggml's to_float writes its caller's buffer (a fresh 256 MB float32 tensor costs
+    more in first-touch page faults than dequantizing into it); returned. `compiled`: Q8_0,
+    Q4_0 and IQ4_NL through torch.compile's one-pass loop (dequant_compiled.py) for at least
+    2 blocks on the CPU: True always, None when STRATA_DEQUANT_COMPILE=1, False never."""
     fmt = quant.get(fmt)
     check_blocks(q, fmt)
     if dtype not in OUT_DTYPES:
         raise ValueError(f"{fmt.name}: dequantize writes float32, float16 or bfloat16, not {dtype}")
-    fn = _TORCH[fmt.name]
+    shape = _out_shape(q, fmt)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=q.device)
+    elif out.shape != shape or out.dtype != dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(f"{fmt.name}: out must be a contiguous {dtype} tensor of shape {tuple(shape)} on "
+                         f"{q.device}, got a {'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} "
+                         f"tensor of shape {tuple(out.shape)} on {out.device}")
     blocks = q.reshape(-1, fmt.block_bytes)
+    if not blocks.is_contiguous() or blocks.storage_offset() % 2:
+        # the decoders read fp16 scales and halfwords in place: rows 2-byte aligned
+        blocks = torch.empty(blocks.shape, dtype=torch.uint8, device=q.device).copy_(blocks)
+    flat = out.view(-1, fmt.block_elems)
     n = blocks.shape[0]
-    out = torch.empty((n, fmt.block_elems), dtype=dtype, device=q.device)
+    if _fused(blocks, fmt, flat, compiled):
+        return out
+    fn = _TORCH[fmt.name]
     step = max(1, _CHUNK_VALUES // fmt.block_elems)
+    tmp = None if dtype == torch.float32 else torch.empty((min(n, step), fmt.block_elems), device=q.device)
     for i in range(0, n, step):
         part = blocks[i:i + step]
-        if dtype == torch.float32:
-            fn(part, out[i:i + step])
+        if tmp is None:
+            fn(part, flat[i:i + step])
         else:
-            tmp = torch.empty((part.shape[0], fmt.block_elems), device=q.device)
-            fn(part, tmp)
-            out[i:i + step] = tmp  # rounds to nearest even, as the kernel does
-    return out.reshape(_out_shape(q, fmt))
+            fn(part, tmp[:part.shape[0]])
+            flat[i:i + step] = tmp[:part.shape[0]]  # rounds to nearest even, as the kernel does
+    return out

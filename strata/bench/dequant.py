@@ -1,7 +1,16 @@
 """`strata bench dequant`: dequantization throughput of every path on the same blocks.
 
-CPU: Strata's torch path and gguf-py's numpy `dequantize`, timed on the same blocks in the
-same run; the ratio column is against gguf-py. CUDA (`--device cuda`): the Triton kernel is
+CPU: Strata's torch path and a peer, timed on the same blocks in the same run; the ratio
+column is against the peer, and "same bits" says whether our floats equal the peer's bit for
+bit. The peer is gguf-py's numpy `dequantize` (`--peer gguf-py`, the default) or ggml's own
+C `to_float` through ctypes (`--peer ggml`, strata/bench/ggml.py; needs llama-cpp-python).
+The torch path writes into a float32 buffer allocated once, as ggml's to_float writes its
+caller's (a fresh buffer's first-touch page faults would cost more than the dequant);
+gguf-py allocates its result, as its API does. `--compile` adds the one-pass loops of
+torch.compile (triton_kernels/dequant_compiled.py: Q8_0, Q4_0, IQ4_NL), with the seconds
+their first call took (Inductor's compile; far less when its disk cache is warm).
+`--threads 1` is the single-core comparison (ggml's to_float runs on the calling thread
+only). CUDA (`--device cuda`): the Triton kernel is
 first checked against the numpy reference on fresh random blocks, then timed with
 `triton.testing.do_bench` on at least 1 GiB of blocks, as GB/s (quantized bytes read plus
 output bytes written) against the device-to-device copy bandwidth measured in the run.
@@ -17,6 +26,7 @@ import torch
 import quant
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
 from triton_kernels import dequantize, dequantize_torch
+from triton_kernels.dequant_compiled import has_fused
 
 
 def random_blocks(fmt: quant.Format, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
@@ -81,18 +91,52 @@ def check_on_device(fmt: quant.Format, rng: np.random.Generator, n_blocks: int) 
     return f"{(~same).sum()} of {same.size} differ, max {_ulps(got, ref)} ulp"
 
 
-def _cpu_rows(fmt: quant.Format, raw: np.ndarray, args) -> tuple[float | None, list[dict]]:
-    """The torch path and gguf-py on the same blocks: (gguf-py's seconds, rows)."""
+def _same_bits(ours: np.ndarray, theirs: np.ndarray) -> str:
+    """"yes" when equal bit for bit (any NaN equal to any NaN), else how many differ."""
+    a, b = ours.reshape(-1).view(np.uint32), theirs.reshape(-1).view(np.uint32)
+    nan = np.isnan(ours.reshape(-1)) & np.isnan(theirs.reshape(-1))
+    differ = int(((a != b) & ~nan).sum())
+    return "yes" if differ == 0 else f"{differ:,} differ"
+
+
+def _peer(fmt: quant.Format, raw: np.ndarray, args, ggml):
+    """(path name, a call that dequantizes `raw` into a float32 array) of the chosen peer, or
+    None where it has no dequantizer for the format."""
+    if args.no_peer:
+        return None
+    if ggml is not None:
+        fn = ggml.to_float(fmt)
+        if fn is None:
+            return None
+        out = np.empty(raw.shape[0] * fmt.block_elems, np.float32)
+        return "ggml to_float (C)", lambda: ggml.dequantize(fn, raw, out)
+    import gguf
+    qtype = gguf.GGMLQuantizationType(fmt.type_id)
+    return "gguf-py (numpy)", lambda: gguf.quants.dequantize(raw, qtype)
+
+
+def _cpu_rows(fmt: quant.Format, raw: np.ndarray, args, ggml=None) -> tuple[float | None, list[dict]]:
+    """The torch path(s) and the peer on the same blocks: (the peer's seconds, rows)."""
     n_blocks = raw.shape[0]
     qt = torch.from_numpy(raw)
-    t_torch = _median_s(lambda: dequantize_torch(qt, fmt), args.repeats)
-    rows, t_peer = [], None
-    if not args.no_peer:
-        import gguf
-        qtype = gguf.GGMLQuantizationType(fmt.type_id)
-        t_peer = _median_s(lambda: gguf.quants.dequantize(raw, qtype), args.repeats)
-        rows.append(_row(fmt, "gguf-py (numpy)", t_peer, n_blocks, vs_peer=1.0))
-    rows.append(_row(fmt, "torch (cpu)", t_torch, n_blocks, vs_peer=t_peer / t_torch if t_peer else None))
+    out = torch.empty((n_blocks, fmt.block_elems))
+    paths = [("torch (cpu)", lambda: dequantize_torch(qt, fmt, out=out, compiled=False), None)]
+    if getattr(args, "compile", False) and has_fused(fmt):
+        t = time.perf_counter()
+        dequantize_torch(qt[:2], fmt, compiled=True)  # the compile, on two blocks
+        paths.append(("torch.compile (cpu)", lambda: dequantize_torch(qt, fmt, out=out, compiled=True),
+                      time.perf_counter() - t))
+    rows, t_peer, theirs = [], None, None
+    peer = _peer(fmt, raw, args, ggml)
+    if peer is not None:
+        name, call = peer
+        theirs = np.array(call(), dtype=np.float32, copy=True)
+        t_peer = _median_s(call, args.repeats)
+        rows.append(_row(fmt, name, t_peer, n_blocks, vs_peer=1.0))
+    for name, call, compile_s in paths:
+        t = _median_s(call, args.repeats)
+        rows.append(_row(fmt, name, t, n_blocks, vs_peer=t_peer / t if t_peer else None, compile_s=compile_s,
+                         same_bits=_same_bits(out.numpy(), theirs) if theirs is not None else None))
     return t_peer, rows
 
 
@@ -104,19 +148,28 @@ def run(args) -> int:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to torch")
+    ggml = None
+    if args.peer == "ggml" and not args.no_peer:
+        from strata.bench.ggml import Ggml
+        ggml = Ggml()
     rows, copy_gbps = [], None
     if cuda:
         copy_gbps = copy_bandwidth("cuda") / 1e9
     for fmt in formats:
         n_blocks = max(1, int(args.mib * 2**20) // fmt.block_bytes)
-        t_peer, cpu_rows = _cpu_rows(fmt, random_blocks(fmt, n_blocks, rng), args)
+        t_peer, cpu_rows = _cpu_rows(fmt, random_blocks(fmt, n_blocks, rng), args, ggml)
         rows += cpu_rows
         if cuda:
             rows += _cuda_rows(fmt, args, rng, t_peer, n_blocks, copy_gbps)
     result = {"bench": "dequant", "device": args.device, "machine": machine(),
+              "peer": None if args.no_peer else (ggml.version if ggml else "gguf-py"),
               "copy_gb_per_s": copy_gbps, "rows": rows}
     cols = [("format", "format"), ("path", "path"), ("mib", "MiB"), ("ms", "ms"),
-            ("mvalues_per_s", "Mvalues/s"), ("gb_per_s", "GB/s in"), ("vs_peer", "x gguf-py")]
+            ("mvalues_per_s", "Mvalues/s"), ("gb_per_s", "GB/s in"), ("vs_peer", f"x {args.peer}")]
+    if not args.no_peer:
+        cols.append(("same_bits", "same bits"))
+    if getattr(args, "compile", False):
+        cols.append(("compile_s", "compile s"))
     if cuda:
         cols += [("gb_per_s_rw", "GB/s r+w"), ("pct_copy", "% copy"), ("check", "check")]
     table = markdown(rows, cols)

@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import pytest
 
 import quant
 from strata.bench.dequant import random_blocks
@@ -19,13 +20,15 @@ def test_bench_dequant_json(capsys):
         # the ratio is the peer's time over ours on the same blocks
         peer = rows[(fmt, "gguf-py (numpy)")]
         assert abs(r["vs_peer"] - peer["ms"] / r["ms"]) < 1e-9 * max(1.0, r["vs_peer"])
+    # gguf-py's floats are the reference's: ours equal them bit for bit
+    assert all(rows[(f, "torch (cpu)")]["same_bits"] == "yes" for f in ("IQ3_XXS", "Q4_0"))
 
 
 def test_bench_dequant_table(capsys):
     assert main(["bench", "dequant", "--formats", "F16", "--mib", "0.1", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     cells = lambda line: [c.strip() for c in line.split("|")[1:-1]]  # noqa: E731
-    assert cells(lines[0]) == ["format", "path", "MiB", "ms", "Mvalues/s", "GB/s in", "x gguf-py"]
+    assert cells(lines[0]) == ["format", "path", "MiB", "ms", "Mvalues/s", "GB/s in", "x gguf-py", "same bits"]
     assert [cells(l)[:2] for l in lines[2:]] == [["F16", "gguf-py (numpy)"], ["F16", "torch (cpu)"]]
 
 
@@ -43,3 +46,27 @@ def test_bench_blocks_have_finite_scales():
         raw = random_blocks(fmt, 64, rng)
         assert raw.shape == (64, fmt.block_bytes)
         assert np.isfinite(fmt.dequantize(raw)).all()
+
+
+def test_ggml_peer_rows_say_whether_the_bits_match(capsys):
+    pytest.importorskip("llama_cpp")
+    import torch
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "dequant", "--formats", "Q8_0,IQ3_S", "--mib", "0.1", "--repeats", "1",
+                     "--threads", "1", "--peer", "ggml", "--json"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the bench sets it for the process
+    result = json.loads(capsys.readouterr().out)
+    assert result["peer"].startswith("ggml ")
+    rows = {(r["format"], r["path"]): r for r in result["rows"]}
+    assert set(rows) == {(f, p) for f in ("Q8_0", "IQ3_S") for p in ("torch (cpu)", "ggml to_float (C)")}
+    # ggml's C loops compute what the numpy reference computes: the same bits
+    assert rows[("Q8_0", "torch (cpu)")]["same_bits"] == rows[("IQ3_S", "torch (cpu)")]["same_bits"] == "yes"
+
+
+def test_ggml_peer_without_llama_cpp_names_the_fix(capsys, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    assert main(["bench", "dequant", "--formats", "Q8_0", "--mib", "0.1", "--peer", "ggml"]) != 0
+    assert "--peer ggml: llama-cpp-python is not importable here" in capsys.readouterr().err
