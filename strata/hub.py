@@ -8,6 +8,10 @@ build) and the GGUF unpacked from it, then checked against its known sha256.
 flash-tiny is built, not fetched: a random Qwen3.8-Flash-Next (transformers' Qwen4Exp)
 with the real structure scaled down, saved as a Hugging Face checkpoint and converted to
 an F32 GGUF by `strata convert` (`strata synth flash-tiny`; built on first use).
+
+flash-shape is written, never built on use (`strata synth flash-shape`): Qwen3.8-Flash-Next's
+real widths and PLE table in random blocks, about 35 GB at 4 layers
+(strata.convert.flash_shape).
 """
 from __future__ import annotations
 
@@ -140,6 +144,24 @@ def _build_flash_tiny(dest: Path, quiet: bool) -> Path:
         os.replace(mtp_sidecar(part), mtp_sidecar(dest))
     os.replace(part, dest)
     return dest
+
+
+def flash_shape_dir() -> Path:
+    return cache_dir() / "flash-shape"
+
+
+def synth_flash_shape(layers: int = 4, rows: int | None = None, out: str | os.PathLike | None = None,
+                      force: bool = False, quiet: bool = False) -> Path:
+    """Write flash-shape (`layers` layers, `rows` PLE rows, default the real count) into `out`
+    (default flash_shape_dir()) unless its files are there; returns its first shard. Not
+    in MODELS: a `--model` name must not start a 35 GB write."""
+    from strata.convert.flash_shape import REAL, Shape, write_flash_shape
+    rows = REAL["ple_rows"] if rows is None else rows
+    out = Path(out) if out is not None else flash_shape_dir()
+    files = Shape(layers, rows).paths(out)
+    if all(p.is_file() for p in files) and not force:
+        return files[0]
+    return write_flash_shape(out, layers, rows, tokenizer_gguf=pull_smollm2(quiet=quiet), quiet=quiet)
 
 
 MODELS = {"smollm2": pull_smollm2, "flash-tiny": synth_flash_tiny}

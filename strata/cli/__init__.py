@@ -67,8 +67,14 @@ def _run(args) -> int:
             from strata.cli import storage
             return {"pack": storage.pack, "plan": storage.plan, "probe": storage.probe}[args.command](args)
         if args.command == "synth":
-            from strata.hub import synth_flash_tiny
-            print(synth_flash_tiny(force=args.force))
+            from strata import hub
+            if args.name == "flash-shape":
+                print(hub.synth_flash_shape(args.layers or 4, args.rows, args.out, force=args.force))
+                return 0
+            given = [f for f in ("layers", "rows", "out") if getattr(args, f) is not None]
+            if given:
+                raise ValueError(f"--{', --'.join(given)}: flash-shape's flags; flash-tiny takes none")
+            print(hub.synth_flash_tiny(force=args.force))
             return 0
         if args.command == "convert":
             from strata.convert import convert

@@ -9,8 +9,16 @@ A start prints `plan_lines(...)`; `strata plan MODEL` prints them alone. The num
   the file set is every part read through the page cache (mapped, or mmap reads);
 - so the drive reads per prompt of `tokens` tokens: the routed experts' bytes (tokens x
   layers x top-k x expert bytes, at most the experts' size), the PLE rows (tokens x 16
-  rows, a page each) and the embedding rows, each times the share that misses the cache
-  (none when the file set fits; all of it for O_DIRECT tiers, which bypass the cache);
+  rows) and the embedding rows, each times the share that misses the cache (none when the
+  file set fits; all of it for O_DIRECT tiers, which bypass the cache);
+- and per decoded token, from a cold page cache and from a warm one: a row at no particular
+  offset touches 1 + (row bytes - 1) / 4096 pages on average (a 90-byte PLE row 1.02, a
+  1100-byte embedding row 1.27), an O_DIRECT read of an expert's slice whole pages around
+  it. Cold is what a table much larger than RAM costs for as long as the page cache has
+  not filled with it (at 64 KiB of PLE pages a token, 17 GiB of cache take 280,000
+  tokens): every page a token touches is a first touch. Warm is the steady state above;
+- the PLE table where it is: in the model's file or in another shard of its set (the
+  releases keep it alone in shard 2);
 - the drive's speed: a short O_DIRECT read of the model file itself, random 4 KiB and
   sequential 1 MiB, cached per block device in the Strata cache with its time (an assumed
   1.5 GB/s was 2-8x below what a user's NVMe did: seeds/004).
@@ -197,6 +205,7 @@ class Part:
     kind: str  # "resident" (read at start), "cache" (through the page cache), "direct" (O_DIRECT)
     ram_bytes: int = 0  # what the tier copies into anonymous RAM
     drive_per_prompt: float = 0.0  # bytes it reads per prompt before the page cache's share
+    drive_per_token: float = 0.0  # bytes a decoded token reads before the page cache's share
 
 
 def _parts(g) -> dict[str, int]:
@@ -219,6 +228,23 @@ def _arch(g, key: str, default=0):
     return g.get(f"{g.arch}.{key}", default)
 
 
+def _pages(nbytes: float) -> float:
+    """Pages a run of `nbytes` bytes at no particular offset touches, on average."""
+    return 1 + (nbytes - 1) / PAGE if nbytes else 0.0
+
+
+def _ple_in_set(g):
+    """The PLE table's PleSource where it sits in another shard of `g`'s set, else None."""
+    from strata.gguf.shards import shard_files
+    if len(shard_files(g.path)) < 2:
+        return None
+    from strata.storage.ple_source import find_ple
+    try:
+        return find_ple(g.path, opened=g)
+    except ValueError:  # no table anywhere in the set
+        return None
+
+
 @dataclass
 class Plan:
     path: Path
@@ -233,10 +259,15 @@ class Plan:
     tokens: int
     drive: DriveSpeed | None
     seconds: float | None  # expected drive time per prompt
+    set_bytes: int = 0  # the whole shard set's files
+    token_cold: dict[str, float] = field(default_factory=dict)  # per decoded token, cold page cache
+    token_warm: dict[str, float] = field(default_factory=dict)  # per decoded token, warm page cache
+    token_seconds: float | None = None  # expected drive time per decoded token, cold
 
     def lines(self) -> list[str]:
         total = sum(self.drive_bytes.values())
-        out = [f"plan for {self.path.name} ({self.file_bytes / 1e9:.2f} GB):"]
+        whole = f"; {self.set_bytes / 1e9:.2f} GB with its other shards" if self.set_bytes > self.file_bytes else ""
+        out = [f"plan for {self.path.name} ({self.file_bytes / 1e9:.2f} GB{whole}):"]
         for p in self.parts:
             out.append(f"  {p.name:<11} {p.nbytes / 1e9:8.3f} GB  {p.tier}")
         avail = "unknown" if self.mem_available is None else gib(self.mem_available)
@@ -254,6 +285,12 @@ class Plan:
         when = f", about {self.seconds:.1f} s of drive time" if self.seconds is not None and total else ""
         out.append(f"  {verdict} -> about {total / 1e9:.1f} GB read from the drive per {self.tokens}-token "
                    f"prompt" + (f" ({parts} GB{when})" if parts else ""))
+        cold, warm = sum(self.token_cold.values()), sum(self.token_warm.values())
+        if cold:
+            each = ", ".join(f"{k} {v / 1e6:.3f}" for k, v in self.token_cold.items() if v)
+            secs = f"; about {1e3 * self.token_seconds:.0f} ms of drive time" if self.token_seconds else ""
+            out.append(f"  per decoded token: {cold / 1e6:.2f} MB from the drive with a cold page cache ({each} MB), "
+                       f"{warm / 1e6:.2f} MB warm{secs}")
         out.append("  " + (self.drive.line() if self.drive else "drive speed not measured"))
         return out
 
@@ -262,7 +299,9 @@ class Plan:
                 "parts": [asdict(p) for p in self.parts], "mem_available": self.mem_available,
                 "page_cache_bytes": self.cache_bytes, "file_set_bytes": self.file_set, "fits": self.fits,
                 "miss": self.miss, "drive_bytes_per_prompt": self.drive_bytes, "tokens": self.tokens,
-                "drive_seconds_per_prompt": self.seconds, "drive": asdict(self.drive) if self.drive else None}
+                "drive_seconds_per_prompt": self.seconds, "drive": asdict(self.drive) if self.drive else None,
+                "set_bytes": self.set_bytes, "drive_bytes_per_token_cold": self.token_cold,
+                "drive_bytes_per_token_warm": self.token_warm, "drive_seconds_per_token_cold": self.token_seconds}
 
 
 def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: str = "cpu",
@@ -279,12 +318,12 @@ def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: st
     parts: list[Part] = []
 
     emb = g.tensors.get(TOKEN_EMBD)
-    emb_reads = 0.0
-    if emb is not None:  # a token's row, a page at least
-        emb_rows = min(tokens, emb.shape[0])
-        emb_reads = min(emb_rows * max(PAGE, emb.data.shape[-1]), sizes["embeddings"])
+    emb_reads = emb_token = 0.0
+    if emb is not None:  # a token's row: the pages it touches
+        emb_token = _pages(emb.data.shape[-1]) * PAGE
+        emb_reads = min(min(tokens, emb.shape[0]) * emb_token, sizes["embeddings"])
     parts.append(Part("embeddings", sizes["embeddings"], "page cache (the rows a step needs, mapped)", "cache",
-                      drive_per_prompt=emb_reads))
+                      drive_per_prompt=emb_reads, drive_per_token=emb_token))
     where = "RAM" if on_cpu else device
     parts.append(Part("layers", sizes["layers"], f"{where}, read at start (attention/DeltaNet, routers, shared "
                       f"experts, norms, hyper-connections)", "resident",
@@ -292,8 +331,18 @@ def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: st
 
     if sizes["experts"]:
         spec = parse_tier(experts) if experts else None
-        per_expert = sizes["experts"] / max(layers * n_exp, 1)
+        slabs: dict[int, list[int]] = {}  # layer -> an expert's bytes in gate, up, down
+        for name, t in g.tensors.items():
+            if m := EXPERT_TENSOR.match(name):
+                slabs.setdefault(int(m[1]), []).append(t.nbytes // max(t.shape[0], 1))
+        # over the layers whose experts this file holds (an MTP block's among them, where it has one)
+        per_expert = sizes["experts"] / max(len(slabs) * n_exp, 1)
         reads = min(tokens * layers * top_k * per_expert, sizes["experts"])
+        one = next(iter(slabs.values()))
+        # what reading one expert touches: the pack's expert starts on a page and is one run,
+        # the GGUF's three slices each start anywhere in a page
+        packed_run = -(-sum(one) // PAGE) * PAGE
+        file_runs = sum(_pages(b) for b in one) * PAGE
         kind, ram, share = "resident", 0, 1.0
         how = "O_DIRECT reads" if experts_io == "direct" else "mmap reads"
         if spec is None or spec.kind in ("device", "dense"):
@@ -324,24 +373,33 @@ def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: st
                 kind, ram = "resident", ram + sizes["experts"]
             else:
                 kind = "direct" if experts_io == "direct" else "cache"
+        run = packed_run if spec is not None and "packed" in (spec.kind, spec.backing) else file_runs
         parts.append(Part("experts", sizes["experts"], f"{tier}; {per_expert / 2**20:.2f} MiB an expert, "
                           f"{layers} layers x {n_exp} top-{top_k}", kind, ram_bytes=int(ram),
-                          drive_per_prompt=reads * share if kind != "resident" else 0.0))
+                          drive_per_prompt=reads * share if kind != "resident" else 0.0,
+                          drive_per_token=layers * top_k * run * share if kind != "resident" else 0.0))
     else:
         parts.append(Part("experts", 0, "none (a dense model)", "resident"))
 
     ple = g.tensors.get(PLE_TABLE)
+    ple_where, set_bytes = "", g.size
     if ple is not None:
-        rows = tokens * PLE_ROWS_PER_TOKEN
-        row_bytes = ple.data.shape[-1]
-        ple_reads = min(rows * (-(-row_bytes // PAGE) * PAGE), -(-ple.nbytes // PAGE) * PAGE)
+        row_bytes, ple_bytes = ple.data.shape[-1], ple.nbytes
+    elif (src := _ple_in_set(g)) is not None:  # the releases keep it alone in shard 2
+        row_bytes, ple_bytes, ple_where = src.row_bytes, src.nbytes, f" (in {src.path.name})"
+        from strata.gguf.shards import shard_files
+        set_bytes = sum(p.stat().st_size for p in shard_files(g.path) if p.is_file())
+    if ple is not None or ple_where:
+        row_pages = _pages(row_bytes) * PAGE
+        ple_reads = min(tokens * PLE_ROWS_PER_TOKEN * row_pages, -(-ple_bytes // PAGE) * PAGE)
         tier = {"ram": ("--ple-io ram: read whole into RAM, locked", "resident"),
                 "mmap": ("--ple-io mmap: page cache, one batched MADV_WILLNEED a step", "cache"),
                 "direct": ("--ple-io direct: O_DIRECT pages by a thread pool", "direct"),
                 "auto": ("--ple-io auto: measured at start (counted here as mmap)", "cache")}[ple_io]
-        parts.append(Part("PLE table", ple.nbytes, f"{tier[0]}; {row_bytes} B a row", tier[1],
-                          ram_bytes=ple.nbytes if ple_io == "ram" else 0,
-                          drive_per_prompt=ple_reads if tier[1] != "resident" else 0.0))
+        parts.append(Part("PLE table", ple_bytes, f"{tier[0]}; {row_bytes} B a row{ple_where}", tier[1],
+                          ram_bytes=ple_bytes if ple_io == "ram" else 0,
+                          drive_per_prompt=ple_reads if tier[1] != "resident" else 0.0,
+                          drive_per_token=PLE_ROWS_PER_TOKEN * row_pages if tier[1] != "resident" else 0.0))
     else:
         parts.append(Part("PLE table", 0, "none", "resident"))
     parts.append(Part("output", sizes["output"], f"{where}, read at start (lm_head, final mixer)", "resident",
@@ -353,19 +411,24 @@ def make_plan(g, *, experts: str | None = None, ple_io: str = "auto", device: st
     cache = None if avail is None else max(0, avail - held)
     fits = None if cache is None else file_set <= cache
     miss = 1.0 if cache is None else (0.0 if fits else 1 - cache / file_set)
-    drive_bytes = {}
+    drive_bytes, cold, warm = {}, {}, {}
     for p in parts:
         share = {"cache": miss, "direct": 1.0}.get(p.kind, 0.0)
         drive_bytes[p.name] = p.drive_per_prompt * share
+        warm[p.name] = p.drive_per_token * share
+        cold[p.name] = p.drive_per_token * (1.0 if p.kind in ("cache", "direct") else 0.0)
     if drive is None and measure:
         drive = drive_speed(g.path)
-    seconds = None
+    seconds = token_seconds = None
     if drive is not None:
         seq, rnd = drive.seq() or float("inf"), drive.random() or float("inf")
+
         # experts are runs of hundreds of KiB (sequential); PLE and embedding rows a page each
-        seconds = drive_bytes.get("experts", 0) / seq + (drive_bytes.get("PLE table", 0)
-                                                         + drive_bytes.get("embeddings", 0)) / rnd
-    return Plan(g.path, g.size, parts, avail, cache, file_set, fits, miss, drive_bytes, tokens, drive, seconds)
+        def drive_time(b: dict) -> float:
+            return b.get("experts", 0) / seq + (b.get("PLE table", 0) + b.get("embeddings", 0)) / rnd
+        seconds, token_seconds = drive_time(drive_bytes), drive_time(cold)
+    return Plan(g.path, g.size, parts, avail, cache, file_set, fits, miss, drive_bytes, tokens, drive, seconds,
+                set_bytes, cold, warm, token_seconds)
 
 
 def choose_experts(expert_bytes: int, other_bytes: int, per_expert: float, layers: int, n_experts: int,
