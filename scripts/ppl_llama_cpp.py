@@ -9,6 +9,11 @@ the KL divergence of Strata from llama.cpp.
 
     python scripts/ppl_llama_cpp.py smollm2 --text stdlib.txt --ctx 512 --chunks 20
 
+`--cache-type-k/-v q8_0` run llama.cpp with a quantized KV cache (as llama-perplexity's
+flags), and `--kl-divergence-base FILE` gives its KL divergence from a saved run, e.g.
+llama.cpp's own f16 cache: what a quantized cache costs in llama.cpp, beside what
+`strata perplexity --kv int8 --kl-divergence-base MODEL` says it costs in Strata.
+
 llama-cpp-python is not a dependency of Strata: pip install llama-cpp-python==0.3.36.
 """
 from __future__ import annotations
@@ -24,6 +29,11 @@ import torch
 
 from strata.hub import resolve_model
 from strata.perplexity import DEFAULT_TOP_K, perplexity, save_logits, text_sha256
+from strata.perplexity.kld import kl_divergence, print_kld
+from strata.perplexity.saved import SavedLogits
+
+
+CACHE_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "f32": "GGML_TYPE_F32"}
 
 
 class LlamaCppModel:
@@ -53,12 +63,23 @@ def main(argv=None) -> int:
     p.add_argument("--threads", "-t", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--save-all-logits", default=None, metavar="FILE")
     p.add_argument("--save-top-k", type=int, default=DEFAULT_TOP_K)
+    p.add_argument("--cache-type-k", "-ctk", choices=tuple(CACHE_TYPES), default="f16")
+    p.add_argument("--cache-type-v", "-ctv", choices=tuple(CACHE_TYPES), default="f16")
+    p.add_argument("--flash-attn", "-fa", choices=("on", "off", "auto"), default="auto",
+                   help="llama.cpp's flash attention (auto: on where the V cache is quantized, which "
+                        "needs it); compare caches with the same setting")
+    p.add_argument("--kl-divergence-base", default=None, metavar="FILE",
+                   help="a --save-all-logits file: print the KL divergence from it")
     args = p.parse_args(argv)
     import llama_cpp
 
     path = resolve_model(args.model)
+    types = {k: getattr(llama_cpp, v) for k, v in CACHE_TYPES.items()}
     llm = llama_cpp.Llama(str(path), n_ctx=args.ctx, n_batch=args.ctx, n_threads=args.threads,
-                          logits_all=True, verbose=False)
+                          logits_all=True, verbose=False, type_k=types[args.cache_type_k],
+                          type_v=types[args.cache_type_v],
+                          flash_attn=args.flash_attn == "on" or (args.flash_attn == "auto"
+                                                                 and args.cache_type_v not in ("f16", "f32")))
     text = Path(args.text).read_text(encoding="utf-8")
     sha = text_sha256(text)
     # llama-perplexity's common_tokenize(ctx, text, add_special=true, parse_special=false)
@@ -74,7 +95,13 @@ def main(argv=None) -> int:
         sys.stdout.flush()
 
     t0 = time.perf_counter()
-    if args.save_all_logits:
+    if args.kl_divergence_base:
+        base = SavedLogits(args.kl_divergence_base)
+        res = kl_divergence(model, base.tokens, base, base.n_ctx, args.chunks, base.bos_id,
+                            base_name=args.kl_divergence_base, text_sha=sha)
+        print()
+        print_kld(res)
+    elif args.save_all_logits:
         res = save_logits(args.save_all_logits, model, tokens, args.ctx, args.chunks, bos, top_k=args.save_top_k,
                           source=f"llama.cpp {llama_cpp.__version__}: {path.name}", text_sha=sha, on_chunk=progress)
     else:

@@ -11,6 +11,7 @@ from .dequant import dequantize, dequantize_torch
 from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
 from .qmatmul import qmatmul, qmatmul_torch
+from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
 
 OPS = {
     "qmatmul": (qmatmul, qmatmul_torch),
@@ -19,6 +20,8 @@ OPS = {
     "moe": (moe, moe_torch),
     "ngram_ids": (ngram_ids, ngram_ids_torch),
     "ple_gather": (ple_gather, ple_gather_torch),
+    "qsa_scores": (qsa_scores, qsa_scores_torch),
+    "qsa_attention": (qsa_attention, qsa_attention_torch),
 }
 
 recorder: list | None = None  # set by launches.record(): the calls made while it is open

@@ -48,6 +48,8 @@ from .backend import interpreter_on
 from .decode import decoder, launch_args, unit
 
 OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather")
+# QSA's kernels; their "format" is the dtype of the keys they read (F32, BF16, F16)
+QSA_OPS = ("qsa_scores", "qsa_attention")
 TARGETS = {
     "sm_80": GPUTarget("cuda", 80, 32),
     "sm_89": GPUTarget("cuda", 89, 32),
@@ -140,7 +142,35 @@ def _sig(names_types: str, **constexprs) -> tuple[dict, dict]:
     return sig, constexprs
 
 
+def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
+    """Flash-Next's shapes: indexer 4 heads x 128, budget 64 in blocks of 4; attention
+    head_dim 256, 2 query heads a kv head; at 131072 tokens of context, a decode step."""
+    qsa = importlib.import_module("triton_kernels.qsa")
+    kv = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}.get(fmt.name)
+    if kv is None:
+        raise ValueError(f"{op}: keys are float32, bfloat16 or float16, not {fmt.name}")
+    cfg = config or {}
+    if op == "qsa_scores":
+        bn, nb = cfg.get("block_n", qsa.SCORES_BLOCK_N), 131072 // 4
+        sig, cx = _sig(f"q_ptr:*fp32,blk_ptr:*{kv},out_ptr:*fp32,T:i32,NB:i32,start:i32,ratio:i32,"
+                       "sqrt_d:fp32,stride_qh:i32,stride_qt:i32,stride_bn:i32,stride_ot:i32",
+                       N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn)
+        # no loop: the block-key values of a program
+        return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", 4), bn * 128, 1, -(-nb // bn))
+    bs, slots = cfg.get("block_s", qsa.ATTN_BLOCK_S), 64 + 4 - 1
+    # float keys: the int8 cache's scale pointers are passed but not read (SCALED=False)
+    sig, cx = _sig(f"q_ptr:*fp32,k_ptr:*{kv},v_ptr:*{kv},sel_ptr:*i64,out_ptr:*fp32,ks_ptr:*{kv},vs_ptr:*{kv},"
+                   "start:i32,ratio:i32,keep:i32,sm_scale:fp32,stride_qh:i32,stride_qt:i32,stride_kh:i32,"
+                   "stride_kn:i32,stride_vh:i32,stride_vn:i32,stride_st:i32,stride_oh:i32,stride_ot:i32,"
+                   "stride_sh:i32,stride_sn:i32",
+                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=False)
+    # K and V elements an iteration; a program a query head
+    return Spec(qsa._qsa_attention_kernel, sig, cx, cfg.get("num_warps", 4), 2 * bs * 256, -(-slots // bs), 4)
+
+
 def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> Spec:
+    if op in QSA_OPS:
+        return _qsa_spec(op, fmt, config)
     # by module path: the package re-exports functions under the names moe and ple
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))

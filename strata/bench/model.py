@@ -7,6 +7,10 @@ Strata (so Strata's peak RSS is read before the peer loads), and prints the rati
 `--device cuda` runs Strata on the GPU (the Triton kernels by default). The decode
 step's weight bytes over its time, against a copy's bandwidth measured on the same
 device in the same run, says how near the memory roof decode runs.
+`--depth 1000,32000` (llama-bench's `-d`): per depth, the context is first filled with that
+many tokens (in `--ubatch` chunks: its rate is the "fill" row), then pp and tg run from
+copies of that state; Strata's rows give the attention states' bytes a token, and with
+STRATA_DECODE_TIMING=1 each decode step's line gives the QSA indexer's and attention's ms.
 `--peer transformers` runs transformers' eager forward (float32, with its cache) on the
 checkpoint the GGUF was converted from (flash-tiny: the checkpoint beside it; else
 `--hf-dir`): the same weights, the reference implementation.
@@ -82,6 +86,17 @@ def bench_strata(path, args) -> dict:
             model([tok], cache, last_only=True)
         _sync(device)
         tg.append(args.n_gen / (time.perf_counter() - t))
+    spec = None
+    if getattr(args, "spec", 0):  # strata.bench.spec: the verify against a one-token step
+        from strata.bench import spec as spec_bench
+        spec = spec_bench.measure(model, args.spec, _tokens(args.n_prompt, vocab, 200),
+                                  _tokens(args.n_gen, vocab, 300), lambda: _sync(device))
+    profile = None
+    if getattr(args, "profile", False):  # strata.bench.profile: the top ops of a decode step
+        from strata.bench import profile as profile_bench
+        profile = profile_bench.decode_profile(model, _tokens(16, vocab, 400),
+                                               _tokens(4 + args.profile_steps, vocab, 500),
+                                               sync=lambda: _sync(device))
     nbytes = step_bytes(model)
     rss = _peak_rss_mib()  # before the copy's buffers
     copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))  # bytes/s
@@ -89,7 +104,8 @@ def bench_strata(path, args) -> dict:
     return {"engine": "strata", "pp": pp, "tg": tg, "load_s": load_s, "peak_rss_mib": rss,
             "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),
             "kernels": model.kernels, "step_bytes": nbytes, "copy_bytes_per_s": copy,
-            "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy}
+            "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy, "spec": spec,
+            "profile": profile}
 
 
 def bench_llama_cpp(path, args, vocab: int) -> dict:
@@ -140,6 +156,8 @@ def run(args, path, hf_dir=None) -> int:
     """`strata bench model` on the GGUF at `path`; `hf_dir`: the checkpoint it came from
     (for --peer transformers)."""
     torch.set_num_threads(args.threads)
+    if getattr(args, "depth", None):
+        return run_depths(args, path)
     ours = bench_strata(path, args)
     peer = None
     if args.peer == "llama.cpp":
@@ -177,5 +195,159 @@ def run(args, path, hf_dir=None) -> int:
         f"peak RSS {ours['peak_rss_mib']:.0f} MiB; a decode step reads {ours['step_bytes'] / 2**20:.1f} MiB of "
         f"weights: {ours['step_read_bytes_per_s'] / 1e9:.1f} GB/s, {ours['fraction_of_copy']:.1%} of the "
         f"{ours['copy_bytes_per_s'] / 1e9:.0f} GB/s a copy moves on {ours['device']} (read + written)")
+    if ours["spec"]:
+        from strata.bench import spec as spec_bench
+        result["spec"] = ours["spec"]
+        table += "\n\n" + spec_bench.text(ours["spec"])
+    if ours["profile"]:
+        from strata.bench import profile as profile_bench
+        result["profile"] = ours["profile"]
+        table += "\n\n" + profile_bench.text(ours["profile"])
+    emit(result, table, args.json)
+    return 0
+
+
+# --- at a depth (llama-bench -d) ------------------------------------------------------------
+
+def _fill(step, toks: list[int], ubatch: int) -> float:
+    """tok/s of feeding `toks` in ubatch chunks through `step`."""
+    t = time.perf_counter()
+    for i in range(0, len(toks), ubatch):
+        step(toks[i:i + ubatch])
+    return len(toks) / (time.perf_counter() - t)
+
+
+def _attention_clocks(model) -> list[dict]:
+    from strata.nn.gated_attention import GatedAttention
+    clocks = []
+    for m in model.modules():
+        if isinstance(m, GatedAttention):
+            m.clock = {}
+            clocks.append(m.clock)
+    return clocks
+
+
+def depth_strata(model, args, device) -> dict:
+    """Per depth: fill rate, pp and tg from copies of the filled state, and the attention
+    states' bytes a token (K, V, the indexer's raw keys and pooled block keys)."""
+    import sys
+    from strata.nn.gated_attention import AttentionState
+    from strata.runtime import timing
+    vocab = model.cfg.vocab_size
+    timer = timing.StepTimer(model) if timing.enabled() else None
+    clocks = _attention_clocks(model) if timer else []
+    out = {}
+    for d in args.depth:
+        state = model.new_cache(d + max(args.n_prompt, args.n_gen))
+        for st in state.layers:  # allocated once, as llama.cpp's context is
+            if isinstance(st, AttentionState):
+                st.reserve(d + max(args.n_prompt, args.n_gen))
+        fill = _fill(lambda c: model(c, state, last_only=True), _tokens(d, vocab, 7), args.ubatch)
+        _sync(device)
+        pp, tg, split = [], [], {"indexer": 0.0, "attention": 0.0}
+        for r in range(args.repeats):
+            s = state.copy()
+            _sync(device)
+            t = time.perf_counter()
+            model(_tokens(args.n_prompt, vocab, r), s, last_only=True)
+            _sync(device)
+            pp.append(args.n_prompt / (time.perf_counter() - t))
+        for r in range(args.repeats):
+            s = state.copy()
+            _sync(device)
+            t = time.perf_counter()
+            for tok in _tokens(args.n_gen, vocab, 100 + r):
+                ts = time.perf_counter()
+                before = {k: sum(c.get(k, 0.0) for c in clocks) for k in split}
+                model([tok], s, last_only=True)
+                if timer:
+                    ms = {k: 1e3 * (sum(c.get(k, 0.0) for c in clocks) - before[k]) for k in split}
+                    for k in split:
+                        split[k] += ms[k] / (args.repeats * args.n_gen)
+                    print(f"strata: {timer.line(1, 1e3 * (time.perf_counter() - ts), **ms)}", file=sys.stderr)
+            _sync(device)
+            tg.append(args.n_gen / (time.perf_counter() - t))
+        attn = [st for st in state.layers if isinstance(st, AttentionState)]
+        out[d] = {"fill": fill, "pp": pp, "tg": tg,
+                  "kv_bytes_per_token": sum(st.nbytes() for st in attn) / d,
+                  "split_ms": split if timer else None}
+        del state
+    return out
+
+
+def depth_llama_cpp(path, args, vocab: int) -> dict:
+    from llama_cpp import Llama
+    ub = args.ubatch
+    llm = Llama(str(path), n_ctx=max(args.depth) + max(args.n_prompt, args.n_gen) + 16, n_batch=ub,
+                n_ubatch=ub, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    out = {}
+    for d in args.depth:
+        llm.reset()
+        fill = _fill(llm.eval, _tokens(d, vocab, 7), ub)
+        saved = llm.save_state()
+        pp, tg = [], []
+        for r in range(args.repeats):
+            llm.load_state(saved)
+            t = time.perf_counter()
+            llm.eval(_tokens(args.n_prompt, vocab, r))
+            pp.append(args.n_prompt / (time.perf_counter() - t))
+        for r in range(args.repeats):
+            llm.load_state(saved)
+            t = time.perf_counter()
+            for tok in _tokens(args.n_gen, vocab, 100 + r):
+                llm.eval([tok])
+            tg.append(args.n_gen / (time.perf_counter() - t))
+        out[d] = {"fill": fill, "pp": pp, "tg": tg}
+    return out
+
+
+def run_depths(args, path) -> int:
+    """`strata bench model --depth ...`: each depth's fill, pp and tg, Strata then the peer."""
+    from strata.load import load_model
+    device = torch.device(getattr(args, "device", None) or "cpu")
+    t = time.perf_counter()
+    model = load_model(path, dtype=args.dtype, device=device, kernels=getattr(args, "kernels", None))
+    load_s = time.perf_counter() - t
+    model(_tokens(16, model.cfg.vocab_size), model.new_cache())  # warm-up
+    ours = depth_strata(model, args, device)
+    rss = _peak_rss_mib()
+    peer = None
+    if args.peer == "llama.cpp":
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise ValueError("--peer llama.cpp: llama-cpp-python is not importable here; build it as "
+                             "the README says, or drop --peer") from None
+        peer = depth_llama_cpp(path, args, model.cfg.vocab_size)
+    elif args.peer is not None:
+        raise ValueError(f"--depth runs Strata and --peer llama.cpp only, not --peer {args.peer}")
+    rows = []
+    engines = [("strata", ours)] + ([("llama.cpp (llama-cpp-python)", peer)] if peer else [])
+    for name, res in engines:
+        for d, r in res.items():
+            tests = ((f"fill {d} (ubatch {args.ubatch})", [r["fill"]], "fill"),
+                     (f"pp{args.n_prompt} @ d{d}", r["pp"], "pp"), (f"tg{args.n_gen} @ d{d}", r["tg"], "tg"))
+            for test, runs, key in tests:
+                mean, sd = _stats(runs)
+                row = {"engine": name, "model": path.name, "threads": args.threads, "test": test,
+                       "tok_s": mean, "stddev": sd, "runs": runs, "t/s": f"{mean:.2f} ± {sd:.2f}"}
+                if peer and res is ours:
+                    row["vs_peer"] = mean / _stats(peer[d][key] if key != "fill" else [peer[d]["fill"]])[0]
+                if res is ours and d != args.depth[0]:
+                    first = ours[args.depth[0]]
+                    row["vs_first_depth"] = mean / _stats(first[key] if key != "fill" else [first["fill"]])[0]
+                rows.append(row)
+    result = {"bench": "model-depth", "machine": machine(), "model": str(path), "dtype": str(args.dtype),
+              "peak_rss_mib": rss, "load_s": load_s, "rows": rows,
+              "kv_bytes_per_token": {d: r["kv_bytes_per_token"] for d, r in ours.items()},
+              "split_ms": {d: r["split_ms"] for d, r in ours.items()}}
+    cols = [("engine", "engine"), ("threads", "threads"), ("test", "test"), ("t/s", "t/s"),
+            ("vs_first_depth", f"x d{args.depth[0]}")]
+    if peer:
+        cols.append(("vs_peer", f"x {args.peer}"))
+    notes = [f"d{d}: attention states {r['kv_bytes_per_token']:,.0f} bytes a token"
+             + (f"; a decode step: indexer {r['split_ms']['indexer']:.2f} ms, attention "
+                f"{r['split_ms']['attention']:.2f} ms" if r["split_ms"] else "") for d, r in ours.items()]
+    table = markdown(rows, cols) + f"\n\nStrata: {path.name}, {args.dtype}, peak RSS {rss:.0f} MiB; " + "; ".join(notes)
     emit(result, table, args.json)
     return 0

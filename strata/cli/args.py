@@ -49,8 +49,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--qsa", choices=("on", "off"), default="on",
                    help="qwen4exp: QSA sparse attention past the indexer's budget (on, as transformers) "
                         "or dense attention at every length (off, as llama.cpp)")
+    add_context_args(p)
     add_ple_args(p)
     add_expert_args(p)
+
+
+def add_context_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="tokens a sequence may hold (default: the model's trained context, times --rope-scale)")
+    p.add_argument("--rope-scaling", choices=("none", "linear", "yarn"), default=None,
+                   help="stretch RoPE past the trained context (default: the file's rope.scaling, else none)")
+    p.add_argument("--rope-scale", type=float, default=None, metavar="S",
+                   help="the stretch factor: the context becomes S x the trained one")
+    p.add_argument("--yarn-orig-ctx", type=int, default=None, metavar="N",
+                   help="the context the model was trained on (default: the file's)")
+    add_kv_args(p)
+
+
+def add_kv_args(p: argparse.ArgumentParser) -> None:
+    from strata.nn.kv import KV_TYPES
+    p.add_argument("--kv", choices=KV_TYPES, default=None,
+                   help="how the attention cache stores keys and values: f32 (default, exact), bf16, f16, "
+                        "or int8 (codes and a float16 scale per head and token: about half of bf16)")
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -67,6 +87,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.05, help="0.0: off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (generate, chat, serve)."""
+    p.add_argument("--spec", type=int, default=0, metavar="N",
+                   help="speculative decoding: up to N tokens a step drafted by the model's MTP head "
+                        "(qwen4exp), verified in one forward of N+1; greedy, the output is --spec 0's "
+                        "(default 0: off)")
+    p.add_argument("--spec-min-p", type=float, default=0.0, metavar="P",
+                   help="--spec: stop drafting when the draft's top probability falls below P (default 0)")
 
 
 def add_ple_args(p: argparse.ArgumentParser) -> None:
@@ -112,4 +142,5 @@ def load_options(args, **override):
         experts_io=get("experts_io", "direct"), experts_io_depth=get("experts_io_depth", 16),
         ple_io=get("ple_io", "auto"), ple_file=get("ple_gguf"), ple_prefetch=not get("no_ple_prefetch", False),
         ple_io_depth=get("ple_io_depth", 16), vram_reserve_mib=get("vram_reserve_mib", 1024),
-        tokens=get("tokens", None) or 32768)
+        tokens=get("tokens", None) or 32768, rope_scaling=get("rope_scaling"), rope_scale=get("rope_scale"),
+        yarn_orig_ctx=get("yarn_orig_ctx"), max_context=get("max_context"), kv=get("kv"))

@@ -28,10 +28,10 @@ from strata.perplexity import perplexity as score_perplexity
 from strata.quantize import QuantizeError, quantize_model
 
 
-def _load(args, name: str, dtype):
+def _load(args, name: str, dtype, **override):
     # imported here: `strata quantize` needs neither the models nor the hub
     from strata.cli.load import load
-    return load(args, model=name, dtype=dtype)
+    return load(args, model=name, dtype=dtype, **override)
 
 
 def _is_model(name: str) -> bool:
@@ -116,8 +116,8 @@ def perplexity(args) -> int:
                   f"{'top ' + str(saved.top_k) if saved.top_k else 'all'} per token, "
                   f"{saved.n_chunks} chunks of {saved.n_ctx})", file=sys.stderr)
         else:
-            base, _ = _load(args, base_arg, args.base_dtype)
-            name = f"{base_arg} ({args.base_dtype})"
+            base, _ = _load(args, base_arg, args.base_dtype, kv=args.base_kv)
+            name = f"{base_arg} ({args.base_dtype}, KV {args.base_kv or 'f32'})"
         res = kl_divergence(model, tokens, base, n_ctx, args.chunks, bos, on_chunk=_kld_row,
                             base_name=name, text_sha=sha)
         print()

@@ -12,14 +12,15 @@ def say(line: str) -> None:
     print(f"strata: {line}", file=sys.stderr)
 
 
-def load(args, model: str | None = None, dtype=None):
+def load(args, model: str | None = None, dtype=None, **override):
     """(model, tokenizer) for `--model` (or `model`, a known name or a .gguf path) with the
-    command's flags; `dtype` (a torch dtype, or bf16/f32) overrides --dtype."""
+    command's flags; `dtype` (a torch dtype, or bf16/f32) overrides --dtype, `override`
+    other strata.load.Options fields."""
     from strata.gguf import open_gguf
     from strata.load import build, decide
     from strata.tokenizer import Tokenizer
     g = open_gguf(resolve_model(model or args.model))
-    plan = decide(g, load_options(args, **({"dtype": dtype} if dtype is not None else {})))
+    plan = decide(g, load_options(args, **({"dtype": dtype} if dtype is not None else {}), **override))
     for line in plan.lines():
         say(line)
     m = build(plan)

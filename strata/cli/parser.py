@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from strata.cli.args import (add_chat_args, add_device_args, add_expert_args, add_model_args, add_ple_args,
-                              add_sampling_args, formats)
+from strata.cli.args import (add_chat_args, add_device_args, add_expert_args, add_kv_args, add_model_args,
+                             add_ple_args, add_sampling_args, add_spec_args, formats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,9 +15,16 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", choices=("smollm2",))
 
     sy = sub.add_parser("synth", help="build a test model into the cache (flash-tiny: a random "
-                                      "Qwen3.8-Flash-Next with the real structure, scaled down)")
-    sy.add_argument("name", choices=("flash-tiny",))
+                                      "Qwen3.8-Flash-Next with the real structure, scaled down; flash-shape: "
+                                      "its real widths and PLE table, random blocks, about 35 GB at 4 layers)")
+    sy.add_argument("name", choices=("flash-tiny", "flash-shape"))
     sy.add_argument("--force", action="store_true", help="rebuild even when cached")
+    sy.add_argument("--layers", type=int, default=None, metavar="L",
+                    help="flash-shape: layers (default 4; the MTP block comes after them)")
+    sy.add_argument("--rows", type=int, default=None, metavar="N",
+                    help="flash-shape: PLE table rows (default the real 320,001,536: 26.8 GiB)")
+    sy.add_argument("--out", default=None, metavar="DIR",
+                    help="flash-shape: directory for its files (default: flash-shape/ in the Strata cache)")
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
@@ -25,15 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_args(gen)
     add_model_args(gen)
     add_sampling_args(gen)
+    add_spec_args(gen)
 
     chat = sub.add_parser("chat", help="interactive chat (one line a turn; /reset, /exit)")
     chat.add_argument("--system", default=None, help="system prompt")
     add_chat_args(chat)
     add_model_args(chat)
     add_sampling_args(chat)
+    add_spec_args(chat)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with slots and a conversation cache")
     add_model_args(srv)
+    add_spec_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
     srv.add_argument("--slots", "-np", type=int, default=4, help="requests decoded together")
@@ -61,7 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cpu: torch path and gguf-py; cuda: also the Triton kernel, checked and timed")
     dq.add_argument("--repeats", type=int, default=3, help="timed runs per path (median reported)")
     dq.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    dq.add_argument("--no-peer", action="store_true", help="skip gguf-py (it is slow on large sizes)")
+    dq.add_argument("--no-peer", action="store_true", help="skip the peer (gguf-py is slow on large sizes)")
+    dq.add_argument("--peer", choices=("gguf-py", "ggml"), default="gguf-py",
+                    help="gguf-py's numpy dequantize, or ggml's C to_float through llama-cpp-python's "
+                         "libggml-base (with --threads 1: the single-core comparison)")
+    dq.add_argument("--compile", action="store_true",
+                    help="also time torch.compile's one-pass loops (Q8_0, Q4_0, IQ4_NL; the first "
+                         "compile takes 10-45 s)")
     dq.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
     from strata.bench import kernels as bench_kernels
@@ -75,10 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--n-prompt", "-p", type=int, default=512)
     bm.add_argument("--n-gen", "-n", type=int, default=128)
     bm.add_argument("--repeats", "-r", type=int, default=3)
+    bm.add_argument("--spec", type=int, default=0, metavar="N",
+                    help="also time the speculative verify of N+1 tokens (and N MTP drafts) against a "
+                         "one-token step, and count the distinct experts each reads (qwen4exp)")
     bm.add_argument("--peer", choices=("llama.cpp", "transformers"), default=None,
                     help="also run the same model through llama-cpp-python, or transformers' eager "
                          "forward on the checkpoint it came from, in the same run")
     bm.add_argument("--hf-dir", default=None, help="--peer transformers: the Hugging Face checkpoint")
+    bm.add_argument("--profile", action="store_true",
+                    help="also profile decode steps (torch.profiler): the top ops a step, time per "
+                         "module class, and the time outside ops")
+    bm.add_argument("--profile-steps", type=int, default=8, metavar="N", help="--profile: steps profiled")
+    bm.add_argument("--depth", "-d", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="comma-separated context depths (llama-bench -d): pp and tg after a context of "
+                         "that many tokens, e.g. 1000,32000,131072")
+    bm.add_argument("--ubatch", type=int, default=512, help="--depth: tokens a chunk when filling the context")
     bm.add_argument("--json", action="store_true")
 
     bs = bsub.add_parser("serve", help="aggregate tok/s of the serving engine per slot count")
@@ -119,12 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="log-probs kept per token in a saved file (default 1024; 0: all)")
     pp.add_argument("--base-dtype", choices=("bf16", "f32"), default="f32",
                     help="compute dtype of a base model run side by side")
+    pp.add_argument("--base-kv", choices=("f32", "bf16", "f16", "int8"), default=None,
+                    help="KV cache of a base model run side by side (default f32: exact), e.g. "
+                         "--kv int8 --base-kv bf16 for what int8 costs against a bf16 cache")
     pp.add_argument("--make-text", default=None, metavar="OUT",
                     help="write the standard-library docstring text to OUT and exit")
     pp.add_argument("--json", action="store_true", help="print the result as JSON at the end")
     pp.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     pp.add_argument("--threads", "-t", type=int, default=None)
     add_device_args(pp)
+    add_kv_args(pp)
 
     im = sub.add_parser("imatrix", help="llama-imatrix: importance matrix (GGUF) for llama-quantize --imatrix")
     im.add_argument("model", nargs="?", default="smollm2", help="a known model (smollm2) or a .gguf path")

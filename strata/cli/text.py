@@ -40,11 +40,13 @@ def generate_cmd(args) -> int:
     if not args.raw and tok.chat_template:
         prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=_think(args, tok))
     ids = tok.encode(prompt)
-    res = generate(model, tok, ids, sampling(args), on_text=_print)
+    res = generate(model, tok, ids, sampling(args), on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p)
     print()
     print(f"strata: {res.prompt_tokens} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
           f"{len(res.tokens)} generated at {res.decode_tok_s:.1f} tok/s ({res.finish_reason})",
           file=sys.stderr)
+    if res.spec is not None:
+        print(f"strata: {res.spec.summary()}", file=sys.stderr)
     return 0
 
 
@@ -71,7 +73,7 @@ def chat_cmd(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         ids = tok.encode(tok.apply_chat_template(history, enable_thinking=think))
-        res = generate(model, tok, ids, params, on_text=_print)
+        res = generate(model, tok, ids, params, on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p)
         print()
         history.append({"role": "assistant", "content": res.text})
     return 0
@@ -105,7 +107,8 @@ def serve_cmd(args) -> int:
     try:
         model, tok = load(args)
         state.engine = Engine(model, tok, slots=args.slots, queue_size=args.queue,
-                              cache_mib=args.conversation_cache_mib, ctx_size=args.ctx_size, start_thread=False)
+                              cache_mib=args.conversation_cache_mib, ctx_size=args.ctx_size, start_thread=False,
+                              spec=args.spec, spec_min_p=args.spec_min_p)
     except Exception as e:
         logging.getLogger("strata.server").exception("loading failed")
         state.load_error = str(e)

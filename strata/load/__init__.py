@@ -23,6 +23,7 @@ def build(plan: LoadPlan):
     else:
         from .qwen4exp import build as build_arch
     model = build_arch(plan)
+    model.max_context = plan.context  # what a sequence may hold: the server's bound
     bad = plan.check(model)
     if bad:  # what the engine says it chose is what it did, or it stops here
         raise RuntimeError(f"{plan.gguf.path}: the loaded model differs from its plan: {'; '.join(bad)}")

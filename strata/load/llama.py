@@ -25,7 +25,7 @@ def build(plan) -> Llama:
     budget = DenseBudget()
     lin = lambda w, **kw: QuantLinear(w, dtype, device, budget=budget, kernels=kernels, **kw)  # noqa: E731
     norm = lambda name: RMSNorm(torch.from_numpy(g.tensor(name).numpy()), cfg.norm_eps)  # noqa: E731
-    rope = Rope(cfg.rope_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 8192))
+    rope = Rope(cfg.rope_dim, cfg.rope_theta, max_pos=min(plan.context, 8192), scaling=plan.rope)
     blocks = []
     for i in range(cfg.n_layers):
         t = lambda name: g.tensor(n.blk(i, name))  # noqa: E731
@@ -38,4 +38,5 @@ def build(plan) -> Llama:
     embedding = g.tensor(n.TOKEN_EMBD)
     tied = n.OUTPUT not in g.tensors  # no output in the file: it is the embedding
     output = lin(g.tensors.get(n.OUTPUT, embedding))
-    return Llama(g, cfg, embedding, blocks, norm(n.OUTPUT_NORM), output, tied, dtype, device, kernels)
+    return Llama(g, cfg, embedding, blocks, norm(n.OUTPUT_NORM), output, tied, dtype, device, kernels,
+                 kv=plan.kv)

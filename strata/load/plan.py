@@ -18,6 +18,8 @@ import torch
 
 from strata.gguf import GGUFFile
 from strata.names import qwen4exp as qn
+from strata.nn import kv
+from strata.nn.rope import RopeScaling
 from strata.storage.expert_tier import parse_tier
 from triton_kernels.backend import choose_device, choose_kernels
 
@@ -40,6 +42,11 @@ class Options:
     ple_io_depth: int = 16
     vram_reserve_mib: int = 1024
     tokens: int = 32768  # the prompt length the drive plan counts reads for
+    rope_scaling: str | None = None  # none, linear or yarn; None: the file's
+    rope_scale: float | None = None  # the context's stretch factor; None: the file's
+    yarn_orig_ctx: int | None = None  # the trained context; None: the file's
+    max_context: int | None = None  # tokens a sequence may hold; None: the trained (x the scale)
+    kv: str | None = None  # the KV cache's storage (strata.nn.kv); None: f32
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,10 @@ class LoadPlan:
     experts: ExpertChoice | None  # None: a dense model
     ple: PleChoice | None  # None: no PLE table
     placement: object | None = None  # strata.storage.placement.Placement, on a GPU
+    rope: RopeScaling | None = None  # None: RoPE as trained
+    context: int = 4096  # tokens a sequence may hold
+    context_why: str = ""
+    kv: str = "f32"  # the KV cache's storage (strata.nn.kv)
 
     @property
     def arch(self) -> str:
@@ -97,6 +108,8 @@ class LoadPlan:
         out += [f"plan: {self.arch} on {self.device}, {self.kernels} kernels, "
                f"{str(self.dtype).replace('torch.', '')}, {self.threads} threads"
                + ("" if self.arch != qn.ARCH else f", {'QSA on' if o.qsa else 'QSA off (dense attention)'}")]
+        out.append(f"context: {self.context} tokens, {self.context_why}; KV cache {self.kv}"
+                   f"{' (given)' if o.kv else ' (the default; --kv bf16|f16|int8 to shrink it)'}")
         if self.placement is not None:
             out += self.placement.lines()
         if self.experts is not None:
@@ -123,6 +136,8 @@ class LoadPlan:
             bad.append(f"kernels {model.kernels}, planned {self.kernels}")
         if model.dtype != self.dtype:
             bad.append(f"dtype {model.dtype}, planned {self.dtype}")
+        if getattr(model, "kv", self.kv) != self.kv:
+            bad.append(f"KV cache {model.kv}, planned {self.kv}")
         stores = [l.moe.experts for l in getattr(model, "layers", [])]
         if self.experts is not None:
             kinds = self.experts.kinds()
@@ -147,7 +162,11 @@ def _rest_bytes(g: GGUFFile) -> int:
 def _experts(g: GGUFFile, o: Options, device: str, machine) -> tuple[ExpertChoice | None, object | None]:
     if not any(n.endswith(qn.MOE["gate_exps"]) for n in g.tensors):
         return None, None
-    kw = dict(experts_dir=o.experts_dir, io_mode=o.experts_io, depth=o.experts_io_depth)
+    from strata.storage.pack import PACK_INDEX, default_pack_dir
+    # the pack is the model's, named after its file: `strata pack` puts the MTP sidecar's
+    # experts in it too, and the sidecar's store must not look for a pack of its own name
+    kw = dict(experts_dir=o.experts_dir or str(default_pack_dir(g.path)), io_mode=o.experts_io,
+              depth=o.experts_io_depth)
     if o.experts:
         return ExpertChoice(str(parse_tier(o.experts)) if o.experts != "blocks" else "blocks", "given", **kw), None
     if not device.startswith("cuda"):
@@ -155,8 +174,7 @@ def _experts(g: GGUFFile, o: Options, device: str, machine) -> tuple[ExpertChoic
                                   "mapped file (the page cache holds them)", **kw), None
     # a GPU without --experts: what fits VRAM, then RAM, then the drive (the placement)
     from strata.storage import placement as pl
-    from strata.storage.pack import PACK_INDEX, default_pack_dir
-    pack = Path(o.experts_dir or default_pack_dir(g.path)) / PACK_INDEX
+    pack = Path(kw["experts_dir"]) / PACK_INDEX
     machine = machine or pl.this_machine(device, o.vram_reserve_mib)
     p = pl.place(pl.shape_of(g), machine, ctx=o.tokens, pack_exists=pack.is_file())
     return ExpertChoice(p.expert_tier, "the placement's (above)", **kw), p
@@ -186,6 +204,36 @@ def _ple(g: GGUFFile, o: Options) -> PleChoice | None:
     return PleChoice(mode, f"{source.describe()}: {line}", source, o.ple_io_depth, o.ple_prefetch)
 
 
+def _rope(g: GGUFFile, o: Options) -> tuple[RopeScaling | None, int, str]:
+    """RoPE scaling (the flags, else the file's rope.scaling keys) and the context."""
+    a = g.arch
+    trained = int(g.get(f"{a}.context_length", 4096))
+    kind = o.rope_scaling or g.get(f"{a}.rope.scaling.type")
+    kind = None if kind in (None, "none") else kind
+    if kind is None and o.rope_scale is not None and o.rope_scaling != "none":
+        kind = "linear"  # llama.cpp's --rope-scale alone: linear interpolation
+    rope, why = None, "as trained"
+    if kind is not None:
+        factor = o.rope_scale or g.get(f"{a}.rope.scaling.factor")
+        if not factor:
+            raise ValueError(f"--rope-scaling {kind} needs --rope-scale S (the context's stretch factor); "
+                             f"{g.path.name} gives none")
+        orig = o.yarn_orig_ctx or int(g.get(f"{a}.rope.scaling.original_context_length", 0)) or trained
+        attn = g.get(f"{a}.rope.scaling.attn_factor")
+        rope = RopeScaling(kind, float(factor), orig, attn_factor=float(attn) if attn else None)
+        given = o.rope_scaling is not None or o.rope_scale is not None
+        why = f"{rope.describe()} ({'given' if given else 'the file' + chr(39) + 's'})"
+    if o.max_context:
+        ctx = o.max_context
+        limit = rope.context if rope else trained
+        why = f"--max-context; {why}" + (f"; past the {limit} the RoPE was trained or scaled for"
+                                         if ctx > limit else "")
+    else:
+        ctx = rope.context if rope else trained
+        why = f"the model's; {why}"
+    return rope, ctx, why
+
+
 def decide(g: GGUFFile, options: Options | None = None, machine=None) -> LoadPlan:
     """The plan for loading `g` as `options` ask on this machine (or `machine`, a
     strata.storage.placement.Machine, for a GPU placement). Measures what `auto` leaves
@@ -195,5 +243,7 @@ def decide(g: GGUFFile, options: Options | None = None, machine=None) -> LoadPla
     kernels = choose_kernels(o.kernels, device)
     experts, placement = _experts(g, o, device, machine) if g.arch == qn.ARCH else (None, None)
     ple = _ple(g, o) if g.arch == qn.ARCH else None
-    return LoadPlan(g, o, device, kernels, o.dtype, o.threads or torch.get_num_threads(), experts, ple, placement)
+    rope, context, why = _rope(g, o)
+    return LoadPlan(g, o, device, kernels, o.dtype, o.threads or torch.get_num_threads(), experts, ple, placement,
+                    rope, context, why, kv.check(o.kv or "f32"))
 

@@ -45,7 +45,7 @@ class _Loader:
         self.plan, self.cfg = plan, cfg
         self.dtype, self.device, self.kernels = plan.dtype, plan.device, plan.kernels
         self.budget = DenseBudget()
-        self.rope = Rope(cfg.rope_dim, cfg.rope_theta, max_pos=min(cfg.context_length, 8192))
+        self.rope = Rope(cfg.rope_dim, cfg.rope_theta, max_pos=min(plan.context, 8192), scaling=plan.rope)
         self.qsa_fallback = False
 
     def lin(self, f: GGUFFile, *names: str) -> QuantLinear:
@@ -152,5 +152,10 @@ def build(plan) -> Qwen4Exp:
               for i in range(cfg.n_layers)]
     mtp, mtp_file = ld.mtp(g)
     out_hc, output = ld.hc(g, n.OUTPUT_HC, False), ld.lin(g, n.OUTPUT)
-    return Qwen4Exp(g, cfg, g.tensor(n.TOKEN_EMBD), layers, out_hc, output, plan.dtype, plan.device,
-                    plan.kernels, mtp, mtp_file, ld.qsa_fallback)
+    embedding = g.tensor(n.TOKEN_EMBD)
+    # its rows are read a token at a time from the mapping: a fault would otherwise read the
+    # disk's readahead window around the row (read_ahead_kb 8192 made a decoded token of
+    # flash-shape read 8 MiB of embedding for its 1100-byte row: 96 MB a token, not 88)
+    io.advise_random(embedding.data)
+    return Qwen4Exp(g, cfg, embedding, layers, out_hc, output, plan.dtype, plan.device,
+                    plan.kernels, mtp, mtp_file, ld.qsa_fallback, kv=plan.kv)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from strata.gguf import GGUFFile
 from strata.models import summary
 from strata.names import TOKEN_EMBD
-from strata.nn import Attention, KVCache, QuantLinear, RMSNorm
+from strata.nn import Attention, KVCache, QuantLinear, RMSNorm, kv
 from strata.tensors import QTensor
 from strata.runtime import graphs
 from triton_kernels.dequant import dequantize_torch
@@ -69,12 +69,15 @@ class Block(torch.nn.Module):
 
 class Llama(torch.nn.Module):
     def __init__(self, g: GGUFFile, cfg: LlamaConfig, embedding: QTensor, blocks: list[Block], norm: RMSNorm,
-                 output: QuantLinear, tied: bool, dtype: torch.dtype, device: str, kernels: str):
+                 output: QuantLinear, tied: bool, dtype: torch.dtype, device: str, kernels: str,
+                 kv: str = "f32"):
         """Built by strata.load.llama from a GGUF file `g`; `embedding` stays the file's
         blocks (rows are gathered as tokens come); `kernels`: "triton" or "torch", the
-        implementation every op takes (triton_kernels.ops)."""
+        implementation every op takes (triton_kernels.ops); `kv`: how the KV cache stores
+        keys and values (strata.nn.kv)."""
         super().__init__()
         self.gguf, self.cfg, self.dtype, self.device = g, cfg, dtype, torch.device(device)
+        self.kv = kv
         self.kernels, self.embedding, self.tied = kernels, embedding, tied
         self.blocks = torch.nn.ModuleList(blocks)
         self.norm, self.output = norm, output
@@ -91,12 +94,18 @@ class Llama(torch.nn.Module):
                 h[1] += m.held_bytes()
         how = ", ".join(f"{k} {n} ({b / 2**20:.0f} MiB)" for k, (n, b) in sorted(held.items()))
         return (f"{summary.name(g)} ({g.arch}, {c.n_layers} layers, dim {c.dim}, {summary.file_summary(g)}"
-                f"{', output tied to token_embd' if self.tied else ''}) {summary.run_summary(self)}; "
+                f"{', output tied to token_embd' if self.tied else ''}) {summary.run_summary(self)}, "
+                f"{summary.kv_summary(self)}; "
                 f"matmuls: {how}")
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.cfg
-        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, self.device, capacity)
+        return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, device=self.device, capacity=capacity, kind=self.kv)
+
+    def kv_bytes_per_token(self, kind: str | None = None) -> int:
+        """KV-cache bytes a token adds, stored as `kind` (default: this model's)."""
+        c = self.cfg
+        return 2 * c.n_layers * c.n_kv_heads * kv.row_bytes(kind or self.kv, c.head_dim)
 
     def embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings of token ids held on the model's device, gathered there (the decode

@@ -13,7 +13,8 @@ in tiled order, ssm_a = -exp(A_log)). Per layer:
 
 State per sequence (`Qwen4ExpState`): keys/values and indexer keys of the attention
 layers, conv windows and recurrent states of the DeltaNet layers, the PLE block's n-gram
-history and conv window.
+history and conv window; for speculative decoding (strata.runtime.spec), the MTP block's
+keys and the last position's streams, and a verify's way back (`Qwen4ExpState.keep`).
 """
 from __future__ import annotations
 
@@ -21,11 +22,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from strata.gguf import GGUFFile
 from strata.models import summary
 from strata.names import TOKEN_EMBD
+from strata.names.qwen4exp import mtp_sidecar
 from strata.nn import QuantLinear
+from strata.nn import kv as kv_types
 from strata.nn.deltanet import GatedDeltaNet
 from strata.nn.gated_attention import AttentionState
 from strata.nn.hyperconn import HyperConnection
@@ -126,16 +130,34 @@ class Layer(torch.nn.Module):
         return HyperConnection.write(x, self.moe(m), w)
 
 
+class _Verify:
+    """What a verify forward leaves for `Qwen4ExpState.keep`: where it started, the PLE
+    state before it and the PLE block's inputs, its tokens and the streams of its rows."""
+
+    def __init__(self, start: int, ple):
+        self.start, self.ple = start, ple
+        self.tokens = self.ple_input = self.streams = None
+
+
 class Qwen4ExpState:
-    """One sequence's state: `length` tokens seen."""
+    """One sequence's state: `length` tokens seen.
+
+    With `mtp`, also the MTP block's keys and values at every position seen (a draft
+    attends to them) and `hidden`, the trunk's streams before the output mixer at the last
+    position (the first draft's input). Between `Qwen4Exp.verify` and `keep(n)`, the state
+    can be cut back to any prefix of the verified tokens (see `keep`)."""
 
     rewindable = False  # the DeltaNet and conv states cannot be cut back to fewer tokens
 
-    def __init__(self, model: "Qwen4Exp"):
+    def __init__(self, model: "Qwen4Exp", mtp: bool = False):
         dev = model.device
-        self.layers = [l.mixer.new_state(dev) if l.recurrent else AttentionState() for l in model.layers]
+        self.layers = [l.mixer.new_state(dev) if l.recurrent else AttentionState(model.kv) for l in model.layers]
         self.ple = model.ple.new_state(dev) if model.ple is not None else None
+        self.mtp = AttentionState(model.kv) if mtp else None
+        self.hidden: torch.Tensor | None = None
         self.length = 0
+        self._model_ple = model.ple
+        self._verify: _Verify | None = None
 
     def copy(self, n: int | None = None) -> "Qwen4ExpState":
         """A copy of this state; recurrent states cannot be rewound, so n must be the length."""
@@ -145,21 +167,75 @@ class Qwen4ExpState:
         c = Qwen4ExpState.__new__(Qwen4ExpState)
         c.layers = [s.copy() for s in self.layers]
         c.ple = self.ple.copy() if self.ple is not None else None
+        c.mtp = self.mtp.copy() if self.mtp is not None else None
+        c.hidden = self.hidden
         c.length = self.length
+        c._model_ple, c._verify = self._model_ple, None
         return c
 
     def nbytes(self) -> int:
-        ts = []
+        ts = [self.hidden]
         for s in self.layers:
-            ts += [s.k, s.v, s.idx] if isinstance(s, AttentionState) else [s.conv, s.rec]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+            ts += [] if isinstance(s, AttentionState) else [s.conv, s.rec]
+        attn = [s for s in self.layers + [self.mtp] if isinstance(s, AttentionState)]
+        return sum(s.nbytes() for s in attn) + sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def begin_verify(self) -> None:
+        """The next forward is a verify: keep what `keep` needs to cut it back."""
+        for s in self.layers:
+            if not isinstance(s, AttentionState):
+                s.begin()
+        self._verify = _Verify(self.length, self.ple.copy() if self.ple is not None else None)
+
+    @torch.inference_mode()
+    def keep(self, n: int) -> None:
+        """Keep the first n tokens of the verify forward since `begin_verify`, as if only
+        they had been fed: attention rows past them are dropped (AttentionState.truncate),
+        the DeltaNet states cut back (DeltaNetState.keep), the PLE state restored and the
+        PLE block run again over the n kept rows (its conv window needs their values; one
+        block over at most a verify's rows, its table rows just read), and `hidden` taken
+        from row n - 1."""
+        v, self._verify = self._verify, None
+        if v is None or v.tokens is None:
+            raise RuntimeError("Qwen4ExpState.keep: no verify forward since begin_verify()")
+        T = v.tokens.numel()
+        if not 0 < n <= T:
+            raise ValueError(f"a verify of {T} tokens keeps 1 to {T} of them, not {n}")
+        for s in self.layers:
+            if isinstance(s, AttentionState):
+                s.truncate(v.start + n)
+            else:
+                s.keep(n)
+        if self.mtp is not None:
+            self.mtp.truncate(v.start + n)
+            self.hidden = v.streams[n - 1].clone()
+        if n < T and self.ple is not None:
+            self.ple = v.ple
+            ple, tokens = self._model_ple, v.tokens[:n]
+            ple(v.ple_input[:n], tokens, self.ple, ple.ids(tokens, self.ple))
+        self.length = v.start + n
 
 
 class MTPHead(torch.nn.Module):
-    """The multi-token-prediction block's weights: the embedding and the hidden state, each
-    normed, joined and projected (eh_proj), one attention + MoE block with its
-    hyper-connections, a final norm before the shared lm_head. Loaded so that a speculative
-    decoder can use it; nothing runs it yet."""
+    """The multi-token-prediction block: from the token at position p and the trunk's
+    streams after position p - 1, a guess at the token at p + 1.
+
+        e   = enorm(embed(token))                         (T, H)
+        h_s = hnorm(stream s of the trunk's state)        (T, S, H)  before the output mixer
+        x_s = eh_proj([e ; h_s])                          (T, S, H)  the block's streams
+        x   = block(x) at position p                      one attention + MoE layer with its
+                                                          hyper-connections and its own keys
+        logits = output(head_norm(out_hc.read(x)))       the model's mixer and lm_head
+
+    The streams fed are the 4-stream state before the output mixer, as the release's MTP
+    drafters take it (transformers 5.23 runs no MTP: it ignores `mtp.*` on load).
+    eh_proj = [fc_embedding | fc_hidden] applies to each stream alike, and hnorm is one
+    weight for every stream (or one per stream where the file gives S*H). The sidecar's
+    block is Qwen3.5's nextn layout, with a final norm and no stream mixer of its own, so
+    the model's output mixer collapses the streams before head_norm. A chained draft feeds
+    the block's output streams back as the next row's h. The block's keys and values at a
+    position come from the trunk's streams (`keys`, run by every forward of a state that
+    tracks them); a draft's own are dropped once it is verified."""
 
     def __init__(self, eh_proj: QuantLinear, enorm, hnorm, head_norm, block: Layer):
         super().__init__()
@@ -167,15 +243,38 @@ class MTPHead(torch.nn.Module):
         p = (lambda t: torch.nn.Parameter(t.float(), requires_grad=False))
         self.enorm, self.hnorm, self.head_norm = p(enorm), p(hnorm), p(head_norm)
 
+    def inputs(self, model: "Qwen4Exp", tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The block's streams (T, S*H) for `tokens` (T,) and the streams before them (T, S*H)."""
+        T, S, eps = tokens.numel(), model.cfg.streams, model.cfg.norm_eps
+        H = self.enorm.numel()
+        e = F.rms_norm(model.embed(tokens).float(), (H,), eps=eps) * self.enorm
+        h = F.rms_norm(hidden.float().reshape(T, S, H), (H,), eps=eps) * self.hnorm.reshape(-1, H)
+        both = torch.cat([e.unsqueeze(1).expand(T, S, H), h], dim=-1)
+        return self.eh_proj(both.reshape(T * S, 2 * H)).float().reshape(T, S * H)
+
+    def keys(self, model: "Qwen4Exp", tokens, hidden, st: AttentionState, start: int) -> None:
+        """Append the block's keys and values at positions start.. (only its attention's
+        input is needed: the rest of the block matters for a draft's own row)."""
+        a, _ = self.block.attn_hc.read(self.inputs(model, tokens, hidden))
+        self.block.mixer(a, st, start)
+
+    def step(self, model: "Qwen4Exp", tokens, hidden, st: AttentionState, start: int):
+        """(logits (T, vocab) float32, the block's output streams (T, S*H)) for rows at start.."""
+        x = self.block(self.inputs(model, tokens, hidden), tokens, st, None, start)
+        h, _ = model.out_hc.read(x)
+        h = F.rms_norm(h, (h.shape[-1],), eps=model.cfg.norm_eps) * self.head_norm
+        return model.output(h).float(), x
+
 
 class Qwen4Exp(torch.nn.Module):
     def __init__(self, g: GGUFFile, cfg: Qwen4ExpConfig, embedding: QTensor, layers: list[Layer],
                  out_hc: HyperConnection, output: QuantLinear, dtype: torch.dtype, device: str, kernels: str,
-                 mtp: MTPHead | None = None, mtp_file=None, qsa_fallback: bool = False):
+                 mtp: MTPHead | None = None, mtp_file=None, qsa_fallback: bool = False, kv: str = "f32"):
         """Built by strata.load.qwen4exp from a GGUF file `g` (and the MTP sidecar
         `mtp_file`, where there is one); `embedding` stays the file's blocks; `kernels`:
         "triton" or "torch", the implementation every op takes (triton_kernels.ops);
-        `qsa_fallback`: the file gave no QSA block size, the architecture's was taken."""
+        `qsa_fallback`: the file gave no QSA block size, the architecture's was taken; `kv`:
+        how the attention layers store keys, values and indexer keys (strata.nn.kv)."""
         super().__init__()
         self.gguf, self.cfg, self.dtype = g, cfg, dtype
         self.device = torch.device(device)
@@ -184,9 +283,24 @@ class Qwen4Exp(torch.nn.Module):
         self.ple = next((l.ple for l in layers if l.ple is not None), None)
         self.out_hc, self.output = out_hc, output
         self.mtp, self.mtp_file, self.qsa_fallback = mtp, mtp_file, qsa_fallback
+        self.kv = kv_types.check(kv)
         self.to(self.device)  # norms, conv weights, RoPE tables (the weights went as loaded)
 
     # -- what the engine reports -------------------------------------------------------------
+
+    def kv_bytes_per_token(self, kind: str | None = None) -> int:
+        """Attention-cache bytes a token adds, stored as `kind` (default: this model's): K
+        and V of every attention layer, its raw indexer key, and a 1/ratio share of a pooled
+        float32 block key."""
+        kind, total = kind or self.kv, 0.0
+        for layer in self.layers:
+            if layer.recurrent:
+                continue
+            m = layer.mixer
+            total += 2 * m.n_kv_heads * kv_types.row_bytes(kind, m.head_dim)
+            if m.n_idx:
+                total += kv_types.row_bytes(kind, m.idx_dim) + 4 * m.idx_dim / max(m.ratio, 1)
+        return int(round(total))
 
     def plan_line(self) -> str:
         """One line: what the model is and where/how its parts are held."""
@@ -203,17 +317,23 @@ class Qwen4Exp(torch.nn.Module):
                     if qsa_on else "dense attention (QSA off)")
         ple = (f"PLE table {self.ple.table.where} at layer {c.ple_layers[0]}" if self.ple is not None
                else "no PLE")
-        mtp = f"MTP head loaded from {self.mtp_file.name} (not run)" if self.mtp is not None else "no MTP head"
+        mtp = (f"MTP head loaded from {self.mtp_file.name} (drafts for --spec)" if self.mtp is not None
+               else "no MTP head")
         return (f"{summary.name(g)} ({g.arch}, {c.n_layers} layers: "
                 f"{c.n_layers - n_attn} DeltaNet + {n_attn} attention, dim {c.dim} x {c.streams} streams, "
-                f"{c.n_experts} experts top-{c.top_k}, {summary.file_summary(g)}) {summary.run_summary(self)}; "
+                f"{c.n_experts} experts top-{c.top_k}, {summary.file_summary(g)}) {summary.run_summary(self)}, "
+                f"{summary.kv_summary(self)}; "
                 f"experts: " + ", ".join(f"{k} x{v}" for k, v in tiers.items()) + f" ({exp_mib:.0f} MiB held); "
                 f"{ple}; {qsa_text}; {mtp}")
 
     # -- running ---------------------------------------------------------------------------------
 
-    def new_cache(self, capacity: int = 256) -> Qwen4ExpState:
-        return Qwen4ExpState(self)
+    def new_cache(self, capacity: int = 256, mtp: bool = False) -> Qwen4ExpState:
+        """A state for one sequence; `mtp`: one that also tracks what the MTP head drafts from."""
+        if mtp and self.mtp is None:
+            raise ValueError(f"{self.gguf.path}: no MTP head (neither in the file nor in "
+                             f"{mtp_sidecar(self.gguf.path).name} beside it), so nothing drafts for --spec")
+        return Qwen4ExpState(self, mtp)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.embedding.shape[0]:
@@ -227,6 +347,7 @@ class Qwen4Exp(torch.nn.Module):
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         x = self.embed(tokens).repeat(1, self.cfg.streams)
         start = state.length
+        verify = state._verify
         ple_ids = None
         if self.ple is not None:
             # the rows this step needs are known before the first layer: announce them now,
@@ -234,12 +355,38 @@ class Qwen4Exp(torch.nn.Module):
             ple_ids = self.ple.ids(tokens, state.ple)
             self.ple.table.prefetch(ple_ids)
         for layer, st in zip(self.layers, state.layers):
+            if verify is not None and layer.ple is not None:
+                verify.ple_input = x
             x = layer(x, tokens, st, state.ple, start, ple_ids)
+        if state.mtp is not None:
+            prev = x.new_zeros(1, x.shape[1]) if state.hidden is None else state.hidden.reshape(1, -1)
+            self.mtp.keys(self, tokens, torch.cat([prev, x[:-1]]), state.mtp, start)
+            state.hidden = x[-1].clone()
+        if verify is not None:
+            verify.tokens, verify.streams = tokens, x
         state.length = start + tokens.numel()
         if last_only:
             x = x[-1:]
         h, _ = self.out_hc.read(x)
         return self.output(h).float()
+
+    def verify(self, tokens, state: Qwen4ExpState) -> torch.Tensor:
+        """Logits (T, vocab) of every row, as `forward`, leaving what `state.keep(n)` needs to
+        cut the state back to the first n tokens."""
+        state.begin_verify()
+        return self.forward(tokens, state)
+
+    @torch.inference_mode()
+    def draft(self, token: int, state: Qwen4ExpState, hidden: torch.Tensor | None = None, step: int = 0):
+        """One MTP row: (logits (vocab,), the block's output streams (S*H,)) for `token` at
+        position state.length + step, from `hidden` (None: the trunk's streams at the last
+        position). The row's keys stay in state.mtp until `state.mtp.truncate(state.length)`."""
+        hidden = state.hidden if hidden is None else hidden
+        if hidden is None:  # nothing seen yet: no streams before position 0
+            hidden = torch.zeros(self.cfg.streams * self.cfg.dim, device=self.device)
+        logits, x = self.mtp.step(self, torch.tensor([token]), hidden.reshape(1, -1), state.mtp,
+                                  state.length + step)
+        return logits[0], x[0]
 
     def io_stats(self) -> dict:
         """Counters of the storage tiers: the PLE table's and the experts' (summed)."""

@@ -25,3 +25,8 @@ def run_summary(model) -> str:
     """`on cpu, torch kernels, bfloat16, 2 threads`."""
     return (f"on {model.device}, {model.kernels} kernels, {str(model.dtype).replace('torch.', '')}, "
             f"{torch.get_num_threads()} threads")
+
+
+def kv_summary(model) -> str:
+    """`KV int8 (1,980 B a token)`: how the attention cache stores keys and values."""
+    return f"KV {model.kv} ({model.kv_bytes_per_token():,} B a token)"

@@ -4,47 +4,84 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kv
 from .linear import QuantLinear
 from .rope import Rope
 
 
 class KVCache:
     """Keys and values of one sequence for every layer: (layers, kv_heads, max_len, head_dim),
-    grown in steps as the sequence does."""
+    grown in steps as the sequence does, stored as `kind` (strata.nn.kv: f32, bf16, f16, or
+    int8 codes with a bfloat16 scale per head and token in `k_scale`/`v_scale`)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype=torch.float32,
-                 device="cpu", capacity: int = 256):
+                 device="cpu", capacity: int = 256, kind: str | None = None):
+        """`kind`: the storage (default: `dtype`'s, f32 unless given)."""
         self.n_layers, self.shape = n_layers, (n_kv_heads, head_dim)
-        self.dtype, self.device = dtype, device
+        self.kind = kv.check(kind or {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype, "f32"))
+        self.dtype, self.device = kv.store_dtype(self.kind), device
         self.k, self.v = self._alloc(capacity), self._alloc(capacity)
+        self.k_scale = self.v_scale = None
+        if self.kind == "int8":
+            self.k_scale, self.v_scale = self._alloc(capacity, 1), self._alloc(capacity, 1)
         self.length = 0  # tokens held
 
-    def _alloc(self, capacity: int) -> torch.Tensor:
+    def _alloc(self, capacity: int, width: int | None = None) -> torch.Tensor:
         # zeros: a decode graph attends over the whole capacity, the unwritten part masked,
         # and a masked NaN would still reach the output (0 x NaN)
-        return torch.zeros(self.n_layers, self.shape[0], capacity, self.shape[1], dtype=self.dtype, device=self.device)
+        dtype = self.dtype if width is None else kv.SCALE_DTYPE
+        return torch.zeros(self.n_layers, self.shape[0], capacity, width or self.shape[1], dtype=dtype,
+                           device=self.device)
+
+    def _parts(self) -> list[str]:
+        return ["k", "v"] + (["k_scale", "v_scale"] if self.kind == "int8" else [])
 
     def reserve(self, n: int) -> None:
         """Room for n tokens; grows by doubling, keeping what is held."""
         if n <= self.k.shape[2]:
             return
         cap = max(n, 2 * self.k.shape[2])
-        for name in ("k", "v"):
-            new = self._alloc(cap)
-            new[:, :, :self.length] = getattr(self, name)[:, :, :self.length]
+        for name in self._parts():
+            old = getattr(self, name)
+            new = self._alloc(cap, None if name in ("k", "v") else 1)
+            new[:, :, :self.length] = old[:, :, :self.length]
             setattr(self, name, new)
+
+    def write(self, layer: int, start, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows (kv_heads, S, head_dim) at positions start..start+S (an int), or at the
+        positions of a device tensor `start` of shape (S,) (a decode graph's)."""
+        for name, x in (("k", k), ("v", v)):
+            data, scale = kv.encode(x, self.kind)
+            for buf, part in ((getattr(self, name), data), (getattr(self, name + "_scale", None), scale)):
+                if part is None:
+                    continue
+                if isinstance(start, torch.Tensor):
+                    buf[layer].index_copy_(1, start, part)
+                else:
+                    buf[layer, :, start:start + part.shape[1]] = part
+
+    def read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..end (default: the whole capacity) as float32."""
+        sl = slice(None) if end is None else slice(0, end)
+        if self.kind == "int8":
+            return (kv.decode(self.k[layer, :, sl], self.k_scale[layer, :, sl]),
+                    kv.decode(self.v[layer, :, sl], self.v_scale[layer, :, sl]))
+        return self.k[layer, :, sl].float(), self.v[layer, :, sl].float()
 
     def copy(self, n: int | None = None) -> "KVCache":
         """A new cache holding the first n tokens (default: all) of this one."""
         n = self.length if n is None else min(n, self.length)
-        c = KVCache(self.n_layers, *self.shape, dtype=self.dtype, device=self.device, capacity=max(n, 16))
-        c.k[:, :, :n] = self.k[:, :, :n]
-        c.v[:, :, :n] = self.v[:, :, :n]
+        c = KVCache(self.n_layers, *self.shape, device=self.device, capacity=max(n, 16), kind=self.kind)
+        for name in self._parts():
+            getattr(c, name)[:, :, :n] = getattr(self, name)[:, :, :n]
         c.length = n
         return c
 
+    def bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.shape[0] * kv.row_bytes(self.kind, self.shape[1])
+
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in self._parts()))
 
 
 class Attention(torch.nn.Module):
@@ -78,9 +115,8 @@ class Attention(torch.nn.Module):
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         S = q.shape[1]
         end = start + S
-        cache.k[self.layer, :, start:end] = k
-        cache.v[self.layer, :, start:end] = v
-        keys, vals = cache.k[self.layer, :, :end], cache.v[self.layer, :, :end]
+        cache.write(self.layer, start, k, v)
+        keys, vals = cache.read(self.layer, end)
         if S == 1:
             # decode: each KV head serves its group of query heads; three small ops beat
             # SDPA's generic path here (measured 2 ms of a 9 ms step on SmolLM2)

@@ -70,17 +70,54 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
     return out.reshape(H, -1, dv)[:, :T].transpose(0, 1)
 
 
+class _Trail:
+    """What a verify forward leaves for `DeltaNetState.keep`: the state before it and the
+    inputs of its rows (the conv's input (T, C), the recurrence's q, k, v, g, beta)."""
+
+    def __init__(self, conv: torch.Tensor, rec: torch.Tensor):
+        self.conv, self.rec = conv, rec
+        self.rows = None
+
+
 class DeltaNetState:
-    """One sequence's conv window (conv_dim, K-1) and recurrent state (Hv, dk, dv)."""
+    """One sequence's conv window (conv_dim, K-1) and recurrent state (Hv, dk, dv).
+
+    A speculative verify runs between `begin` and `keep(n)`: it may feed several drafted
+    tokens, and `keep(n)` cuts the state back to its first n. The conv window is a slice of
+    the window before and the rows' inputs (free); the recurrent state is the one before,
+    with the recurrence replayed over the n kept rows on their recorded inputs (the same
+    function on the same inputs as the verify: the state it passed through, bit for bit).
+    Costs: one copy of the recurrent state per verify (the one before is kept), and on a
+    rejection a replay of n token steps of the recurrence (no weights read)."""
 
     def __init__(self, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, device="cpu"):
         self.conv = torch.zeros(conv_dim, kernel - 1, device=device)
         self.rec = torch.zeros(heads, dk, dv, device=device)
+        self.trail: _Trail | None = None
 
     def copy(self) -> "DeltaNetState":
         c = DeltaNetState.__new__(DeltaNetState)
-        c.conv, c.rec = self.conv.clone(), self.rec.clone()
+        c.conv, c.rec, c.trail = self.conv.clone(), self.rec.clone(), None
         return c
+
+    def begin(self) -> None:
+        """The next forward is a verify: keep what `keep` needs to cut it back."""
+        self.trail = _Trail(self.conv, self.rec)
+        self.rec = self.rec.clone()
+
+    @torch.inference_mode()
+    def keep(self, n: int) -> None:
+        """Keep the first n tokens of the verify since `begin`, as if only they had been fed."""
+        t, self.trail = self.trail, None
+        if t is None or t.rows is None:
+            raise RuntimeError("DeltaNetState.keep: no verify forward since begin()")
+        x, q, k, v, g, beta = t.rows
+        if n == x.shape[0]:
+            return
+        span = t.conv.shape[1]
+        self.conv = torch.cat([t.conv, x.T], dim=1)[:, n:n + span].clone()
+        self.rec = t.rec
+        recurrent(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec)
 
 
 def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
@@ -125,7 +162,9 @@ class GatedDeltaNet(torch.nn.Module):
         v = v.reshape(T, Hv, dv)
         beta = torch.sigmoid(b)
         g = self.a_coef * F.softplus(a + self.dt_bias)
-        o = recurrent(q, k, v, g, beta, st.rec) if T == 1 else chunked(q, k, v, g, beta, st.rec)
+        if st.trail is not None:  # a verify: token by token, as decode and `keep`'s replay run
+            st.trail.rows = (qkv, q, k, v, g, beta)
+        o = recurrent(q, k, v, g, beta, st.rec) if T == 1 or st.trail else chunked(q, k, v, g, beta, st.rec)
         # gated RMSNorm per head: norm(o) * w * sigmoid(z)
         z = z.reshape(T, Hv, dv)
         o = F.rms_norm(o, (dv,), eps=self.eps) * self.norm * torch.sigmoid(z)

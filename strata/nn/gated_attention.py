@@ -11,30 +11,58 @@ it as sum over its heads of relu(q . k_block) / sqrt(idx_dim), keeps the `budget
 best blocks plus the tokens of the incomplete last block, and attends to those tokens
 only. While a query sees no more complete blocks than it may keep, this is exactly dense
 attention; `qsa=False` always attends densely (as llama.cpp does).
+
+Cost: past the budget, a query's attention reads budget + ratio - 1 tokens whatever the
+context (triton_kernels.qsa gathers them inside the attention); the indexer reads one
+pooled key a block (ratio tokens). Pooled keys are kept in the state: the first forward
+past the budget pools every complete block, each later one only the blocks it completes
+(a decode step at most one).
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 
+from triton_kernels.ops import impl
+from triton_kernels.qsa import select_blocks
+
+from . import kv
 from .linear import QuantLinear
 from .rope import Rope
 
 
 class AttentionState:
-    """One layer's keys and values (kv_heads, n, head_dim) and raw indexer keys (n, idx_dim),
-    in buffers that grow by doubling (a decode step appends one token without copying all)."""
+    """One layer's keys and values (kv_heads, n, head_dim), raw indexer keys (n, idx_dim) and
+    the pooled indexer key of each complete block (n_blocks, idx_dim), in buffers that grow
+    by doubling (a decode step appends one token without copying all).
 
-    def __init__(self):
-        self._k = self._v = self._idx = None
+    Every read and write of the K/V rows goes through `append`, `kv_cache` and the `k`/`v`
+    views. `kind` (strata.nn.kv) is how K, V and the raw indexer keys are stored: f32, bf16,
+    f16, or int8 codes with a bfloat16 scale per head and token (`_ks`, `_vs`, `_is`); the
+    pooled block keys stay float32 (one a block)."""
+
+    def __init__(self, kind: str = "f32"):
+        self.kind = kv.check(kind)
+        self._k = self._v = self._idx = self._blocks = None
+        self._ks = self._vs = self._is = None
         self.n = 0
+        self.n_blocks = 0  # pooled block keys held: they cover tokens [0, n_blocks * ratio)
+        self._block_ratio = 0
+        self._reserved = 0
+
+    def reserve(self, n: int) -> None:
+        """Size the buffers for n tokens when they next grow (a context of known length is
+        allocated once, not copied at each doubling: 1 GiB for 128K tokens of flash-tiny)."""
+        self._reserved = max(self._reserved, n)
 
     @staticmethod
-    def _grow(buf, new, n):
+    def _grow(buf, new, n, reserved=0):
         need = n + new.shape[-2]
         if buf is None or buf.shape[-2] < need:
             shape = list(new.shape)
-            shape[-2] = max(need, 2 * (buf.shape[-2] if buf is not None else 0), 64)
+            shape[-2] = max(need, 2 * (buf.shape[-2] if buf is not None else 0), 64, reserved)
             grown = new.new_empty(shape)
             if buf is not None:
                 grown[..., :n, :] = buf[..., :n, :]
@@ -43,28 +71,90 @@ class AttentionState:
         return buf
 
     def append(self, k, v, idx):
-        n = self.n
-        self._k, self._v = self._grow(self._k, k, n), self._grow(self._v, v, n)
-        if idx is not None:
-            self._idx = self._grow(self._idx, idx, n)
+        n, r = self.n, self._reserved
+        for name, x in (("k", k), ("v", v), ("i", idx)):
+            if x is None:
+                continue
+            data, scale = kv.encode(x, self.kind)
+            buf = "_idx" if name == "i" else "_" + name
+            setattr(self, buf, self._grow(getattr(self, buf), data, n, r))
+            if scale is not None:
+                setattr(self, f"_{name}s", self._grow(getattr(self, f"_{name}s"), scale, n, r))
         self.n = n + k.shape[-2]
+
+    def truncate(self, n: int) -> None:
+        """Roll back to the first n tokens (drafted tokens rejected): the rows past n and
+        every pooled block key that read them are dropped; the buffers stay allocated."""
+        if not 0 <= n <= self.n:
+            raise ValueError(f"an attention state of {self.n} tokens cannot be truncated to {n}")
+        self.n = n
+        if self._block_ratio * self.n_blocks > n:
+            self.n_blocks = n // self._block_ratio
+
+    def _rows(self, data, scale, a: int = 0, b: int | None = None):
+        """Rows a..b (default: to n) as float32, or as stored for a float kind."""
+        if data is None:
+            return None
+        b = self.n if b is None else b
+        if self.kind != "int8":
+            return data[..., a:b, :]
+        return kv.decode(data[..., a:b, :], scale[..., a:b, :])
 
     @property
     def k(self):
-        return None if self._k is None else self._k[..., :self.n, :]
+        return self._rows(self._k, self._ks)
 
     @property
     def v(self):
-        return None if self._v is None else self._v[..., :self.n, :]
+        return self._rows(self._v, self._vs)
 
     @property
     def idx(self):
-        return None if self._idx is None else self._idx[:self.n]
+        return self._rows(self._idx, self._is)
+
+    def idx_rows(self, a: int, b: int) -> torch.Tensor:
+        """The raw indexer keys of tokens a..b (to pool a block)."""
+        return self._rows(self._idx, self._is, a, b)
+
+    def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as stored, (kv_heads, capacity, head_dim) in the cache's dtype, for kernels
+        that gather rows in place (rows from n on are spare capacity: a reader never asks for
+        them). Whole buffers, not the `k`/`v` views: torch's index_select copies a
+        non-contiguous view whole before it gathers (86 ms for 32K rows against 0.01 ms)."""
+        return self._k, self._v
+
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """int8: the scales of `kv_cache`'s rows, (kv_heads, capacity, 1) bfloat16; else None."""
+        return (self._ks, self._vs) if self.kind == "int8" else None
+
+    # -- the indexer's pooled block keys, kept as blocks complete --------------------------------
+
+    def blocks(self, ratio: int) -> torch.Tensor | None:
+        """The pooled keys of the first `n_blocks` blocks of `ratio` tokens."""
+        if self.n_blocks and self._block_ratio != ratio:
+            raise ValueError(f"this attention state pooled blocks of {self._block_ratio} tokens, not {ratio}")
+        return None if self._blocks is None else self._blocks[:self.n_blocks]
+
+    def add_blocks(self, pooled: torch.Tensor, ratio: int) -> None:
+        """Append the pooled keys (m, idx_dim) of the blocks that follow the `n_blocks` held."""
+        self._blocks = self._grow(self._blocks, pooled, self.n_blocks, self._reserved // ratio)
+        self.n_blocks += pooled.shape[0]
+        self._block_ratio = ratio
+
+    def nbytes(self) -> int:
+        """Bytes of the rows held for the n tokens (K, V, raw indexer keys, pooled block
+        keys); the buffers' spare capacity (up to as much again) not counted."""
+        ts = [None if t is None else t[..., :self.n, :] for t in (self._k, self._v, self._ks, self._vs)]
+        ts += [None if t is None else t[:self.n] for t in (self._idx, self._is)]
+        ts.append(self.blocks(self._block_ratio) if self.n_blocks else None)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def copy(self) -> "AttentionState":
-        c = AttentionState()
-        c._k, c._v, c._idx = (None if t is None else t.clone() for t in (self._k, self._v, self._idx))
-        c.n = self.n
+        c = AttentionState(self.kind)
+        c._k, c._v, c._idx, c._blocks = (None if t is None else t.clone()
+                                         for t in (self._k, self._v, self._idx, self._blocks))
+        c._ks, c._vs, c._is = (None if t is None else t.clone() for t in (self._ks, self._vs, self._is))
+        c.n, c.n_blocks, c._block_ratio, c._reserved = self.n, self.n_blocks, self._block_ratio, self._reserved
         return c
 
 
@@ -89,6 +179,12 @@ class GatedAttention(torch.nn.Module):
         self.n_idx, self.idx_dim, self.budget, self.ratio = n_idx, idx_dim, budget, ratio
         self.qsa = n_idx > 0 and ratio > 0
         self.dense_only = False  # set by the model for `--qsa off`
+        self.kernels = proj.kernels
+        # a dict to add the seconds of the indexer and of attention to (STRATA_DECODE_TIMING)
+        self.clock: dict | None = None
+        if self.qsa and budget < ratio:
+            raise ValueError(f"QSA budget {budget} is less than one block of {ratio} tokens: "
+                             "a query could attend to nothing")
         self.splits = [n_heads * 2 * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
         if n_idx:
             self.splits += [n_idx * idx_dim, idx_dim]
@@ -107,44 +203,52 @@ class GatedAttention(torch.nn.Module):
         v = parts[2].reshape(T, Hkv, D).transpose(0, 1)
         st.append(k, v, parts[4] if self.n_idx else None)
         end = start + T
-        mask = self._select(parts[3], st, start) if self.qsa and not self.dense_only else None
-        if mask is None:
-            mask = torch.ones(T, end, dtype=torch.bool, device=dev).tril(diagonal=start)
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), st.k.unsqueeze(0), st.v.unsqueeze(0),
-                                             attn_mask=mask, enable_gqa=True)[0]
+        clock = self.clock
+        t0 = _now(dev) if clock is not None else 0.0
+        if self.qsa and not self.dense_only and end // self.ratio > self.budget // self.ratio:
+            sel = self._select(parts[3], st, start)
+            t1 = _now(dev) if clock is not None else 0.0
+            scales = st.kv_scales()
+            out = impl("qsa_attention", self.kernels)(q, *st.kv_cache(), sel, start, self.ratio,
+                                                      **({} if scales is None else
+                                                         {"k_scale": scales[0], "v_scale": scales[1]}))
+        else:
+            # every query keeps all its blocks (or QSA is off): dense causal attention
+            t1 = t0
+            mask = None if T == 1 else torch.ones(T, end, dtype=torch.bool, device=dev).tril(diagonal=start)
+            out = F.scaled_dot_product_attention(q.unsqueeze(0), st.k.float().unsqueeze(0),
+                                                 st.v.float().unsqueeze(0), attn_mask=mask, enable_gqa=True)[0]
+        if clock is not None:
+            t2 = _now(dev)
+            clock["indexer"] = clock.get("indexer", 0.0) + (t1 - t0)
+            clock["attention"] = clock.get("attention", 0.0) + (t2 - t1)
         out = out.transpose(0, 1).reshape(T, H * D) * torch.sigmoid(gate)
         return self.o(out)
 
-    def _select(self, idx_q: torch.Tensor, st: AttentionState, start: int) -> torch.Tensor | None:
-        """The boolean (T, start+T) mask of the tokens each query attends to, or None when
-        every query keeps all its blocks (dense). idx_q: the indexer queries (T, n_idx*d)."""
-        T, r = idx_q.shape[0], self.ratio
-        end = start + T
-        keep = self.budget // r
-        if end // r <= keep:  # the last query sees the most complete blocks: end // r
-            return None
-        dev = idx_q.device
-        pos = torch.arange(start, end, device=dev)
-        n_blocks = (pos + 1) // r                       # complete blocks visible to each query
-        nb = end // r
-        blocks = st.idx[:nb * r].reshape(nb, r, self.idx_dim).mean(dim=1)
-        blocks = self.rope(_heads_norm(blocks, self.idx_k_norm, self.eps).unsqueeze(0),
-                           torch.arange(nb, device=dev) * r)[0]                          # (nb, d)
+    def _blocks(self, st: AttentionState) -> torch.Tensor:
+        """The pooled keys of every complete block in `st`, pooling only the blocks that
+        completed since the last call: mean of the block's raw keys, normed, roped at the
+        block's first position."""
+        r = self.ratio
+        have, nb = st.n_blocks, st.n // r
+        if nb > have:
+            raw = st.idx_rows(have * r, nb * r).float().reshape(nb - have, r, self.idx_dim).mean(dim=1)
+            first = torch.arange(have, nb) * r
+            st.add_blocks(self.rope(_heads_norm(raw, self.idx_k_norm, self.eps).unsqueeze(0), first)[0], r)
+        return st.blocks(r)
+
+    def _select(self, idx_q: torch.Tensor, st: AttentionState, start: int) -> torch.Tensor:
+        """Each query's chosen blocks, (T, budget // ratio) int64, -1 in unused slots
+        (triton_kernels.qsa.select_blocks). idx_q: the indexer queries (T, n_idx*d)."""
+        T = idx_q.shape[0]
+        pos = torch.arange(start, start + T)
         qi = idx_q.reshape(T, self.n_idx, self.idx_dim)
         qi = self.rope(_heads_norm(qi, self.idx_q_norm, self.eps).transpose(0, 1), pos)  # (n_idx, T, d)
-        scores = torch.relu(qi @ blocks.T).sum(dim=0) / self.idx_dim ** 0.5        # (T, nb)
-        visible = torch.arange(nb, device=dev)[None, :] < n_blocks[:, None]
-        chosen = visible.clone()                         # a query with few blocks keeps all
-        # relu makes exact-zero scores common, so ties decide the choice: each query's
-        # top-k runs over exactly its visible blocks, as the reference does, so that ties
-        # break the same way (topk's order among equal values depends on the length)
-        for t in (n_blocks > keep).nonzero().flatten().tolist():
-            n = int(n_blocks[t])
-            chosen[t, :n] = False
-            chosen[t, scores[t, :n].topk(keep).indices] = True
-        tok = torch.arange(end, device=dev)
-        in_block = tok[None, :] < (n_blocks * r)[:, None]
-        by_block = torch.zeros(T, end, dtype=torch.bool, device=dev)
-        by_block[:, :nb * r] = chosen.repeat_interleave(r, dim=1)
-        tail = ~in_block & (tok[None, :] <= pos[:, None])
-        return (by_block & in_block) | tail
+        scores = impl("qsa_scores", self.kernels)(qi, self._blocks(st), start, self.ratio)
+        return select_blocks(scores, start, self.ratio, self.budget // self.ratio)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,14 +1,80 @@
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Stretching RoPE past the context a model was trained on.
+
+    `linear`: every frequency divided by `factor` (position interpolation). `yarn`
+    (arXiv 2309.00071, as transformers' `_compute_yarn_parameters` and llama.cpp's
+    rope_yarn): frequencies that turn fewer than `beta_slow` times over the original
+    context are interpolated, those that turn more than `beta_fast` times are kept, a
+    linear ramp between; cos and sin are multiplied by 0.1 ln(factor) + 1, so that the
+    attention logits keep their scale (`attn_factor` overrides it)."""
+    kind: str                 # "linear" or "yarn"
+    factor: float
+    original_context: int     # the context the model was trained on
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attn_factor: float | None = None
+
+    KINDS = ("linear", "yarn")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"RoPE scaling {self.kind!r} is not supported: use one of {', '.join(self.KINDS)}")
+        if not self.factor > 0:
+            raise ValueError(f"the RoPE scale must be positive, got {self.factor}")
+
+    @property
+    def context(self) -> int:
+        """The context the scaling stretches the original to."""
+        return int(self.original_context * self.factor)
+
+    def describe(self) -> str:
+        return f"RoPE {self.kind} x{self.factor:g} of {self.original_context} tokens"
+
+    def mscale(self) -> float:
+        if self.kind != "yarn":
+            return 1.0
+        if self.attn_factor is not None:
+            return self.attn_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def inv_freq(self, base: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+        """The scaled inverse frequencies from the unscaled `base` (dim / 2 of them)."""
+        if self.kind == "linear":
+            return base / self.factor
+
+        def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times
+            return dim * math.log(self.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001  # no zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1: extrapolate (the frequency as trained), 0: interpolate
+        return base / self.factor * (1 - keep) + base * keep
 
 
 class Rope(torch.nn.Module):
     """Rotary position embedding on the first `dim` dims of each head, in the
-    rotate-half layout (the model's Q/K rows are in Hugging Face order)."""
+    rotate-half layout (the model's Q/K rows are in Hugging Face order), optionally
+    scaled (`RopeScaling`)."""
 
-    def __init__(self, dim: int, theta: float, max_pos: int = 8192):
+    def __init__(self, dim: int, theta: float, max_pos: int = 8192, scaling: RopeScaling | None = None):
         super().__init__()
-        self.dim = dim
+        self.dim, self.scaling = dim, scaling
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        if scaling is not None:
+            inv_freq = scaling.inv_freq(inv_freq, dim, theta)
+        self.mscale = scaling.mscale() if scaling is not None else 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._table(max_pos)
 
@@ -16,8 +82,8 @@ class Rope(torch.nn.Module):
         ang = torch.arange(n, dtype=torch.float64, device=self.inv_freq.device)[:, None] * self.inv_freq[None]
         ang = torch.cat([ang, ang], dim=-1)
         # buffers: model.to(device) moves them with the weights
-        self.register_buffer("cos", ang.cos().float(), persistent=False)
-        self.register_buffer("sin", ang.sin().float(), persistent=False)
+        self.register_buffer("cos", (ang.cos() * self.mscale).float(), persistent=False)
+        self.register_buffer("sin", (ang.sin() * self.mscale).float(), persistent=False)
 
     def _rows(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows of `pos` on `device`. On a GPU the positions cross over once a

@@ -1,4 +1,5 @@
-"""The generation loop: prefill in chunks, then decode token by token, streaming text."""
+"""The generation loop: prefill in chunks, then decode token by token (or a few at a time,
+speculatively: strata.runtime.spec), streaming text."""
 from __future__ import annotations
 
 import sys
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .sampling import Sampler, SamplingParams
+from .spec import SpecStats, Speculator
 from . import timing
 from .text import TextOut
 from .timing import StepTimer
@@ -20,6 +22,7 @@ class GenerationResult:
     prompt_tokens: int
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    spec: SpecStats | None = None  # speculative decoding's counters, where it ran
 
     @property
     def prefill_tok_s(self) -> float:
@@ -31,40 +34,60 @@ class GenerationResult:
 
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
-             on_text: Callable[[str], None] | None = None, cache=None, ubatch: int = 512) -> GenerationResult:
-    """Generate after `prompt_ids`; `on_text` receives the text as it becomes final."""
+             on_text: Callable[[str], None] | None = None, cache=None, ubatch: int = 512,
+             spec: int = 0, spec_min_p: float = 0.0, drafter=None) -> GenerationResult:
+    """Generate after `prompt_ids`; `on_text` receives the text as it becomes final.
+    `spec` > 0: speculative decoding with up to `spec` drafts of the model's MTP head a step
+    (strata.runtime.spec; `spec_min_p` stops a draft below that top probability; `drafter`
+    replaces the head). Greedy, the tokens are those of `spec` = 0."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     sampler = Sampler(params)
-    cache = cache if cache is not None else model.new_cache(len(prompt_ids) + params.max_tokens)
+    speculator = Speculator(model, spec, sampler, spec_min_p, drafter, measure=timing.enabled()) if spec else None
+    if cache is None:
+        capacity = len(prompt_ids) + params.max_tokens
+        cache = speculator.new_state(capacity) if speculator else model.new_cache(capacity)
     t0 = time.perf_counter()
     for i in range(0, len(prompt_ids), ubatch):
         logits = model(prompt_ids[i:i + ubatch], cache, last_only=True)
     t1 = time.perf_counter()
+    timer = StepTimer(model) if timing.enabled() else None
     out: list[int] = []
     text = TextOut(tokenizer, params.stop)
     reason = "length"
-    timer = StepTimer(model) if timing.enabled() else None
-    for _ in range(params.max_tokens):
-        tok = sampler(logits[-1])
+
+    def emit(tok: int) -> bool:
+        """Take one token; False once the answer is over."""
+        nonlocal reason
         if tok in tokenizer.eot_ids:
             reason = "stop"
-            break
+            return False
         out.append(tok)
         if text.feed(tok):
             reason = "stop"
-            break
+            return False
         if on_text and (piece := text.take()):
             on_text(piece)
-        if len(out) == params.max_tokens:
-            break
+        return len(out) < params.max_tokens
+
+    chosen = [sampler(logits[-1])] if params.max_tokens > 0 else []
+    # every token chosen is fed but the last, which the next step feeds
+    while chosen and all(emit(t) for t in chosen):
         ts = time.perf_counter()
-        logits = model([tok], cache, last_only=True)
+        if speculator:
+            chosen = speculator.step(cache, out[-1], limit=params.max_tokens - len(out) - 1)
+            ms = 1e3 * (time.perf_counter() - ts)
+        else:
+            logits = model([out[-1]], cache, last_only=True)
+            ms = 1e3 * (time.perf_counter() - ts)
+            chosen = [sampler(logits[-1])]
         if timer:
-            print(f"strata: {timer.line(1, 1e3 * (time.perf_counter() - ts))}", file=sys.stderr)
+            line = timer.line(len(chosen), ms)
+            print(f"strata: {speculator.line() + '; ' if speculator else ''}{line}", file=sys.stderr)
     if reason == "length":
         text.flush()
     if on_text and (piece := text.take(final=True)):
         on_text(piece)
     t2 = time.perf_counter()
-    return GenerationResult(out, text.text, reason, len(prompt_ids), t1 - t0, t2 - t1)
+    return GenerationResult(out, text.text, reason, len(prompt_ids), t1 - t0, t2 - t1,
+                            speculator.stats if speculator else None)

@@ -40,9 +40,8 @@ def _attend(attn, x: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
     qk = torch.cat([r, rest], dim=-1) if rest.shape[-1] else r
     q, k = qk[:H], qk[H:]
     v = v.reshape(1, Hkv, D).transpose(0, 1)
-    cache.k[attn.layer].index_copy_(1, pos, k.to(cache.k.dtype))
-    cache.v[attn.layer].index_copy_(1, pos, v.to(cache.v.dtype))
-    keys, vals = cache.k[attn.layer], cache.v[attn.layer]               # (Hkv, C, D)
+    cache.write(attn.layer, pos, k, v)
+    keys, vals = cache.read(attn.layer)                                 # (Hkv, C, D) float32
     qg = q.reshape(Hkv, H // Hkv, D)
     scores = qg @ keys.transpose(1, 2) * D ** -0.5                      # (Hkv, H/Hkv, C)
     later = torch.arange(keys.shape[1], device=keys.device) > pos       # positions not yet written

@@ -41,11 +41,19 @@ class Sampler:
             self.gen.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
+        idx, probs = self.distribution(logits)
+        if self.p.temperature == 0:
+            return int(idx[0])
+        return int(idx[torch.multinomial(probs, 1, generator=self.gen)])
+
+    def distribution(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a draw picks from: token ids and their probabilities after the filters and
+        the temperature (greedy: the argmax, with probability 1)."""
         # on the CPU: the sampler's generator is a CPU one (seeded runs agree across devices)
         logits = logits.float().reshape(-1).cpu()
         p = self.p
         if p.temperature == 0:
-            return int(torch.argmax(logits))
+            return torch.argmax(logits).reshape(1), torch.ones(1)
         vals, idx = torch.sort(logits, descending=True)
         if p.top_k:
             vals, idx = vals[:p.top_k], idx[:p.top_k]
@@ -57,5 +65,4 @@ class Sampler:
         if p.min_p > 0:
             keep = probs >= p.min_p * probs[0]
             vals, idx = vals[keep], idx[keep]
-        probs = torch.softmax(vals / p.temperature, dim=-1)
-        return int(idx[torch.multinomial(probs, 1, generator=self.gen)])
+        return idx, torch.softmax(vals / p.temperature, dim=-1)

@@ -1,6 +1,7 @@
 """`STRATA_DECODE_TIMING=1`: one stderr line per decode step, with the Triton op calls it
 made and what the storage tiers did during it (PLE rows, pages, hints, bytes from the
-drive; expert hits, misses, fetches)."""
+drive; expert hits, misses, fetches). A speculative step's line starts with what it drafted
+and accepted and its verify's time against a one-token step (strata.runtime.spec)."""
 from __future__ import annotations
 
 import os

@@ -26,6 +26,7 @@ import torch
 from strata.runtime import timing
 from strata.runtime.prefix_cache import PrefixCache
 from strata.runtime.sampling import Sampler, SamplingParams
+from strata.runtime.spec import Speculator, check as check_spec
 from strata.runtime.text import TextOut
 
 log = logging.getLogger("strata.server")
@@ -63,15 +64,20 @@ class Slot:
     out: TextOut | None = None
     logits: torch.Tensor | None = None
     keep: tuple | None = None  # (prompt tokens, state) in whole chunks, for the conversation cache
+    spec: Speculator | None = None
+    chosen: list[int] | None = None  # a speculative step's tokens; the last is fed by the next step
 
 
 class Engine:
     def __init__(self, model, tokenizer, slots: int = 4, queue_size: int = 64,
                  cache_mib: float = 512, ctx_size: int | None = None, start_thread: bool = True,
-                 align: int = PREFILL_CHUNK):
-        """`align`: the prefill's chunk, and the conversation cache's unit of reuse."""
+                 align: int = PREFILL_CHUNK, spec: int = 0, spec_min_p: float = 0.0):
+        """`align`: the prefill's chunk, and the conversation cache's unit of reuse. `spec`:
+        speculative decoding per slot, up to that many MTP drafts a step (strata.runtime.spec)."""
+        check_spec(model, spec)
+        self.spec, self.spec_min_p = spec, spec_min_p
         self.model, self.tok, self.align = model, tokenizer, align
-        self.ctx_size = ctx_size or model.cfg.context_length
+        self.ctx_size = ctx_size or getattr(model, "max_context", model.cfg.context_length)
         self.slots = [Slot(i) for i in range(slots)]
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
         self.prefix = PrefixCache(int(cache_mib * 2**20), align)
@@ -138,10 +144,14 @@ class Engine:
         t0 = time.perf_counter()
         cache, reused = self.prefix.take(req.prompt)
         if cache is None:
-            cache = self.model.new_cache(len(req.prompt) + req.params.max_tokens)
+            tracks = {"mtp": True} if self.spec else {}  # what the MTP head drafts from, too
+            cache = self.model.new_cache(len(req.prompt) + req.params.max_tokens, **tracks)
         req.cached_tokens = reused
         slot.req, slot.cache = req, cache
         slot.sampler = Sampler(req.params)
+        slot.chosen = None
+        slot.spec = (Speculator(self.model, self.spec, slot.sampler, self.spec_min_p, measure=self.timing)
+                     if self.spec else None)
         slot.out = TextOut(self.tok, req.params.stop)
         P, a = len(req.prompt), self.align
         whole = P // a * a  # the prompt's whole chunks: what the conversation cache may keep
@@ -168,32 +178,45 @@ class Engine:
             if req.params.max_tokens == 0:
                 self._finish(slot, "length")
                 continue
-            tok = slot.sampler(slot.logits)
-            if tok in self.tok.eot_ids:
-                self._finish(slot, "stop")
-                continue
-            req.tokens.append(tok)
-            if slot.out.feed(tok):
-                self._finish(slot, "stop")
-                continue
-            if piece := slot.out.take():
-                req.emit({"type": "text", "text": piece})
-            if len(req.tokens) >= req.params.max_tokens or len(req.prompt) + len(req.tokens) >= self.ctx_size:
-                slot.out.flush()
-                self._finish(slot, "length")
-                continue
-            going.append(slot)
+            chosen = slot.chosen if slot.chosen is not None else [slot.sampler(slot.logits)]
+            if all(self._take(slot, tok) for tok in chosen):
+                going.append(slot)
         t1 = time.perf_counter()
-        if going:
+        if going and self.spec:  # one slot at a time: each verifies its own drafts
+            for s in going:
+                r = s.req
+                room = min(r.params.max_tokens - len(r.tokens), self.ctx_size - len(r.prompt) - len(r.tokens))
+                s.chosen = s.spec.step(s.cache, r.tokens[-1], limit=room - 1)
+                if self.timing:
+                    log.info("slot %d: %s", s.index, s.spec.line())
+        elif going:
             logits = self.model.forward_batch([([s.req.tokens[-1]], s.cache) for s in going])
             for s, lg in zip(going, logits):
                 s.logits = lg[-1]
         t2 = time.perf_counter()
-        self.stats["generated_tokens"] += len(going)
+        self.stats["generated_tokens"] += sum(len(s.chosen) for s in going) if self.spec else len(going)
         self.stats["decode_seconds"] += t2 - t0
         if self.timing:
             log.info("%s", self.timer.line(len(going), 1e3 * (t2 - t0), sampling=1e3 * (t1 - t0),
                                            compute=1e3 * (t2 - t1)))
+
+    def _take(self, slot: Slot, tok: int) -> bool:
+        """The next token of a slot's answer; False once the answer is finished."""
+        req = slot.req
+        if tok in self.tok.eot_ids:
+            self._finish(slot, "stop")
+            return False
+        req.tokens.append(tok)
+        if slot.out.feed(tok):
+            self._finish(slot, "stop")
+            return False
+        if piece := slot.out.take():
+            req.emit({"type": "text", "text": piece})
+        if len(req.tokens) >= req.params.max_tokens or len(req.prompt) + len(req.tokens) >= self.ctx_size:
+            slot.out.flush()
+            self._finish(slot, "length")
+            return False
+        return True
 
     def _finish(self, slot: Slot, reason: str) -> None:
         req = slot.req
@@ -208,4 +231,4 @@ class Engine:
             self.prefix.put(req.prompt[:whole], slot.cache.copy(whole))
         elif slot.keep is not None:
             self.prefix.put(*slot.keep)
-        slot.req = slot.cache = slot.sampler = slot.out = slot.logits = slot.keep = None
+        slot.req = slot.cache = slot.sampler = slot.out = slot.logits = slot.keep = slot.spec = slot.chosen = None

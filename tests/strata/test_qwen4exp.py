@@ -25,6 +25,7 @@ from strata.gguf import open_gguf, write_gguf  # noqa: E402
 from strata.hub import flash_tiny_checkpoint, synth_flash_tiny  # noqa: E402
 from strata.load import load_model  # noqa: E402
 from strata.tensors import QTensor  # noqa: E402
+from triton_kernels.qsa import token_mask  # noqa: E402
 
 REL = 2e-6
 EOS = 2
@@ -91,8 +92,10 @@ def test_qsa_keeps_the_budget_plus_the_open_block(model, prompt):
     i = next(i for i, l in enumerate(model.layers) if not l.recurrent)
     attn, state = model.layers[i].mixer, model.new_cache()
     model(prompt[:101], state)
-    mask = attn._select(torch.randn(1, attn.n_idx * attn.idx_dim), state.layers[i], 100)
+    sel = attn._select(torch.randn(1, attn.n_idx * attn.idx_dim), state.layers[i], 100)
+    mask = token_mask(sel, 100, attn.ratio, 101)
     # token 100 sees 25 complete blocks, keeps the best 16 (64 tokens) and itself
+    assert sel.shape == (1, 16) and int(sel.min()) >= 0 and int(sel.max()) < 25
     assert mask.shape == (1, 101) and bool(mask[0, 100])
     assert int(mask.sum()) == model.cfg.idx_budget + 1
 

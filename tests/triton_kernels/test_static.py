@@ -59,6 +59,20 @@ def dequant_and_gather_within_the_h200_budget(fmt, by):
         assert row.pred_bw["H200"] == 1.0
 
 
+@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+def test_qsa_kernels_compile_without_spills(target):
+    """The QSA kernels (triton_kernels.qsa) at Flash-Next's shapes, keys in float32 and
+    bfloat16, in one child process a target (about 15 s): no spills; the attention's loop
+    over the token slots found."""
+    rows = static.rows(static.QSA_OPS, ["F32", "BF16"], [target])
+    assert [(r.op, r.format) for r in rows] == [(op, f) for op in static.QSA_OPS for f in ("F32", "BF16")]
+    for row in rows:
+        assert row.instructions > 0, (row.op, row.format, target)
+        assert row.spill_bytes == 0, f"{row.op} {row.format} {target}: {row.spill_bytes} bytes spilled"
+        if row.op == "qsa_attention":
+            assert row.loop_instructions > 0, f"{row.op} {row.format} {target}: no main loop found"
+
+
 def test_a_config_override_changes_the_kernel_compiled():
     row = static.analyse("gemv", "Q8_0", "sm_90", {"block_n": 16, "block_u": 16})
     assert row.config["BLOCK_N"] == 16 and row.config["BLOCK_U"] == 16

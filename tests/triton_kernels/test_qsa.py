@@ -1,0 +1,194 @@
+"""QSA kernels: for any context length, budget and block size, with blocks at the edges and
+tied scores, the block scores equal the reference's per-query loop, the selection equals
+torch.topk over each query's own visible scores, and the block-sparse attention (Triton
+and torch) equals dense attention under the selection's mask.
+
+Tolerances, float32 throughout (unit roundoff u = 2^-24, gamma_n = n u / (1 - n u)):
+- scores: each is a sum over n_idx heads of a d-term dot product, then a division;
+  |error| <= gamma_(d + n_idx + 1) * sum_h |q_h| . |k_b| / sqrt(d) (Higham's bound for
+  dot products; relu does not add error).
+- attention: the output is a convex combination of V rows. A logit off by e moves each
+  weight by at most a factor exp(2e), so the output moves by at most
+  max|v| * (exp(2e) - 1 + gamma_(S + 2)) with e = gamma_(D + 1) * max |q| . |k| / sqrt(D)
+  over S slots (the softmax's sums and the division); twice that for the two sides'
+  independent roundings.
+A lost or extra block moves outputs by a weight's share of max|v|, orders above these.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import torch
+import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from triton_kernels.backend import interpreter_on
+from triton_kernels.qsa import (
+    qsa_attention,
+    qsa_attention_torch,
+    qsa_scores,
+    qsa_scores_torch,
+    select_blocks,
+    token_mask,
+    visible_blocks,
+)
+
+U = 2.0 ** -24
+
+
+def gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def test_the_interpreter_is_on():
+    assert interpreter_on()  # else the launchers would run the torch twins twice
+
+
+# --- scores --------------------------------------------------------------------------------
+
+def scores_reference(q, blocks, start, ratio):
+    """transformers' loop: query by query, its visible blocks only, -inf past them."""
+    n_idx, T, d = q.shape
+    out = torch.full((T, blocks.shape[0]), float("-inf"))
+    for t in range(T):
+        n = (start + t + 1) // ratio
+        if n:
+            s = torch.matmul(q[:, t], blocks[:n].T).transpose(-1, -2)
+            out[t, :n] = torch.relu(s).sum(dim=-1) / math.sqrt(d)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(n_idx=st.integers(1, 5), d=st.sampled_from([16, 24, 32]), T=st.integers(1, 9),
+       start=st.integers(0, 60), ratio=st.integers(1, 5), seed=st.integers(0, 2**16),
+       zeros=st.booleans())
+@example(n_idx=4, d=32, T=1, start=63, ratio=4, seed=0, zeros=True)   # a decode step, all blocks seen
+def test_scores_equal_the_per_query_loop(n_idx, d, T, start, ratio, seed, zeros):
+    g = torch.Generator().manual_seed(seed)
+    nb = (start + T) // ratio
+    q = torch.randn(n_idx, T, d, generator=g)
+    blocks = torch.randn(nb, d, generator=g)
+    if zeros and nb:  # blocks against which every head's dot is negative: exact-zero scores
+        blocks[::2] = -blocks[::2].abs()
+        q = q.abs()
+    want = scores_reference(q, blocks, start, ratio)
+    bound = gamma(d + n_idx + 1) * (q.abs() @ blocks.abs().T).sum(0) / math.sqrt(d)
+    for got in (qsa_scores(q, blocks, start, ratio), qsa_scores_torch(q, blocks, start, ratio)):
+        assert got.shape == (T, nb)
+        seen = torch.isfinite(want)
+        assert torch.equal(seen, torch.isfinite(got))
+        assert bool(((got - want).abs()[seen] <= bound.expand_as(got)[seen] + 1e-30).all())
+        if zeros and nb:
+            assert bool((got[:, ::2][seen[:, ::2]] == 0).all())  # exact zeros stay exact: ties
+
+
+# --- selection -----------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 12), start=st.integers(0, 120), ratio=st.integers(1, 5), keep=st.integers(1, 8),
+       seed=st.integers(0, 2**16), levels=st.integers(1, 4))
+@example(T=1, start=4095, ratio=4, keep=16, seed=1, levels=1)  # all scores equal: ties everywhere
+def test_selection_breaks_ties_as_topk_over_the_visible_scores(T, start, ratio, keep, seed, levels):
+    g = torch.Generator().manual_seed(seed)
+    nb = (start + T) // ratio
+    # few distinct values (0 among them): most scores tie
+    scores = torch.randint(0, levels, (T, nb), generator=g).float()
+    sel = select_blocks(scores, start, ratio, keep)
+    assert sel.shape == (T, keep) and sel.dtype == torch.int64
+    for t in range(T):
+        n = (start + t + 1) // ratio
+        want = list(range(n)) if n <= keep else sorted(scores[t, :n].topk(keep).indices.tolist())
+        got = sorted(b for b in sel[t].tolist() if b >= 0)
+        assert got == want, (t, n)
+        assert (sel[t] < 0).sum() == max(0, keep - n)
+
+
+# --- attention -----------------------------------------------------------------------------
+
+def random_selection(g, T, start, ratio, keep, edges):
+    """For each query, min(keep, n_p) of its visible blocks (the first and the last one
+    among them when `edges`), -1 after."""
+    sel = torch.full((T, keep), -1, dtype=torch.int64)
+    for t, n in enumerate(visible_blocks(start, T, ratio).tolist()):
+        order = torch.randperm(n, generator=g)
+        if edges and n:
+            rest = order[(order != 0) & (order != n - 1)]
+            order = torch.cat([torch.tensor([n - 1, 0][:min(n, 2)]), rest])
+        m = min(keep, n)
+        sel[t, :m] = order[:m]
+    return sel
+
+
+def attention_reference(q, k, v, sel, start, ratio):
+    """Dense attention over the whole cache under the selection's token mask."""
+    H, T, D = q.shape
+    mask = token_mask(sel, start, ratio, k.shape[1])
+    return F.scaled_dot_product_attention(q[None], k[None].float(), v[None].float(), attn_mask=mask,
+                                          enable_gqa=True)[0]
+
+
+def attention_bound(q, k, v, sel, ratio):
+    D, S = q.shape[-1], sel.shape[1] * ratio + ratio - 1
+    G = q.shape[0] // k.shape[0]
+    qk = (q.abs().reshape(k.shape[0], G, -1, D).flatten(1, 2) @ k.float().abs().transpose(1, 2)).max()
+    e = gamma(D + 1) * float(qk) / math.sqrt(D)
+    return 2 * float(v.float().abs().max()) * (math.expm1(2 * e) + gamma(S + 2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3), (6, 2)]), D=st.sampled_from([16, 24, 32]),
+       T=st.integers(1, 6), start=st.integers(0, 70), ratio=st.integers(1, 5), keep=st.integers(1, 5),
+       extra=st.integers(0, 9), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       edges=st.booleans(), seed=st.integers(0, 2**16))
+@example(heads=(4, 2), D=32, T=1, start=67, ratio=4, keep=16, extra=0, dtype=torch.float32, edges=True,
+         seed=0)  # a decode step at flash-tiny's budget: 16 blocks, the open block's 3 tokens
+def test_block_sparse_attention_equals_the_masked_dense_one(heads, D, T, start, ratio, keep, extra, dtype,
+                                                            edges, seed):
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv = heads
+    N = start + T + extra  # cache rows past the last query (spare capacity) are never read
+    q = torch.randn(H, T, D, generator=g)
+    k = torch.randn(Hkv, N, D, generator=g).to(dtype)
+    v = torch.randn(Hkv, N, D, generator=g).to(dtype)
+    sel = random_selection(g, T, start, ratio, keep, edges)
+    want = attention_reference(q, k[:, :start + T], v[:, :start + T], sel, start, ratio)
+    tol = attention_bound(q, k, v, sel, ratio)
+    for got in (qsa_attention(q, k, v, sel, start, ratio), qsa_attention_torch(q, k, v, sel, start, ratio)):
+        assert got.shape == (H, T, D) and got.dtype == torch.float32
+        assert float((got - want).abs().max()) <= tol
+
+
+def test_a_lost_block_is_seen():
+    # the property's tolerance is far below what one dropped block moves
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(4, 2, 32, generator=g), torch.randn(2, 40, 32, generator=g), torch.randn(2, 40, 32, generator=g)
+    sel = random_selection(g, 2, 38, 4, 3, True)
+    fewer = sel.clone()
+    fewer[:, 0] = -1
+    diff = (qsa_attention(q, k, v, fewer, 38, 4) - attention_reference(q, k[:, :40], v[:, :40], sel, 38, 4)).abs()
+    assert float(diff.max()) > 1e3 * attention_bound(q, k, v, sel, 4)
+
+
+@settings(max_examples=15, deadline=None)
+@given(heads=st.sampled_from([(2, 1), (4, 2)]), D=st.sampled_from([16, 32]), T=st.integers(1, 4),
+       start=st.integers(0, 40), ratio=st.integers(1, 4), keep=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_an_int8_cache_attends_as_its_decoded_rows(heads, D, T, start, ratio, keep, seed):
+    # `--kv int8` (strata.nn.kv): the kernels read the codes and scale each row as they load
+    # it, so the answer is the float path's on the decoded rows, within the same bound
+    from strata.nn import kv
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv = heads
+    N = start + T
+    q = torch.randn(H, T, D, generator=g)
+    (k, ks), (v, vs) = (kv.encode(torch.randn(Hkv, N, D, generator=g) * 3, "int8") for _ in range(2))
+    kd, vd = kv.decode(k, ks), kv.decode(v, vs)
+    sel = random_selection(g, T, start, ratio, keep, True)
+    want = attention_reference(q, kd, vd, sel, start, ratio)
+    tol = attention_bound(q, kd, vd, sel, ratio)
+    for got in (qsa_attention(q, k, v, sel, start, ratio, ks, vs), qsa_attention_torch(q, k, v, sel, start, ratio, ks, vs)):
+        assert float((got - want).abs().max()) <= tol
+    with pytest.raises(ValueError, match="k_scale"):
+        qsa_attention_torch(q, k, v, sel, start, ratio)
