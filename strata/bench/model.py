@@ -59,14 +59,27 @@ def step_bytes(model) -> int:
     return total
 
 
-def bench_strata(path, args) -> dict:
+def _need_llama_cpp() -> None:
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise ValueError("--peer llama.cpp: llama-cpp-python is not importable here; build it as "
+                         "the README says, or drop --peer")
+
+
+def _load_warm(path, args):
+    """(model, device, load seconds), the model run once (warm-up, and the kernels' compiles)."""
     from strata.load import load_model
     device = torch.device(getattr(args, "device", None) or "cpu")
     t = time.perf_counter()
     model = load_model(path, dtype=args.dtype, device=device, kernels=getattr(args, "kernels", None))
     load_s = time.perf_counter() - t
+    model(_tokens(16, model.cfg.vocab_size), model.new_cache())
+    return model, device, load_s
+
+
+def bench_strata(path, args) -> dict:
+    model, device, load_s = _load_warm(path, args)
     vocab = model.cfg.vocab_size
-    model(_tokens(16, vocab), model.new_cache())  # warm-up (and the kernels' compiles)
     model([5], model.new_cache())
     pp, tg = [], []
     for r in range(args.repeats):
@@ -161,11 +174,7 @@ def run(args, path, hf_dir=None) -> int:
     ours = bench_strata(path, args)
     peer = None
     if args.peer == "llama.cpp":
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            raise ValueError("--peer llama.cpp: llama-cpp-python is not importable here; build it as "
-                             "the README says, or drop --peer") from None
+        _need_llama_cpp()
         peer = bench_llama_cpp(path, args, ours["vocab"])
     elif args.peer == "transformers":
         if hf_dir is None:
@@ -242,7 +251,7 @@ def depth_strata(model, args, device) -> dict:
         for st in state.layers:  # allocated once, as llama.cpp's context is
             if isinstance(st, AttentionState):
                 st.reserve(d + max(args.n_prompt, args.n_gen))
-        fill = _fill(lambda c: model(c, state, last_only=True), _tokens(d, vocab, 7), args.ubatch)
+        fill = _fill(lambda c, st=state: model(c, st, last_only=True), _tokens(d, vocab, 7), args.ubatch)
         _sync(device)
         pp, tg, split = [], [], {"indexer": 0.0, "attention": 0.0}
         for r in range(args.repeats):
@@ -303,21 +312,12 @@ def depth_llama_cpp(path, args, vocab: int) -> dict:
 
 def run_depths(args, path) -> int:
     """`strata bench model --depth ...`: each depth's fill, pp and tg, Strata then the peer."""
-    from strata.load import load_model
-    device = torch.device(getattr(args, "device", None) or "cpu")
-    t = time.perf_counter()
-    model = load_model(path, dtype=args.dtype, device=device, kernels=getattr(args, "kernels", None))
-    load_s = time.perf_counter() - t
-    model(_tokens(16, model.cfg.vocab_size), model.new_cache())  # warm-up
+    model, device, load_s = _load_warm(path, args)
     ours = depth_strata(model, args, device)
     rss = _peak_rss_mib()
     peer = None
     if args.peer == "llama.cpp":
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            raise ValueError("--peer llama.cpp: llama-cpp-python is not importable here; build it as "
-                             "the README says, or drop --peer") from None
+        _need_llama_cpp()
         peer = depth_llama_cpp(path, args, model.cfg.vocab_size)
     elif args.peer is not None:
         raise ValueError(f"--depth runs Strata and --peer llama.cpp only, not --peer {args.peer}")
