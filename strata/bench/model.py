@@ -280,6 +280,7 @@ def depth_strata(model, args, device) -> dict:
         out[d] = {"fill": fill, "pp": pp, "tg": tg,
                   "kv_bytes_per_token": sum(st.nbytes() for st in attn) / d,
                   "split_ms": split if timer else None}
+        _progress("strata", d, out[d])
         del state
     return out
 
@@ -307,7 +308,15 @@ def depth_llama_cpp(path, args, vocab: int) -> dict:
                 llm.eval([tok])
             tg.append(args.n_gen / (time.perf_counter() - t))
         out[d] = {"fill": fill, "pp": pp, "tg": tg}
+        _progress("llama.cpp", d, out[d])
     return out
+
+
+def _progress(engine: str, d: int, r: dict) -> None:
+    """A line to stderr as each depth ends: a long run that is stopped keeps what it measured."""
+    import sys
+    print(f"bench: {engine} d{d}: fill {r['fill']:.1f} tok/s, pp {_stats(r['pp'])[0]:.1f} tok/s, "
+          f"tg {_stats(r['tg'])[0]:.2f} tok/s", file=sys.stderr, flush=True)
 
 
 def run_depths(args, path) -> int:
