@@ -158,12 +158,16 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
         # no loop: the block-key values of a program
         return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", 4), bn * 128, 1, -(-nb // bn))
     bs, slots = cfg.get("block_s", qsa.ATTN_BLOCK_S), 64 + 4 - 1
-    # float keys: the int8 cache's scale pointers are passed but not read (SCALED=False)
-    sig, cx = _sig(f"q_ptr:*fp32,k_ptr:*{kv},v_ptr:*{kv},sel_ptr:*i64,out_ptr:*fp32,ks_ptr:*{kv},vs_ptr:*{kv},"
+    # config {"scaled": True}: the int8 cache (strata.nn.kv), codes read in place with one
+    # scale a row in `fmt` (BF16); otherwise float keys, and the scale pointers are passed
+    # but not read
+    scaled = bool(cfg.get("scaled", False))
+    codes = "i8" if scaled else kv
+    sig, cx = _sig(f"q_ptr:*fp32,k_ptr:*{codes},v_ptr:*{codes},sel_ptr:*i64,out_ptr:*fp32,ks_ptr:*{kv},vs_ptr:*{kv},"
                    "start:i32,ratio:i32,keep:i32,sm_scale:fp32,stride_qh:i32,stride_qt:i32,stride_kh:i32,"
                    "stride_kn:i32,stride_vh:i32,stride_vn:i32,stride_st:i32,stride_oh:i32,stride_ot:i32,"
                    "stride_sh:i32,stride_sn:i32",
-                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=False)
+                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=scaled)
     # K and V elements an iteration; a program a query head
     return Spec(qsa._qsa_attention_kernel, sig, cx, cfg.get("num_warps", 4), 2 * bs * 256, -(-slots // bs), 4)
 
@@ -431,7 +435,7 @@ def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None)
         bpw += 16  # the bf16 values written move through the same memory
     row = Row(op=op, format=fmt.name, target=target, kernel=spec.kernel.__name__,
               config={k_: v for k_, v in spec.constexprs.items()
-                      if k_.startswith("BLOCK") or k_ in ("MASK",)} | {"num_warps": spec.num_warps},
+                      if k_.startswith("BLOCK") or k_ in ("MASK", "SCALED")} | {"num_warps": spec.num_warps},
               regs=res["regs"], spill_bytes=res["spill"], shared_bytes=res["shared"],
               instructions=len(ins), loop_instructions=body, weights_per_iter=per_thread,
               instr_per_weight=round(ipw, 3), instr_per_weight_whole=round(whole, 3),
