@@ -17,10 +17,14 @@ config.json itself and writes the ratio for the full-attention layers, which is 
 model means. The digests are taken that way (AutoConfig made to fail), so that they hold
 what llama.cpp intends; `--autoconfig` keeps transformers in the loop instead.
 
-For each --outtype the digest holds every metadata key (type, sha256 of its value as JSON,
-and the value itself when short) and every tensor (type, shape, sha256 of its bytes) in
-file order, plus the sha256 of each checkpoint tensor, so that a test can tell a changed
-checkpoint from a changed conversion.
+Each output is read by gguf-py (llama.cpp's own GGUF reader, the `gguf` package). For each
+--outtype the golden data holds the sha256 of the whole file and its size, and a digest that
+says where two files differ: every metadata key (type, sha256 of its value as JSON, and the
+value itself when short) and every tensor (type, shape, offset, sha256 of its bytes) in
+file order; plus the sha256 of each checkpoint tensor, so that a test can tell a changed
+checkpoint from a changed conversion. The bytes of the `.ssm_a` tensors (-exp(A_log), whose
+last bit torch's exp sets differently on CPUs with and without AVX-512) are kept as well,
+so that a test on another machine can put llama.cpp's in place and still compare whole files.
 """
 from __future__ import annotations
 
@@ -33,11 +37,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "convert_golden.json"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 CHECKPOINT_NAME = "flash-tiny"
 SEED = 0
+# tensors whose bytes depend on the CPU torch runs on (see the docstring)
+MACHINE_DEPENDENT = (".ssm_a",)
 
 # run llama.cpp's converter with AutoConfig unavailable: it then reads config.json as written
 _RAW_CONFIG = """
@@ -54,20 +62,38 @@ def _json_sha(value) -> str:
     return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()
 
 
-def digest_gguf(path: Path) -> dict:
-    sys.path.insert(0, str(ROOT))
-    from strata.gguf import open_gguf
+def _type_name(field) -> str:
+    return "/".join(t.name for t in field.types)  # ARRAY/UINT64 for an array
 
-    g = open_gguf(path)
+
+def digest_gguf(path: Path) -> dict:
+    """The file as gguf-py reads it: whole-file sha256 and size, metadata and tensors in
+    file order, and the bytes of the machine-dependent tensors (MACHINE_DEPENDENT)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
     meta = []
-    for key, value in g.metadata.items():
-        entry = {"key": key, "type": g.metadata_types[key].name, "sha256": _json_sha(value)}
+    for key, field in r.fields.items():
+        if key.startswith("GGUF."):  # the header's own fields (version, counts)
+            continue
+        value = field.contents()
+        entry = {"key": key, "type": _type_name(field), "sha256": _json_sha(value)}
         if len(json.dumps(value, ensure_ascii=False)) <= 200:
             entry["value"] = value
         meta.append(entry)
-    tensors = [{"name": n, "type": t.fmt.name, "shape": list(t.shape),
-                "sha256": hashlib.sha256(t.data.tobytes()).hexdigest()} for n, t in g.tensors.items()]
-    return {"metadata": meta, "tensors": tensors}
+    tensors, machine = [], {}
+    for t in r.tensors:
+        raw = np.ascontiguousarray(t.data).tobytes()
+        tensors.append({"name": t.name, "type": t.tensor_type.name, "shape": [int(n) for n in t.shape],
+                        "offset": int(t.data_offset), "sha256": hashlib.sha256(raw).hexdigest()})
+        if t.name.endswith(MACHINE_DEPENDENT):
+            machine[t.name] = raw.hex()
+    return {"sha256": sha256_file(path), "bytes": path.stat().st_size, "metadata": meta, "tensors": tensors,
+            "machine_dependent": machine}
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def digest_checkpoint(hf_dir: Path) -> dict[str, str]:
@@ -108,7 +134,8 @@ def main() -> None:
             out = Path(tmp) / f"ref-{outtype}.gguf"
             run_llama_cpp(args.llama_cpp_dir.resolve(), hf_dir, out, outtype, args.autoconfig)
             golden["outtypes"][outtype] = digest_gguf(out)
-            print(f"{outtype}: {len(golden['outtypes'][outtype]['tensors'])} tensors", file=sys.stderr)
+            d = golden["outtypes"][outtype]
+            print(f"{outtype}: {len(d['tensors'])} tensors, {d['bytes']} bytes, sha256 {d['sha256']}", file=sys.stderr)
     OUT.write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {OUT}", file=sys.stderr)
 

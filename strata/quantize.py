@@ -46,8 +46,11 @@ FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "IQ3_XXS": 23, "IQ4_NL": 25, "IQ3_S":
 FALLBACK = {"IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL",
             "IQ2_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL",
             "Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# llama-quant.cpp's tensor_allows_quantization: kept as they are (the indexer's projections
+# are small, and llama-quantize leaves them in their own type for every architecture)
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "position_embd.weight",
-                  "token_types.weight", "ssm_conv1d", "attn_rel_b.weight")
+                  "token_types.weight", "ssm_conv1d", "attn_rel_b.weight",
+                  "indexer.k_proj.weight", "indexer.q_proj.weight", "per_layer_model_proj")
 
 
 class QuantizeError(ValueError):
@@ -82,6 +85,10 @@ class Plan:
     has_imatrix: bool = False
     pure: bool = False
     overrides: list[tuple[re.Pattern, str]] = field(default_factory=list)
+    # a dense model's ffn_down "layer" as llama-quantize counts it: the ffn_down tensors its
+    # mix rules have seen before this one (one given a type by --tensor-type is not counted,
+    # so an override on the first layers moves the "first eighth" on); absent: the block number
+    ffn_down_index: dict[str, int] = field(default_factory=dict)
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
@@ -106,7 +113,7 @@ def _mix_type(plan: Plan, name: str, shape: tuple[int, ...], t: str) -> str:
         return t if t == "Q8_0" else "Q6_K"
     if name == TOKEN_EMBD:
         return "IQ3_S" if f == "IQ3_XXS" else t
-    i, n = _layer(name), plan.n_layer
+    i, n = plan.ffn_down_index.get(name, _layer(name)), plan.n_layer
     if "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name:
         if f == "IQ3_XXS":
             return "Q4_K" if plan.n_gqa >= 4 else ("IQ3_XXS" if plan.has_imatrix else "IQ3_S")
@@ -186,6 +193,36 @@ def _first(v) -> int:
     return max(1, int(v or 1))
 
 
+def make_plan(g, ftype: str, *, has_imatrix: bool = False, tensor_types: list[str] = (),
+              pure: bool = False) -> Plan:
+    """The Plan of quantizing the opened GGUF `g` to `ftype`, as llama-quantize makes it from
+    the model's hparams (block_count, head counts) and tensors (a tied output)."""
+    ftype = ftype.upper()
+    if ftype not in FTYPES:
+        raise QuantizeError(f"quantization type {ftype!r} is not supported; choose one of "
+                            f"{', '.join(FTYPES)} (or any format per tensor with --tensor-type)")
+    arch = g.arch
+    n_head = _first(g.get(f"{arch}.attention.head_count", 1))
+    n_head_kv = _first(g.get(f"{arch}.attention.head_count_kv", n_head))
+    layers = [i for i in (_layer(n) for n in g.tensors) if i is not None]
+    plan = Plan(ftype=ftype, n_layer=int(g.get(f"{arch}.block_count", max(layers, default=-1) + 1)),
+                n_gqa=max(1, n_head // max(1, n_head_kv)),
+                tied_output=OUTPUT not in g.tensors, has_imatrix=has_imatrix,
+                pure=pure, overrides=[_parse_override(t) for t in tensor_types])
+    if _first(g.get(f"{arch}.expert_count", 1)) <= 1:  # with experts it reads the block number
+        downs = sorted((n for n, t in g.tensors.items() if "ffn_down" in n and quantizable(n, t.shape)
+                        and not any(rx.search(n) for rx, _ in plan.overrides)),
+                       key=lambda n: _layer(n) if _layer(n) is not None else -1)
+        plan.ffn_down_index = {n: i for i, n in enumerate(downs)}
+    return plan
+
+
+def target_types(g, plan: Plan) -> dict[str, str]:
+    """Tensor name -> the format it has after quantizing (its own where it is copied), in
+    file order: what llama-quantize --dry-run lists."""
+    return {name: choose_type(plan, name, t.shape)[0] or t.fmt.name for name, t in g.tensors.items()}
+
+
 def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str | Path | None = None,
                    tensor_types: list[str] = (), pure: bool = False, threads: int = 1,
                    log: Callable[[str], None] = print) -> dict:
@@ -198,13 +235,7 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
     g = open_gguf(src)
     arch = g.arch
     imat = read_imatrix(imatrix) if imatrix else None
-    n_head = _first(g.get(f"{arch}.attention.head_count", 1))
-    n_head_kv = _first(g.get(f"{arch}.attention.head_count_kv", n_head))
-    layers = [i for i in (_layer(n) for n in g.tensors) if i is not None]
-    plan = Plan(ftype=ftype, n_layer=int(g.get(f"{arch}.block_count", max(layers, default=-1) + 1)),
-                n_gqa=max(1, n_head // max(1, n_head_kv)),
-                tied_output=OUTPUT not in g.tensors, has_imatrix=imat is not None,
-                pure=pure, overrides=[_parse_override(t) for t in tensor_types])
+    plan = make_plan(g, ftype, has_imatrix=imat is not None, tensor_types=tensor_types, pure=pure)
 
     jobs = []
     for name, t in g.tensors.items():

@@ -1,9 +1,14 @@
 """strata.imatrix: llama-imatrix's importance matrix, on SmolLM2 over 2 chunks of 128 tokens,
-in llama.cpp's GGUF imatrix layout (tools/imatrix/imatrix.cpp, save_imatrix)."""
+in llama.cpp's GGUF imatrix layout (tools/imatrix/imatrix.cpp, save_imatrix), against the
+file llama-imatrix itself wrote for the same text (tests/data/llama_tools_golden.json and
+llama_imatrix.npz, from scripts/golden_llama_tools.py)."""
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 
 from strata.imatrix import (
     collect,
@@ -16,6 +21,17 @@ from strata.perplexity import stdlib_text
 
 N_CTX, N_CHUNKS = 128, 2
 WEIGHTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+DATA = Path(__file__).resolve().parents[2] / "tests" / "data"
+# measured here: block 0's Q, K, V 1.2e-6 at most; deeper inputs 0.19 at most (blk.29
+# ffn_down) with the floor, their median 0.2-1.9% per tensor
+TOL_FIRST, TOL_DEEP, TOL_DEEP_MEDIAN, TOL_FLOOR = 1e-5, 0.3, 0.03, 0.01
+LLAMA = json.loads((DATA / "llama_tools_golden.json").read_text())["imatrix"]
+
+
+@pytest.fixture(scope="module")
+def llama_arrays():
+    with np.load(DATA / "llama_imatrix.npz") as z:
+        return {k: z[k] for k in z.files}
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +41,38 @@ def tokens(smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def imatrix(smollm2_bf16, tokens):
-    return compute_imatrix(smollm2_bf16, tokens, N_CTX, N_CHUNKS, datasets=["stdlib.txt"])
+    return compute_imatrix(smollm2_bf16, tokens, N_CTX, N_CHUNKS, datasets=[LLAMA["metadata"]["imatrix.datasets"]["value"][0]])
 
 
-def test_every_blk_weight_has_its_input_columns_and_counts_every_token(imatrix, smollm2_gguf):
-    expected = {f"blk.{i}.{w}.weight" for i in range(30) for w in WEIGHTS}
-    assert set(imatrix.sums) == expected  # no output.weight, no token_embd.weight: as llama-imatrix
-    for name in expected:
-        assert imatrix.sums[name].shape == (1, smollm2_gguf.tensors[name].shape[1])
-        assert imatrix.counts[name].tolist() == [N_CHUNKS * N_CTX]
-    assert np.isfinite(imatrix.ppl) and imatrix.chunk_count == N_CHUNKS and imatrix.chunk_size == N_CTX
+def test_weights_and_counts_are_llama_imatrixs(imatrix, llama_arrays):
+    # no output.weight, no token_embd.weight; every token of every chunk counted, as llama-imatrix
+    names = [t["name"][:-len(".in_sum2")] for t in LLAMA["tensors"] if t["name"].endswith(".in_sum2")]
+    assert sorted(imatrix.sums) == sorted(names) and len(names) == 30 * len(WEIGHTS)
+    for name in names:
+        assert imatrix.counts[name].tolist() == llama_arrays[f"{name}.counts"].reshape(-1).tolist()
+    meta = LLAMA["metadata"]
+    assert imatrix.chunk_count == meta["imatrix.chunk_count"]["value"] == N_CHUNKS
+    assert imatrix.chunk_size == meta["imatrix.chunk_size"]["value"] == N_CTX
+    assert np.isfinite(imatrix.ppl)
+
+
+def test_sums_are_llama_imatrixs(imatrix, llama_arrays):
+    """Σ x_j² per input column, against llama-imatrix's for blocks 0, 15 and 29.
+
+    Block 0's Q, K and V read attn_norm(embedding), computed alike by both (bf16 rounding
+    here: relative 2^-8 per squared element, averaging out over 256 tokens): TOL_FIRST.
+    Deeper inputs went through matmuls whose activations llama.cpp rounds to 8 bits and
+    Strata to bf16: TOL_DEEP per column, relative to the column's sum plus TOL_FLOOR of the
+    tensor's mean column (columns that see almost nothing are noise in both)."""
+    for layer in LLAMA["layers"]:
+        for w in WEIGHTS:
+            name = f"blk.{layer}.{w}.weight"
+            theirs = llama_arrays[f"{name}.in_sum2"].reshape(-1).astype(np.float64)
+            ours = imatrix.sums[name][0].astype(np.float64)
+            tol = TOL_FIRST if (layer, w) in ((0, "attn_q"), (0, "attn_k"), (0, "attn_v")) else TOL_DEEP
+            err = np.abs(ours - theirs) / (theirs + TOL_FLOOR * theirs.mean())
+            assert err.max() < tol, (name, err.max(), int(err.argmax()))
+            assert np.median(err) < min(tol, TOL_DEEP_MEDIAN), (name, np.median(err))
 
 
 def test_sums_are_the_squared_inputs_of_the_weight(imatrix, smollm2_bf16, tokens):
@@ -54,24 +92,21 @@ def test_hooks_go_with_the_block_and_short_batches_are_skipped(smollm2_bf16):
     assert not any(mod._forward_pre_hooks for mod in m.modules())
 
 
-def test_file_round_trips_and_reads_as_llama_cpp_reads_it(imatrix, tmp_path):
+def test_file_is_laid_out_as_llama_imatrixs_and_round_trips(imatrix, llama_arrays, tmp_path):
+    # the header (metadata, tensor names, shapes, types, offsets) does not depend on the
+    # values: llama-imatrix's, byte for byte; gguf-py then reads the same fields from both
     path = write_imatrix(tmp_path / "imatrix.gguf", imatrix)
+    raw = path.read_bytes()
+    header = llama_arrays["header"].tobytes()
+    assert raw[:len(header)] == header and len(raw) == LLAMA["bytes"]
     r = GGUFReader(path)
-    assert r.fields["general.type"].contents() == "imatrix"
-    assert "general.architecture" not in r.fields  # imatrix.cpp writes none
-    assert r.fields["imatrix.datasets"].contents() == ["stdlib.txt"]
-    assert r.fields["imatrix.chunk_count"].contents() == N_CHUNKS
-    assert r.fields["imatrix.chunk_size"].contents() == N_CTX
-    names = [t.name for t in r.tensors]
-    assert names == [f"{n}.{s}" for n in sorted(imatrix.sums) for s in ("in_sum2", "counts")]
-    t = {t.name: t for t in r.tensors}
-    # ne [in, n_mat] and [1, n_mat], less the trailing 1s ggml drops for a dense weight
-    assert t["blk.0.ffn_down.weight.in_sum2"].shape.tolist() == [1536]
-    assert t["blk.0.ffn_down.weight.counts"].shape.tolist() == [1]
-    assert all(x.tensor_type == GGMLQuantizationType.F32 for x in r.tensors)
+    assert {k: {"type": f.types[0].name, "value": f.contents()} for k, f in r.fields.items()
+            if not k.startswith("GGUF.")} == LLAMA["metadata"]
+    assert [{"name": t.name, "shape": [int(n) for n in t.shape], "type": t.tensor_type.name}
+            for t in r.tensors] == LLAMA["tensors"]
 
     back = read_imatrix(path)
-    assert back.datasets == ["stdlib.txt"] and back.chunk_count == N_CHUNKS
+    assert back.datasets == imatrix.datasets and back.chunk_count == N_CHUNKS
     mean = load_imatrix(path)
     for name, s in imatrix.sums.items():
         np.testing.assert_array_equal(back.sums[name], s)

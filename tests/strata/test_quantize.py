@@ -1,6 +1,13 @@
 """`strata quantize`: llama-quantize's type choice, its progress lines, and files that load
-in Strata and in llama.cpp."""
+in Strata and in llama.cpp.
+
+The mixes are llama-quantize's own (tests/data/llama_tools_golden.json, from
+scripts/golden_llama_tools.py): the type --dry-run lists for every tensor of SmolLM2 and of
+flash-tiny, for each ftype Strata names, without and with an importance matrix, --pure, and
+with a --tensor-type override."""
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,8 +15,21 @@ import pytest
 import quant
 from strata.cli import main
 from strata.gguf import open_gguf, write_gguf
-from strata.quantize import Plan, choose_type, quantize_model
+from strata.quantize import FTYPES, Plan, choose_type, make_plan, quantize_model, target_types
 from strata.tensors import QTensor
+
+GOLDEN = json.loads((Path(__file__).resolve().parents[2] / "tests" / "data" / "llama_tools_golden.json").read_text())
+MIXES = GOLDEN["quantize"]["mixes"]
+
+
+def _mix_id(m):
+    return "-".join([m["model"], m["ftype"]] + ["imatrix"] * m["imatrix"] + ["pure"] * m["pure"]
+                    + ["override"] * bool(m["tensor_types"]))
+
+
+def _golden_mix(model, ftype, imatrix=False, pure=False, override=False):
+    return next(m for m in MIXES if (m["model"], m["ftype"], m["imatrix"], m["pure"], bool(m["tensor_types"]))
+                == (model, ftype, imatrix, pure, override))
 
 LINE = re.compile(r"\[\s*\d+/\s*\d+\] \S+\s+- \[(\s*\d+, ){3}\s*\d+\], type = \s*\w+, "
                   r"(converting to \w+ \.\. size = \s*[\d.]+ MiB -> \s*[\d.]+ MiB|size = \s*[\d.]+ MiB)$")
@@ -30,16 +50,22 @@ def test_fallback_for_rows_that_do_not_fit_the_blocks():
     assert choose_type(p, "blk.0.attn_norm.weight", (576,)) == (None, None)  # 1-D: copied
 
 
-def test_llama_cpp_mix_for_iq3_xxs():
-    p = plan("IQ3_XXS")
-    assert choose_type(p, "token_embd.weight", (49152, 576))[0] == "Q8_0"  # tied output, 576 % 256
-    assert choose_type(plan("IQ3_XXS", pure=False), "blk.3.attn_v.weight", (192, 512))[0] == "IQ3_S"
-    assert choose_type(plan("IQ3_XXS", has_imatrix=True), "blk.3.attn_v.weight", (192, 512))[0] == "IQ3_XXS"
-    assert choose_type(p, "blk.0.ffn_down.weight", (576, 1536))[0] == "Q4_K"   # first eighth
-    assert choose_type(p, "blk.9.ffn_down.weight", (576, 1536))[0] == "Q3_K"
-    assert choose_type(p, "blk.9.attn_q.weight", (512, 512))[0] == "IQ2_S"
-    over = plan("IQ3_XXS", overrides=[(re.compile(r"ffn_down"), "Q8_0")])
-    assert choose_type(over, "blk.9.ffn_down.weight", (576, 1536))[0] == "Q8_0"
+def test_the_golden_mixes_cover_every_ftype():
+    for model in ("smollm2", "flash-tiny"):
+        assert {m["ftype"] for m in MIXES if m["model"] == model and not m["pure"]} == set(FTYPES)
+    assert {m["ftype"] for m in MIXES if m["imatrix"]} == set(FTYPES)
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=_mix_id)
+def test_mix_is_llama_quantizes(mix, smollm2_gguf, flash_tiny_gguf):
+    """Every tensor's type, as llama-quantize --dry-run chose it for the same file and flags."""
+    g = smollm2_gguf if mix["model"] == "smollm2" else flash_tiny_gguf
+    plan = make_plan(g, mix["ftype"], has_imatrix=mix["imatrix"], tensor_types=mix["tensor_types"],
+                     pure=mix["pure"])
+    want = dict(zip(GOLDEN["quantize"]["tensors"][mix["model"]], mix["types"]))
+    got = target_types(g, plan)
+    assert sorted(got) == sorted(want)  # llama-quantize lists them in its own order
+    assert {n: (got[n], t) for n, t in want.items() if got[n] != t} == {}
 
 
 def test_a_bad_type_or_flag_is_named(tmp_path, capsys):
@@ -92,10 +118,9 @@ def test_smollm2_requantized_lines_and_types(smollm2_quantized):
     assert any("blk.0.ffn_down.weight" in l and "type =   q4_1, converting to iq3_xxs" in l for l in tensor_lines)
     assert any("blk.0.attn_v.weight" in l and "falling back to  iq4_nl" in l for l in lines)
     g = open_gguf(out)
-    types = {n: t.fmt.name for n, t in g.tensors.items()}
-    assert types["blk.1.ffn_down.weight"] == "IQ3_XXS" and types["blk.2.ffn_down.weight"] == "Q4_K"
-    assert types["blk.3.ffn_down.weight"] == "Q3_K" and types["blk.3.ffn_up.weight"] == "IQ4_NL"
-    assert types["token_embd.weight"] == "Q8_0" and types["blk.3.ffn_norm.weight"] == "F32"
+    mix = _golden_mix("smollm2", "IQ3_XXS", override=True)  # the same --tensor-type, in llama.cpp
+    assert {n: t.fmt.name for n, t in g.tensors.items()} == dict(zip(GOLDEN["quantize"]["tensors"]["smollm2"],
+                                                                     mix["types"]))
     assert g.get("general.file_type") == 23
 
 
