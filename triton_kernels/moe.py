@@ -71,7 +71,7 @@ import triton.language as tl
 
 import quant
 
-from . import configs
+from . import configs, invariant
 from .asm import asm_for
 from .backend import backend_name, device_name, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
@@ -564,11 +564,13 @@ def moe_torch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     xf = x.float()
     rw = weights.reshape(-1).float()
     kept = (flat >= 0) & (flat < E)
+    # an expert's token count follows the batch: batch-invariant mode fixes the GEMM's shape
+    mm = invariant.mm if invariant.enabled() else (lambda a, w: a @ w.T)
     for e in torch.unique(flat[kept]).tolist():
         slots = (flat == e).nonzero().squeeze(1)
         xe = xf[slots // k]
-        g = xe @ dequantize_torch(w_gate[e], fmt_gate).T
-        u = xe @ dequantize_torch(w_up[e], fmt_up).T
-        y = (torch.nn.functional.silu(g) * u) @ dequantize_torch(w_down[e], fmt_down).T
+        g = mm(xe, dequantize_torch(w_gate[e], fmt_gate))
+        u = mm(xe, dequantize_torch(w_up[e], fmt_up))
+        y = mm(torch.nn.functional.silu(g) * u, dequantize_torch(w_down[e], fmt_down))
         per_slot[slots] = y * rw[slots, None]
     return per_slot.view(T, k, H).sum(dim=1).to(x.dtype)

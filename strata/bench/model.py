@@ -77,10 +77,8 @@ def _load_warm(path, args):
     return model, device, load_s
 
 
-def bench_strata(path, args) -> dict:
-    model, device, load_s = _load_warm(path, args)
-    vocab = model.cfg.vocab_size
-    model([5], model.new_cache())
+def _pp_tg(model, args, device, vocab: int) -> tuple[list[float], list[float]]:
+    """pp and tg tok/s, args.repeats runs each."""
     pp, tg = [], []
     for r in range(args.repeats):
         toks = _tokens(args.n_prompt, vocab, r)
@@ -99,6 +97,23 @@ def bench_strata(path, args) -> dict:
             model([tok], cache, last_only=True)
         _sync(device)
         tg.append(args.n_gen / (time.perf_counter() - t))
+    return pp, tg
+
+
+def bench_strata(path, args) -> dict:
+    """Strata's pp and tg; with --batch-invariant, also batch-invariant (the process-wide
+    switch, flipped on the same loaded model), so that its cost is measured in one run."""
+    from triton_kernels import invariant
+    model, device, load_s = _load_warm(path, args)
+    vocab = model.cfg.vocab_size
+    model([5], model.new_cache())
+    with invariant.batch_invariant(False):
+        pp, tg = _pp_tg(model, args, device, vocab)
+    inv = None
+    if getattr(args, "batch_invariant", None):
+        with invariant.batch_invariant(True):
+            model([5], model.new_cache())
+            inv = dict(zip(("pp", "tg"), _pp_tg(model, args, device, vocab)))
     spec = None
     if getattr(args, "spec", 0):  # strata.bench.spec: the verify against a one-token step
         from strata.bench import spec as spec_bench
@@ -118,7 +133,7 @@ def bench_strata(path, args) -> dict:
             "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),
             "kernels": model.kernels, "step_bytes": nbytes, "copy_bytes_per_s": copy,
             "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy, "spec": spec,
-            "profile": profile}
+            "profile": profile, "invariant": inv}
 
 
 def bench_llama_cpp(path, args, vocab: int) -> dict:
@@ -181,14 +196,17 @@ def run(args, path, hf_dir=None) -> int:
             raise ValueError("--peer transformers: give --hf-dir, the Hugging Face checkpoint this GGUF was "
                              "converted from")
         peer = bench_transformers(hf_dir, args, ours["vocab"])
+    inv = ours["invariant"] and {"engine": "strata --batch-invariant", **ours["invariant"]}
     rows = []
-    for res in filter(None, (ours, peer)):
+    for res in filter(None, (ours, inv, peer)):
         for test, key in ((f"pp{args.n_prompt}", "pp"), (f"tg{args.n_gen}", "tg")):
             mean, sd = _stats(res[key])
             row = {"engine": res["engine"], "model": path.name, "threads": args.threads, "test": test,
                    "tok_s": mean, "stddev": sd, "runs": res[key]}
-            if peer and res is ours:
+            if peer and res is not peer:
                 row["vs_peer"] = mean / _stats(peer[key])[0]
+            if inv:
+                row["vs_plain"] = mean / _stats(ours[key])[0] if res is inv else None
             rows.append(row)
     result = {"bench": "model", "machine": machine(), "model": str(path), "dtype": ours["dtype"],
               "peak_rss_mib": ours["peak_rss_mib"], "load_s": ours["load_s"], "rows": rows}
@@ -197,6 +215,8 @@ def run(args, path, hf_dir=None) -> int:
     cols = [("engine", "engine"), ("model", "model"), ("threads", "threads"), ("test", "test"), ("t/s", "t/s")]
     if peer:
         cols.append(("vs_peer", f"x {args.peer}"))
+    if inv:
+        cols.append(("vs_plain", "x plain strata"))
     for k in ("device", "kernels", "step_bytes", "copy_bytes_per_s", "step_read_bytes_per_s", "fraction_of_copy"):
         result[k] = ours[k]
     table = markdown(rows, cols) + (

@@ -34,6 +34,10 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("triton", "torch"), default=None,
                    help="the ops' implementation (default: triton on a GPU, torch on the CPU; triton on "
                         "the CPU runs the Triton interpreter: slow, for checking the GPU path)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="a token's result does not depend on the prompt's chunking or the requests "
+                        "batched beside it (fixed-shape matmuls; costs prefill speed: see the README). "
+                        "Default: on in serve, off elsewhere")
     p.add_argument("--vram-reserve-mib", type=int, default=1024,
                    help="VRAM a GPU keeps free (activations, KV growth, the CUDA context) when the "
                         "placement sizes the expert cache (default 1024)")
@@ -143,4 +147,5 @@ def load_options(args, **override):
         ple_io=get("ple_io", "auto"), ple_file=get("ple_gguf"), ple_prefetch=not get("no_ple_prefetch", False),
         ple_io_depth=get("ple_io_depth", 16), vram_reserve_mib=get("vram_reserve_mib", 1024),
         tokens=get("tokens", None) or 32768, rope_scaling=get("rope_scaling"), rope_scale=get("rope_scale"),
-        yarn_orig_ctx=get("yarn_orig_ctx"), max_context=get("max_context"), kv=get("kv"))
+        yarn_orig_ctx=get("yarn_orig_ctx"), max_context=get("max_context"), kv=get("kv"),
+        batch_invariant=get("batch_invariant"))

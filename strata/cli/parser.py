@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest request body accepted, in bytes (413 above it; default 8 MiB)")
     srv.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                      help="longest prompt accepted, in tokens (400 above it; default: the context size)")
+    # a repeated question gets the same answer whatever else the server is doing: batch-invariant
+    # numerics cost the server little (bench serve --batch-invariant), prefill elsewhere more
+    srv.set_defaults(batch_invariant=True)
 
     bench = sub.add_parser("bench", help="measure kernels and paths against their peers")
     bsub = bench.add_subparsers(dest="what", required=True)
@@ -116,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="slot counts to compare, e.g. 1,4")
     bs.add_argument("--requests", type=int, default=16)
     bs.add_argument("--n-gen", "-n", type=int, default=64)
+    bs.add_argument("--batch-invariant", action="store_true",
+                    help="also run each slot count batch-invariant (serve's default), to measure its cost")
     bs.add_argument("--json", action="store_true")
 
     bp = bsub.add_parser("ple", help="PLE rows/s per I/O mode, cold and warm, against fio's random-read roof")

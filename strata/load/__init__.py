@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from strata.gguf import GGUFError, GGUFFile, open_gguf
+from triton_kernels import invariant
 
 from .plan import ExpertChoice, LoadPlan, Options, PleChoice, decide
 
@@ -18,6 +19,8 @@ def build(plan: LoadPlan):
                         f"(supported: {', '.join(LOADERS)})")
     if plan.options.threads:
         torch.set_num_threads(plan.options.threads)
+    if plan.options.batch_invariant is not None:  # process-wide, as the thread count
+        invariant.set_enabled(plan.options.batch_invariant)
     if plan.arch == "llama":
         from .llama import build as build_arch
     else:

@@ -21,6 +21,7 @@ from strata.names import qwen4exp as qn
 from strata.nn import kv
 from strata.nn.rope import RopeScaling
 from strata.storage.expert_tier import parse_tier
+from triton_kernels import invariant
 from triton_kernels.backend import choose_device, choose_kernels
 
 
@@ -47,6 +48,9 @@ class Options:
     yarn_orig_ctx: int | None = None  # the trained context; None: the file's
     max_context: int | None = None  # tokens a sequence may hold; None: the trained (x the scale)
     kv: str | None = None  # the KV cache's storage (strata.nn.kv); None: f32
+    # batch-invariant numerics (triton_kernels.invariant) for the whole process; None:
+    # leave the process's setting (STRATA_BATCH_INVARIANT, off by default) as it is
+    batch_invariant: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,11 @@ class LoadPlan:
     kv: str = "f32"  # the KV cache's storage (strata.nn.kv)
 
     @property
+    def batch_invariant(self) -> bool:
+        b = self.options.batch_invariant
+        return invariant.enabled() if b is None else b
+
+    @property
     def arch(self) -> str:
         return self.gguf.arch
 
@@ -110,6 +119,10 @@ class LoadPlan:
                + ("" if self.arch != qn.ARCH else f", {'QSA on' if o.qsa else 'QSA off (dense attention)'}")]
         out.append(f"context: {self.context} tokens, {self.context_why}; KV cache {self.kv}"
                    f"{' (given)' if o.kv else ' (the default; --kv bf16|f16|int8 to shrink it)'}")
+        if self.batch_invariant:
+            out.append("numerics: batch-invariant: a token's result does not depend on the prompt's chunks "
+                       "or the requests batched beside it (fixed-shape matmuls, DeltaNet token by token, "
+                       "QSA's sparse path at every length; --no-batch-invariant for speed)")
         if self.placement is not None:
             out += self.placement.lines()
         if self.experts is not None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from triton_kernels import invariant
+
 from .linear import QuantLinear
 
 
@@ -123,13 +125,18 @@ class DeltaNetState:
 def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
     """Depthwise causal conv of x (T, C) with taps w (C, K), continuing `window` (C, (K-1)*d)
     of earlier inputs; returns (output (T, C), the new window)."""
-    span = window.shape[1]
+    span, T = window.shape[1], x.shape[0]
     full = torch.cat([window, x.T], dim=1)                    # (C, span+T)
-    if x.shape[0] == 1:  # decode: the K taps are columns 0, d, ..., span; cheaper than conv1d
-        y = (full[:, ::dilation] * w).sum(dim=1, keepdim=True).T
-    else:
-        y = F.conv1d(full.unsqueeze(0), w.unsqueeze(1), groups=full.shape[0], dilation=dilation)[0].T
-    return y, full[:, -span:].clone()
+    # tap by tap, in the same order for any T: a token's output does not depend on how
+    # the prompt was cut into chunks (conv1d sums in an order of its own), and for decode
+    # four small ops beat conv1d's setup
+    y = full[:, :T] * w[:, :1]
+    for j in range(1, w.shape[1]):
+        y = y + full[:, j * dilation:j * dilation + T] * w[:, j:j + 1]
+    # rows contiguous: an activation applied next (SiLU) then runs its vector code on
+    # every element, where a (T, C) view of (C, T) runs T-long rows, scalar for a short T,
+    # and a scalar exp rounds differently from the vector one
+    return y.T.contiguous(), full[:, -span:].clone()
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -164,7 +171,10 @@ class GatedDeltaNet(torch.nn.Module):
         g = self.a_coef * F.softplus(a + self.dt_bias)
         if st.trail is not None:  # a verify: token by token, as decode and `keep`'s replay run
             st.trail.rows = (qkv, q, k, v, g, beta)
-        o = recurrent(q, k, v, g, beta, st.rec) if T == 1 or st.trail else chunked(q, k, v, g, beta, st.rec)
+        # batch-invariant mode: token by token for any T, as decode runs (the chunked WY
+        # form sums in another order, so a prompt's chunking would change its state)
+        step = T == 1 or st.trail or invariant.enabled()
+        o = recurrent(q, k, v, g, beta, st.rec) if step else chunked(q, k, v, g, beta, st.rec)
         # gated RMSNorm per head: norm(o) * w * sigmoid(z)
         z = z.reshape(T, Hv, dv)
         o = F.rms_norm(o, (dv,), eps=self.eps) * self.norm * torch.sigmoid(z)

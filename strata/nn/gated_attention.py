@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from triton_kernels import invariant
 from triton_kernels.ops import impl
 from triton_kernels.qsa import select_blocks
 
@@ -205,7 +206,10 @@ class GatedAttention(torch.nn.Module):
         end = start + T
         clock = self.clock
         t0 = _now(dev) if clock is not None else 0.0
-        if self.qsa and not self.dense_only and end // self.ratio > self.budget // self.ratio:
+        # past the budget, attend the chosen blocks; within it as well in batch-invariant
+        # mode, where a query's sums must run in one order whatever the chunk (SDPA's differ)
+        sparse = end // self.ratio > self.budget // self.ratio or invariant.enabled()
+        if self.qsa and not self.dense_only and sparse:
             sel = self._select(parts[3], st, start)
             t1 = _now(dev) if clock is not None else 0.0
             scales = st.kv_scales()
@@ -244,8 +248,14 @@ class GatedAttention(torch.nn.Module):
         pos = torch.arange(start, start + T)
         qi = idx_q.reshape(T, self.n_idx, self.idx_dim)
         qi = self.rope(_heads_norm(qi, self.idx_q_norm, self.eps).transpose(0, 1), pos)  # (n_idx, T, d)
-        scores = impl("qsa_scores", self.kernels)(qi, self._blocks(st), start, self.ratio)
-        return select_blocks(scores, start, self.ratio, self.budget // self.ratio)
+        keep, blocks = self.budget // self.ratio, self._blocks(st)
+        if blocks is None or blocks.shape[0] <= keep:
+            # no query sees more blocks than it keeps (batch-invariant mode within the
+            # budget): every query takes all its blocks, and no score is needed
+            scores = qi.new_empty(T, 0)
+        else:
+            scores = impl("qsa_scores", self.kernels)(qi, blocks, start, self.ratio)
+        return select_blocks(scores, start, self.ratio, keep)
 
 
 def _now(device: torch.device) -> float:

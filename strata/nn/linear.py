@@ -20,6 +20,7 @@ import torch
 
 import quant
 from strata.tensors import QTensor
+from triton_kernels import invariant
 from triton_kernels.backend import choose_kernels
 from triton_kernels.dequant import dequantize_torch
 from triton_kernels.ops import impl
@@ -107,16 +108,23 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.mode == "parts":
             return torch.cat([p(x) for p in self.parts], dim=-1)
+        x2 = x2.to(self.dtype)
         if self.mode == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.dtype), self.packed, 32, self.scales)
+            y = self._rows(lambda t: torch.ops.aten._weight_int4pack_mm_for_cpu(t, self.packed, 32, self.scales), x2)
         elif self.mode == "dense":
-            y = x2.to(self.dtype) @ self.weight.T
+            y = self._rows(lambda t: t @ self.weight.T, x2)
         elif self.mode == "triton":
-            y = self._qmatmul(x2.to(self.dtype), self.blocks, self.fmt)
+            y = self._qmatmul(x2, self.blocks, self.fmt)
         else:
             w = dequantize_torch(self.blocks, self.fmt, self.dtype).view(self.out_features, self.in_features)
-            y = x2.to(self.dtype) @ w.T
+            y = self._rows(lambda t: t @ w.T, x2)
         return y.float().reshape(*lead, self.out_features)
+
+    def _rows(self, f, x):
+        # batch-invariant mode (triton_kernels.invariant): calls of a fixed number of rows
+        if not invariant.enabled():
+            return f(x)
+        return invariant.rows(f, x, key=(self.mode, self.out_features, self.in_features, self.dtype))
 
     def held_bytes(self) -> int:
         """Bytes this layer's weight occupies as held (packed, dense or raw blocks)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from triton_kernels import invariant
+
 from .linear import QuantLinear
 
 
@@ -33,4 +35,4 @@ class MoE(torch.nn.Module):
         weights, ids = self.route(logits, self.top_k, self.norm_topk)
         routed = self.experts(x.float(), weights, ids)
         shared = self.shared_down(F.silu(g) * u).float()
-        return routed + torch.sigmoid(gate) * shared
+        return routed + invariant.pointwise(torch.sigmoid, gate) * shared

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from triton_kernels import invariant
+
 from .deltanet import causal_conv
 from .linear import QuantLinear
 
@@ -76,7 +78,7 @@ class NgramPLE(torch.nn.Module):
         query = self._norm(x.float(), self.norm_query)
         gate = (key * query).sum(dim=-1, keepdim=True) / self.width ** 0.5
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gv = torch.sigmoid(gate) * value.unsqueeze(1)                         # (T, S, H)
+        gv = invariant.pointwise(torch.sigmoid, gate) * value.unsqueeze(1)  # (T, S, H)
         normed = self._norm(gv.reshape(T, -1), self.norm_conv).reshape(T, -1)
         conv, st.conv = causal_conv(st.conv, normed, self.conv, self.dilation)
         return x + gv.reshape(T, -1) + F.silu(conv)

@@ -36,6 +36,7 @@ from strata.storage.expert_sources import (
 from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
+from triton_kernels import invariant
 from triton_kernels.backend import choose_kernels
 from triton_kernels.moe import choose_path
 from triton_kernels.ops import impl
@@ -263,12 +264,17 @@ class ExpertStore(torch.nn.Module):
             slots = order[at:at + counts[e]]
             at += counts[e]
             rows = slots // k
-            g, u = (xd[rows] @ self.w13[e].T).float().chunk(2, dim=-1)
-            y = (F.silu(g) * u).to(self.dtype) @ self.w2[e].T
+            g, u = _mm(xd[rows], self.w13[e]).float().chunk(2, dim=-1)
+            y = _mm((F.silu(g) * u).to(self.dtype), self.w2[e])
             # a token meets each expert once, so rows are distinct: a plain indexed add
             # (index_add_ spins up threads for a few rows; this is 100x cheaper on a busy CPU)
             out[rows] += y.float() * w[slots, None]
         return out
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # an expert's token count follows the batch: batch-invariant mode fixes the GEMM's shape
+    return invariant.mm(x, w) if invariant.enabled() else x @ w.T
 
 
 # --- counters over a model ---------------------------------------------------------------

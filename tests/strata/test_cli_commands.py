@@ -264,16 +264,30 @@ def test_bench_model_table(smollm2_gguf):
     assert rss > step_mib
 
 
+def test_bench_model_batch_invariant_rows(smollm2_gguf):
+    r = cli("bench", "model", "-m", "smollm2", "-p", 8, "-n", 2, "-r", 1, *FAST, "--batch-invariant", "--json")
+    assert r.rc == 0, r.err
+    rows = json.loads(r.out)["rows"]
+    assert [(x["engine"], x["test"]) for x in rows] == [("strata", "pp8"), ("strata", "tg2"),
+                                                        ("strata --batch-invariant", "pp8"),
+                                                        ("strata --batch-invariant", "tg2")]
+    for plain, inv in zip(rows[:2], rows[2:]):
+        assert plain["vs_plain"] is None and inv["vs_plain"] == pytest.approx(inv["tok_s"] / plain["tok_s"])
+
+
 def test_bench_serve_json():
-    r = cli("bench", "serve", "-m", "smollm2", "--slots", "1,2", "--requests", 2, "-n", 2, *FAST, "--json")
+    r = cli("bench", "serve", "-m", "smollm2", "--slots", "1,2", "--requests", 2, "-n", 2, *FAST, "--json",
+            "--batch-invariant")
     assert r.rc == 0, r.err
     out = json.loads(r.out)
     assert out["bench"] == "serve" and out["machine"]["threads"] == 2
     rows = out["rows"]
-    assert [(x["slots"], x["requests"], x["generated"]) for x in rows] == [(1, 2, 4), (2, 2, 4)]
+    assert [(x["slots"], x["numerics"], x["requests"], x["generated"]) for x in rows] == [
+        (1, "plain", 2, 4), (1, "batch-invariant", 2, 4), (2, "plain", 2, 4), (2, "batch-invariant", 2, 4)]
     for x in rows:
         assert positive(str(x["wall_s"])) and x["tok_s"] == pytest.approx(x["generated"] / x["wall_s"])
-    assert rows[0]["vs_first"] == 1.0 and rows[1]["vs_first"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])
+    assert rows[0]["vs_first"] == 1.0 and rows[2]["vs_first"] == pytest.approx(rows[2]["tok_s"] / rows[0]["tok_s"])
+    assert rows[3]["vs_plain"] == pytest.approx(rows[3]["tok_s"] / rows[2]["tok_s"]) and rows[2]["vs_plain"] is None
 
 
 def test_bench_kernels_static_table():

@@ -1,0 +1,109 @@
+"""Batch-invariant primitives (triton_kernels.invariant): a row's result does not depend on
+how many rows share the call or where the row sits, bit for bit, on the machine the suite
+runs on (the property the module rests on: a fixed-shape GEMM computes every row alike)."""
+import math
+
+import numpy as np
+
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from triton_kernels import invariant
+from triton_kernels.qsa import qsa_scores_torch
+
+# widths of the CPU models' matmuls (SmolLM2: 576/1536; flash-tiny: 256, 1024, 1536, 4120)
+SHAPES = [(576, 1536), (1536, 576), (256, 4120), (1536, 256), (36, 1024)]
+
+
+@settings(max_examples=25, deadline=None)
+# one the plain GEMM fails here: row 127 of 128 differs from the same row alone
+@example(shape=(1536, 256), m=128, cut=127, dtype=torch.bfloat16, seed=0)
+@given(shape=st.sampled_from(SHAPES), m=st.integers(1, 160), cut=st.integers(0, 159),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_mm_row_is_the_same_in_any_batch(shape, m, cut, dtype, seed):
+    k, n = shape
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    cut = min(cut, m - 1)
+    whole = invariant.mm(x, w)
+    # the rows from `cut` on, alone (another M, other offsets in the tiles), and one at a time
+    assert torch.equal(invariant.mm(x[cut:], w), whole[cut:])
+    assert torch.equal(invariant.mm(x[cut:cut + 1], w), whole[cut:cut + 1])
+    # and it is the product: within float32's (or bfloat16's) rounding of a k-term sum
+    ref = x.double() @ w.double().T
+    tol = (2.0 ** -7 if dtype == torch.bfloat16 else 1e-5) * ref.abs().max().item()
+    assert (whole.double() - ref).abs().max().item() <= tol
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 40), nb=st.integers(1, 150), cut=st.integers(0, 39), bcut=st.integers(1, 150),
+       seed=st.integers(0, 2**16))
+def test_scores_are_the_same_for_any_queries_and_blocks(T, nb, cut, bcut, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(4, T, 128, generator=g)
+    blocks = torch.randn(nb, 128, generator=g)
+    cut, bcut = min(cut, T - 1), min(bcut, nb)
+    whole = invariant.scores(q, blocks)
+    assert torch.equal(invariant.scores(q[:, cut:], blocks), whole[cut:])
+    assert torch.equal(invariant.scores(q[:, cut:cut + 1], blocks[:bcut]), whole[cut:cut + 1, :bcut])
+    # the indexer's scores: the same numbers as the plain path within float32 rounding
+    with invariant.batch_invariant():
+        fixed = qsa_scores_torch(q, blocks, start=10**6, ratio=4)
+    plain = qsa_scores_torch(q, blocks, start=10**6, ratio=4)
+    assert torch.allclose(fixed, whole / math.sqrt(128))
+    assert torch.allclose(fixed, plain, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 600), width=st.sampled_from([1, 4, 8, 36]), cut=st.integers(0, 599),
+       f=st.sampled_from([torch.sigmoid, torch.nn.functional.softplus, torch.exp]), seed=st.integers(0, 2**16))
+def test_pointwise_element_is_the_same_for_any_rows(T, width, cut, f, seed):
+    """A narrow activation, (T, width) or a column of a wider tensor: element (t, j) equals
+    itself computed among any other number of rows, and f's own value within float32's
+    rounding (the vector and scalar exp differ by an ulp, not more)."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(T, width + 3, generator=g)
+    cut = min(cut, T - 1)
+    for x in (wide[:, :width].contiguous(), wide[:, width:width + 1]):
+        with invariant.batch_invariant():
+            whole = invariant.pointwise(f, x)
+            assert torch.equal(invariant.pointwise(f, x[cut:]), whole[cut:])
+            assert torch.equal(invariant.pointwise(f, x[cut:cut + 1]), whole[cut:cut + 1])
+        assert torch.allclose(whole, f(x.double()).float(), rtol=1e-6, atol=0)
+
+
+def test_the_switch_is_scoped():
+    before = invariant.enabled()
+    with invariant.batch_invariant(True):
+        assert invariant.enabled()
+        with invariant.batch_invariant(False):
+            assert not invariant.enabled()
+        assert invariant.enabled()
+    assert invariant.enabled() == before
+
+
+@settings(max_examples=25, deadline=None)
+@given(fmt=st.sampled_from(["Q4_1", "Q4_0", "Q8_0"]), shape=st.sampled_from([(576, 1536), (1536, 576), (256, 512)]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), m=st.integers(1, 40), cut=st.integers(0, 39),
+       seed=st.integers(0, 2**16))
+def test_quant_linear_row_is_the_same_in_any_batch(fmt, shape, dtype, m, cut, seed):
+    """The CPU model's linear layers, batch-invariant, in each of their modes (the packed
+    int4 kernel for Q4_0/Q4_1 in bfloat16, a dequantized weight otherwise), short calls
+    probed or padded: a row is the same alone, among m rows, at any offset."""
+    import quant
+    from strata.nn.linear import QuantLinear
+    from strata.tensors import QTensor
+    k, n = shape
+    rng = np.random.default_rng(seed)
+    f = quant.get(fmt)
+    lin = QuantLinear(QTensor("w", f, (n, k), f.quantize(rng.standard_normal((n, k)).astype(np.float32))),
+                      dtype, torch.device("cpu"), kernels="torch")
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    cut = min(cut, m - 1)
+    with invariant.batch_invariant():
+        whole = lin(x)
+        assert torch.equal(lin(x[cut:]), whole[cut:])
+        assert torch.equal(lin(x[cut:cut + 1]), whole[cut:cut + 1])
+    assert torch.allclose(whole, lin(x), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)

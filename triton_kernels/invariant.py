@@ -1,0 +1,137 @@
+"""Batch-invariant numerics: a row's result depends on that row alone, never on how many
+rows share the call or where the row sits among them.
+
+A CPU GEMM (oneDNN, MKL) picks its algorithm, blocking and reduction order from the
+shape: measured here, row 0 of a bf16 (M, 1536) @ (1536, 256) equals the M = 1 result for
+M <= 32 and M >= 256, not for M = 63..128. So a prompt prefilled in chunks of 64 and the
+same prompt in one chunk of 512 round differently, and greedy decoding can take another
+branch; so can a request decoded beside three others. The cure (the batch-invariant
+kernels vLLM and SGLang added on GPUs do the same with fixed tiles): every call has one
+shape. `mm` multiplies in tiles of exactly ROWS rows (the last padded with zeros), and a
+fixed-shape GEMM computes each row the same way wherever it sits in the tile
+(tests/triton_kernels/test_invariant.py checks both on the machine it runs on).
+
+On when `STRATA_BATCH_INVARIANT=1` or after `set_enabled(True)` (`--batch-invariant`,
+the server's default); the model's modules ask `enabled()` on every call. The other
+order-dependent steps switch with it: strata.nn.deltanet runs its recurrence token by
+token (a chunk's WY form sums in another order than single steps), strata.nn.gated_
+attention attends through the sparse path also within the budget (the dense SDPA and the
+gathered path order their sums differently), and `scores` below gives QSA's indexer
+fixed-shape products, and `pointwise` runs the narrow activations (a gate a token, a
+decay a head) through the same vector code for any number of tokens.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+# rows a GEMM call: decode pays ROWS rows of arithmetic for its one (small next to reading
+# the weight); prefill pays a call per ROWS rows (measured in bench model --batch-invariant)
+ROWS = 8
+# block keys a call of the indexer's scores
+BLOCKS = 64
+# elements a pointwise call is padded to a multiple of: ATen's vector loops run the last
+# (numel mod 2 vectors) elements through scalar code (std::exp, not the vector exp, and they
+# round differently); 64 is two AVX-512 vectors of bfloat16, a multiple of every CPU's
+VEC = 64
+
+_enabled = os.environ.get("STRATA_BATCH_INVARIANT", "").lower() in ("1", "true", "yes", "on")
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def set_enabled(on: bool) -> None:
+    global _enabled
+    _enabled = bool(on)
+
+
+@contextmanager
+def batch_invariant(on: bool = True):
+    """`with batch_invariant():` the model's calls inside are batch-invariant."""
+    before = _enabled
+    set_enabled(on)
+    try:
+        yield
+    finally:
+        set_enabled(before)
+
+
+def rows(f, x: torch.Tensor, key=None) -> torch.Tensor:
+    """f applied to x (M, K) in calls of ROWS rows, joined: for a row-wise f (a matmul by a
+    weight), row i of the result is the same for any M and any offset of the row in x.
+
+    The last, short call of m rows is padded with zeros to the fewest rows (m or more) that a
+    probe showed f computes as a full call computes them (`key` names f's kind and shapes for
+    the probe's memo; None: pad to ROWS). Measured on CPUs: bfloat16 GEMMs and the int4
+    kernel compute any short call's rows alike, float32 ones all but a single row (a GEMV,
+    which sums in another order): decode's one row then costs two rows, not ROWS."""
+    M = x.shape[0]
+    m = M % ROWS
+    size = ROWS if not m else (_exact_sizes(f, x, key)[m] if key is not None else ROWS)
+    pad = size - m if m else 0
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return torch.cat([f(x[a:a + ROWS]) for a in range(0, M + pad, ROWS)])[:M]
+
+
+_sizes: dict = {}
+
+
+def _exact_sizes(f, x: torch.Tensor, key) -> list[int]:
+    """For each m < ROWS, the fewest rows n >= m whose call computes its first n (and last n)
+    rows of a ROWS-row tile bit for bit as the whole tile's call does, on a random tile like x
+    (shapes, not values, choose a GEMM's algorithm); memoised by (key, dtype, K, device)."""
+    k = (key, x.dtype, tuple(x.shape[1:]), x.device)
+    got = _sizes.get(k)
+    if got is None:
+        g = torch.Generator().manual_seed(0)
+        tile = torch.randn(ROWS, *x.shape[1:], generator=g).to(x.dtype).to(x.device)
+        whole = f(tile)
+        ok = [n == ROWS or (torch.equal(f(tile[:n]), whole[:n]) and torch.equal(f(tile[ROWS - n:]), whole[ROWS - n:]))
+              for n in range(ROWS + 1)]
+        got = _sizes[k] = [next(n for n in range(max(m, 1), ROWS + 1) if ok[n]) for m in range(ROWS)]
+    return got
+
+
+def pointwise(f, x: torch.Tensor) -> torch.Tensor:
+    """f(x) for an elementwise f (sigmoid, softplus, exp) on a narrow tensor, (T, a few):
+    when enabled, through a flat buffer padded to a multiple of VEC, so that every element
+    runs f's vector code whatever T (see VEC). Wide rows (a multiple of VEC) need none."""
+    if not _enabled:
+        return f(x)
+    flat = x.reshape(-1).contiguous()  # (T, 1) column views reshape to strided rows
+    n = flat.numel()
+    pad = (-n) % VEC
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return f(flat)[:n].view(x.shape)
+
+
+def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T, batch-invariant (`rows`)."""
+    wt = w.T
+    return rows(lambda t: t @ wt, x, key=("mm", tuple(w.shape), w.dtype))
+
+
+def scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """QSA's indexer products relu(q . b) summed over the heads, float32 (T, nb), from
+    (n_idx, T, d) queries and (nb, d) block keys, in calls of ROWS queries x BLOCKS keys
+    (the last of each padded): query t's score against block b is the same whatever T,
+    nb, or the positions of t and b among them."""
+    n_idx, T, d = q.shape
+    nb = blocks.shape[0]
+    tp, bp = (-T) % ROWS, (-nb) % BLOCKS
+    qf = F.pad(q.float(), (0, 0, 0, tp))                       # (n_idx, T', d)
+    kf = F.pad(blocks.float(), (0, 0, 0, bp))                  # (nb', d)
+    out = torch.empty(T + tp, nb + bp, dtype=torch.float32, device=q.device)
+    for a in range(0, T + tp, ROWS):
+        qa = qf[:, a:a + ROWS].reshape(n_idx * ROWS, d)
+        for b in range(0, nb + bp, BLOCKS):
+            s = (qa @ kf[b:b + BLOCKS].T).view(n_idx, ROWS, BLOCKS).relu_()
+            torch.sum(s, dim=0, out=out[a:a + ROWS, b:b + BLOCKS])
+    return out[:T, :nb]
