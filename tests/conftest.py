@@ -6,6 +6,9 @@ import os
 ON_DEVICE = os.environ.get("STRATA_TEST_DEVICE") == "cuda"
 if not ON_DEVICE:
     os.environ["TRITON_INTERPRET"] = "1"
+    from tests.triton_interpreter import install  # noqa: E402
+
+    install()  # the interpreter patches triton.language once a launch, not once a call
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

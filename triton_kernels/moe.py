@@ -472,6 +472,8 @@ def choose_path(fmt_gate, fmt_up, fmt_down, tokens: int) -> str:
     """"dp4a" for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8
     units, else "dot". A caller that splits a batch (an expert cache running groups) passes
     the whole batch's path, so that every part runs the arithmetic the whole would."""
+    if invariant.enabled():  # one path and one tile for any batch (triton_kernels.invariant)
+        return "dot"
     units = all(unit(quant.get(f)) is not None for f in (fmt_gate, fmt_up, fmt_down))
     return "dp4a" if units and tokens <= MOE_DP4A_MAX_TOKENS else "dot"
 
@@ -510,7 +512,9 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
                              f"BLOCK_K >= 64, got {tiles}")
     else:
         if tiles is None:
-            tiles = _default_tiles(tile_slots or n_slots, E)
+            # batch-invariant: the tiles of a 64-row block whatever the slots, so that a row's
+            # sums (tl.dot's instruction shape among them) never follow the batch
+            tiles = _default_tiles(64 * E if invariant.enabled() else tile_slots or n_slots, E)
         if len(tiles) != 3 or any(t < 16 or t & (t - 1) for t in tiles):
             raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
     dev, out_dtype = x.device, x.dtype

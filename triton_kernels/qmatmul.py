@@ -45,7 +45,7 @@ import triton.language as tl
 
 import quant
 
-from . import configs
+from . import configs, invariant
 from .backend import use_triton
 from .decode import decoder, table, unit
 from .dequant import check_blocks, dequantize_torch
@@ -173,13 +173,21 @@ def _check(x: torch.Tensor, q: torch.Tensor, fmt: quant.Format, n: int | None):
     return x.reshape(math.prod(x.shape[:-1]), K), N, K
 
 
+def choose_path(fmt: quant.Format, M: int) -> str:
+    """The kernel qmatmul runs for M rows: dp4a (formats with int8 units) or gemv for at most
+    GEMV_MAX_M rows, gemm after; batch-invariant (triton_kernels.invariant), gemm with its one
+    tile for any M, so that a row's sums never follow the batch."""
+    if invariant.enabled():
+        return "gemm"
+    return ("dp4a" if unit(fmt) is not None else "gemv") if M <= GEMV_MAX_M else "gemm"
+
+
 def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
             n: int | None = None, path: str | None = None,
             tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x @ W.T for W (N, K) stored as `fmt` blocks in `q`; result (..., N) in x's dtype.
 
-    path: "dp4a", "gemv" or "gemm" forces a kernel; None takes dp4a (formats with int8
-    units) or gemv for at most GEMV_MAX_M rows, gemm after.
+    path: "dp4a", "gemv" or "gemm" forces a kernel; None: `choose_path`.
     tiles: (BLOCK_M, BLOCK_N, BLOCK_K) powers of two instead of the path's defaults
     (GEMM needs each >= 16 for tl.dot); for dp4a (BLOCK_N, BLOCK_U). CPU tensors without
     the interpreter ignore both and run qmatmul_torch.
@@ -191,8 +199,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
     if not use_triton(x):
         return qmatmul_torch(x, q, fmt, n=n)
     M = x2.shape[0]
-    if path is None:
-        path = ("dp4a" if unit(fmt) is not None else "gemv") if M <= GEMV_MAX_M else "gemm"
+    path = path or choose_path(fmt, M)
     if path == "dp4a":
         if tiles is not None and (len(tiles) != 2 or any(t < 1 or t & (t - 1) for t in tiles)):
             raise ValueError(f"{fmt.name}: dp4a tiles must be (BLOCK_N, BLOCK_U), powers of two, "

@@ -8,6 +8,11 @@ import pytest
 from strata import hub
 
 
+# One thread a child: the suite's two workers already fill the two cores, and a child's
+# second thread waits at every op for a core (tests/conftest.py; one chat took minutes).
+THREADS = "1"
+
+
 def strata(*args, stdin: str | None = None):
     return subprocess.run([sys.executable, "-m", "strata", *args], input=stdin, capture_output=True,
                           text=True, timeout=300, env=dict(os.environ))
@@ -15,7 +20,7 @@ def strata(*args, stdin: str | None = None):
 
 def test_generate_answers(smollm2_gguf):
     r = strata("generate", "What is the capital of France? Answer in one sentence.",
-               "--temperature", "0", "-n", "24", "-t", "2", "--no-think")
+               "--temperature", "0", "-n", "24", "-t", THREADS, "--no-think")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     # SmolLM2's template has no thinking switch: said once, and the answer is the plain one
@@ -25,7 +30,7 @@ def test_generate_answers(smollm2_gguf):
 
 
 def test_chat_keeps_the_conversation(smollm2_gguf):
-    r = strata("chat", "--temperature", "0", "-n", "40", "-t", "2",
+    r = strata("chat", "--temperature", "0", "-n", "40", "-t", THREADS,
                stdin="My name is Ada. Please remember it.\nWhat is my name?\n/exit\n")
     assert r.returncode == 0, r.stderr
     answers = [line for line in r.stdout.splitlines() if line.strip()]

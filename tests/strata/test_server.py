@@ -29,11 +29,14 @@ def _free_port() -> int:
 
 
 class Server:
+    """`strata serve` in a child process, on one thread: the suite's two workers already fill
+    the two cores, and a second thread waits at every op for a core (tests/conftest.py)."""
+
     def __init__(self, *args: str, key: str | None = None, dtype: str = "f32", timeout: float = 120):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "strata", "serve", "--port", str(self.port),
-                                      "-t", "2", "--dtype", dtype, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      "-t", "1", "--dtype", dtype, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env=dict(os.environ))
         self.health = []  # status codes seen while starting
         deadline = time.time() + 120

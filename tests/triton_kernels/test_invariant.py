@@ -107,3 +107,36 @@ def test_quant_linear_row_is_the_same_in_any_batch(fmt, shape, dtype, m, cut, se
         assert torch.equal(lin(x[cut:]), whole[cut:])
         assert torch.equal(lin(x[cut:cut + 1]), whole[cut:cut + 1])
     assert torch.allclose(whole, lin(x), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+def test_the_gpu_kernels_take_one_path_and_tile_for_any_rows():
+    """The GPU path, batch-invariant: qmatmul takes the GEMM kernel (one tile) for any M where
+    decode would take dp4a or the GEMV, and the MoE kernel the dot path with one tile for any
+    number of slots. This checks the routing only: the interpreter's tl.dot is numpy's GEMM,
+    whose rows depend on their place in the tile, as a GPU's MMA rows do not; the device's
+    own arithmetic is for a lent GPU (scripts/gpu_check.sh)."""
+    import importlib
+
+    import quant
+    qmatmul, moe = (importlib.import_module(f"triton_kernels.{m}") for m in ("qmatmul", "moe"))  # the modules
+    f = quant.get("Q4_0")
+    plain = ([qmatmul.choose_path(f, m) for m in (1, 64)], moe.choose_path(f, f, f, 1),
+             moe._default_tiles(1, 8), moe._default_tiles(512, 8))
+    assert plain[0] == ["dp4a", "gemm"] and plain[1] == "dp4a" and plain[2] != plain[3]
+    with invariant.batch_invariant():
+        assert [qmatmul.choose_path(f, m) for m in (1, 7, 64, 4096)] == ["gemm"] * 4
+        assert {moe.choose_path(f, f, f, t) for t in (1, 4, 512)} == {"dot"}
+    # and the MoE call's own tile choice: one tile whatever the slots
+    seen = []
+    real = moe._default_tiles
+    try:
+        moe._default_tiles = lambda n, E: seen.append((n, E)) or real(n, E)
+        x = torch.randn(3, 32)
+        w = torch.from_numpy(f.quantize(np.random.default_rng(0).standard_normal((2, 32, 32)).astype(np.float32)
+                                        .reshape(-1, 32))).reshape(2, 32, -1)
+        for T in (1, 3):
+            with invariant.batch_invariant():
+                moe.moe(x[:T], w, w, w, f, f, f, torch.full((T, 1), 1.0), torch.zeros(T, 1, dtype=torch.int32))
+    finally:
+        moe._default_tiles = real
+    assert seen == [(64 * 2, 2), (64 * 2, 2)]
