@@ -7,9 +7,10 @@ M <= 32 and M >= 256, not for M = 63..128. So a prompt prefilled in chunks of 64
 same prompt in one chunk of 512 round differently, and greedy decoding can take another
 branch; so can a request decoded beside three others. The cure (the batch-invariant
 kernels vLLM and SGLang added on GPUs do the same with fixed tiles): every call has one
-shape. `mm` multiplies in tiles of exactly ROWS rows (the last padded with zeros), and a
-fixed-shape GEMM computes each row the same way wherever it sits in the tile
-(tests/triton_kernels/test_invariant.py checks both on the machine it runs on).
+shape. `mm` multiplies in tiles of ROWS rows (a short last one padded as `rows` says), and
+a fixed-shape GEMM computes each row the same way wherever it sits in the tile
+(tests/triton_kernels/test_invariant.py checks both on the machine it runs on). On the GPU
+path triton_kernels.qmatmul and .moe take one kernel and one tile for any rows instead.
 
 On when `STRATA_BATCH_INVARIANT=1` or after `set_enabled(True)` (`--batch-invariant`,
 the server's default); the model's modules ask `enabled()` on every call. The other
@@ -28,8 +29,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-# rows a GEMM call: decode pays ROWS rows of arithmetic for its one (small next to reading
-# the weight); prefill pays a call per ROWS rows (measured in bench model --batch-invariant)
+# rows a GEMM call: prefill pays a call per ROWS rows, decode its one row padded to the
+# fewest rows the probe accepts (measured in bench model --batch-invariant)
 ROWS = 8
 # block keys a call of the indexer's scores
 BLOCKS = 64
