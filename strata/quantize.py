@@ -193,14 +193,20 @@ def _first(v) -> int:
     return max(1, int(v or 1))
 
 
+def _ftype(name: str) -> str:
+    """The ftype's name in upper case, or a QuantizeError that lists the ones there are."""
+    ftype = name.upper()
+    if ftype not in FTYPES:
+        raise QuantizeError(f"quantization type {ftype!r} is not supported; choose one of "
+                            f"{', '.join(FTYPES)} (or any format per tensor with --tensor-type)")
+    return ftype
+
+
 def make_plan(g, ftype: str, *, has_imatrix: bool = False, tensor_types: list[str] = (),
               pure: bool = False) -> Plan:
     """The Plan of quantizing the opened GGUF `g` to `ftype`, as llama-quantize makes it from
     the model's hparams (block_count, head counts) and tensors (a tied output)."""
-    ftype = ftype.upper()
-    if ftype not in FTYPES:
-        raise QuantizeError(f"quantization type {ftype!r} is not supported; choose one of "
-                            f"{', '.join(FTYPES)} (or any format per tensor with --tensor-type)")
+    ftype = _ftype(ftype)
     arch = g.arch
     n_head = _first(g.get(f"{arch}.attention.head_count", 1))
     n_head_kv = _first(g.get(f"{arch}.attention.head_count_kv", n_head))
@@ -228,10 +234,7 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
                    log: Callable[[str], None] = print) -> dict:
     """Quantize the GGUF `src` into `dst`; returns sizes and timing."""
     t0 = time.perf_counter()
-    ftype = ftype.upper()
-    if ftype not in FTYPES:
-        raise QuantizeError(f"quantization type {ftype!r} is not supported; choose one of "
-                            f"{', '.join(FTYPES)} (or any format per tensor with --tensor-type)")
+    ftype = _ftype(ftype)
     g = open_gguf(src)
     arch = g.arch
     imat = read_imatrix(imatrix) if imatrix else None

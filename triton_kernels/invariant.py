@@ -119,6 +119,12 @@ def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return rows(lambda t: t @ wt, x, key=("mm", tuple(w.shape), w.dtype))
 
 
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T: `mm` when enabled, the plain product otherwise (a GEMM whose M follows the
+    batch, as an expert's token count does)."""
+    return mm(x, w) if _enabled else x @ w.T
+
+
 def scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """QSA's indexer products relu(q . b) summed over the heads, float32 (T, nb), from
     (n_idx, T, d) queries and (nb, d) block keys, in calls of ROWS queries x BLOCKS keys

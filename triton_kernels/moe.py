@@ -568,13 +568,11 @@ def moe_torch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down:
     xf = x.float()
     rw = weights.reshape(-1).float()
     kept = (flat >= 0) & (flat < E)
-    # an expert's token count follows the batch: batch-invariant mode fixes the GEMM's shape
-    mm = invariant.mm if invariant.enabled() else (lambda a, w: a @ w.T)
     for e in torch.unique(flat[kept]).tolist():
         slots = (flat == e).nonzero().squeeze(1)
         xe = xf[slots // k]
-        g = mm(xe, dequantize_torch(w_gate[e], fmt_gate))
-        u = mm(xe, dequantize_torch(w_up[e], fmt_up))
-        y = mm(torch.nn.functional.silu(g) * u, dequantize_torch(w_down[e], fmt_down))
+        g = invariant.linear(xe, dequantize_torch(w_gate[e], fmt_gate))
+        u = invariant.linear(xe, dequantize_torch(w_up[e], fmt_up))
+        y = invariant.linear(torch.nn.functional.silu(g) * u, dequantize_torch(w_down[e], fmt_down))
         per_slot[slots] = y * rw[slots, None]
     return per_slot.view(T, k, H).sum(dim=1).to(x.dtype)

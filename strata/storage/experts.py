@@ -264,17 +264,12 @@ class ExpertStore(torch.nn.Module):
             slots = order[at:at + counts[e]]
             at += counts[e]
             rows = slots // k
-            g, u = _mm(xd[rows], self.w13[e]).float().chunk(2, dim=-1)
-            y = _mm((F.silu(g) * u).to(self.dtype), self.w2[e])
+            g, u = invariant.linear(xd[rows], self.w13[e]).float().chunk(2, dim=-1)
+            y = invariant.linear((F.silu(g) * u).to(self.dtype), self.w2[e])
             # a token meets each expert once, so rows are distinct: a plain indexed add
             # (index_add_ spins up threads for a few rows; this is 100x cheaper on a busy CPU)
             out[rows] += y.float() * w[slots, None]
         return out
-
-
-def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # an expert's token count follows the batch: batch-invariant mode fixes the GEMM's shape
-    return invariant.mm(x, w) if invariant.enabled() else x @ w.T
 
 
 # --- counters over a model ---------------------------------------------------------------
