@@ -164,7 +164,8 @@ def test_llama_cpp_converted_file_gives_the_same_logits(tiny, prompt, model, tmp
     src = _llama_cpp_src()
     if src is None:
         pytest.skip("llama.cpp's converter not found: set STRATA_LLAMA_CPP_SRC to a llama.cpp checkout "
-                    "(the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp)")
+                    "(scripts/build_llama_cpp.sh --tools DIR puts one in DIR/llama.cpp); test_convert.py "
+                    "holds Strata's converter to that converter's files byte for byte")
     out = tmp_path / "tiny-llama-cpp.gguf"
     subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(flash_tiny_checkpoint()),
                     "--outfile", str(out), "--outtype", "f32"], check=True, capture_output=True,
