@@ -472,9 +472,9 @@ def choose_path(fmt_gate, fmt_up, fmt_down, tokens: int) -> str:
     """"dp4a" for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8
     units, else "dot". A caller that splits a batch (an expert cache running groups) passes
     the whole batch's path, so that every part runs the arithmetic the whole would."""
-    if invariant.enabled():  # one path and one tile for any batch (triton_kernels.invariant)
-        return "dot"
     units = all(unit(quant.get(f)) is not None for f in (fmt_gate, fmt_up, fmt_down))
+    if invariant.enabled():  # one path for any batch (triton_kernels.invariant): dp4a runs a
+        return "dp4a" if units else "dot"  # program a slot, dot one tile (see moe below)
     return "dp4a" if units and tokens <= MOE_DP4A_MAX_TOKENS else "dot"
 
 

@@ -175,10 +175,12 @@ def _check(x: torch.Tensor, q: torch.Tensor, fmt: quant.Format, n: int | None):
 
 def choose_path(fmt: quant.Format, M: int) -> str:
     """The kernel qmatmul runs for M rows: dp4a (formats with int8 units) or gemv for at most
-    GEMV_MAX_M rows, gemm after; batch-invariant (triton_kernels.invariant), gemm with its one
-    tile for any M, so that a row's sums never follow the batch."""
+    GEMV_MAX_M rows, gemm after. Batch-invariant (triton_kernels.invariant), one kernel for any
+    M: dp4a where the format has units (a program a row, its tiles the format's: a row's sums
+    never see another row, and decode keeps its 2-5 instructions a weight, where the GEMM
+    spends 30-75), else the GEMM with its one tile."""
     if invariant.enabled():
-        return "gemm"
+        return "dp4a" if unit(fmt) is not None else "gemm"
     return ("dp4a" if unit(fmt) is not None else "gemv") if M <= GEMV_MAX_M else "gemm"
 
 
