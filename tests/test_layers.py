@@ -13,7 +13,7 @@ LAYERS = [  # bottom first
     ("quant",),  # the formats: numpy reference codecs
     ("triton_kernels",),  # kernels and their torch twins
     ("strata.tensors", "strata.gguf", "strata.names", "strata.cache", "strata.tokenizer"),  # files and names
-    ("strata.nn", "strata.runtime"),  # modules; generation over any model
+    ("strata.nn", "strata.runtime", "strata.dist"),  # modules; generation over any model; several processes
     ("strata.storage", "strata.models"),  # where weights live; models as structure
     ("strata.load",),  # the plan and the loaders
     ("strata.perplexity", "strata.imatrix", "strata.quantize", "strata.convert", "strata.server",

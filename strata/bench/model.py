@@ -100,9 +100,10 @@ def _pp_tg(model, args, device, vocab: int) -> tuple[list[float], list[float]]:
     return pp, tg
 
 
-def bench_strata(path, args) -> dict:
+def bench_strata(path, args, extra=None) -> dict:
     """Strata's pp and tg; with --batch-invariant, also batch-invariant (the process-wide
-    switch, flipped on the same loaded model), so that its cost is measured in one run."""
+    switch, flipped on the same loaded model), so that its cost is measured in one run.
+    `extra(model, args)`: more measurements on the loaded model, a dict kept as "extra"."""
     from triton_kernels import invariant
     model, device, load_s = _load_warm(path, args)
     vocab = model.cfg.vocab_size
@@ -133,7 +134,7 @@ def bench_strata(path, args) -> dict:
             "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),
             "kernels": model.kernels, "step_bytes": nbytes, "copy_bytes_per_s": copy,
             "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy, "spec": spec,
-            "profile": profile, "invariant": inv}
+            "profile": profile, "invariant": inv, "extra": extra(model, args) if extra else None}
 
 
 def bench_llama_cpp(path, args, vocab: int) -> dict:
@@ -183,7 +184,10 @@ def bench_transformers(hf_dir, args, vocab: int) -> dict:
 def run(args, path, hf_dir=None) -> int:
     """`strata bench model` on the GGUF at `path`; `hf_dir`: the checkpoint it came from
     (for --peer transformers)."""
+    from strata import dist
     torch.set_num_threads(args.threads)
+    if dist.comm() is not None:
+        return run_parallel(args, path, dist.comm())
     if getattr(args, "depth", None):
         return run_depths(args, path)
     ours = bench_strata(path, args)
@@ -378,5 +382,58 @@ def run_depths(args, path) -> int:
              + (f"; a decode step: indexer {r['split_ms']['indexer']:.2f} ms, attention "
                 f"{r['split_ms']['attention']:.2f} ms" if r["split_ms"] else "") for d, r in ours.items()]
     table = markdown(rows, cols) + f"\n\nStrata: {path.name}, {args.dtype}, peak RSS {rss:.0f} MiB; " + "; ".join(notes)
+    emit(result, table, args.json)
+    return 0
+
+
+# --- several processes (--ep, --pp) ---------------------------------------------------------
+
+def _bytes_sent(model, args, comm) -> dict:
+    """Payload bytes every rank together sends a token: in one prefill of -p tokens, and in
+    decode (8 one-token steps), from the ranks' counters (strata.dist.Comm.sent)."""
+    vocab, out = model.cfg.vocab_size, {}
+    for key, toks, step in (("pp", _tokens(args.n_prompt, vocab, 900), args.n_prompt),
+                            ("tg", _tokens(8, vocab, 901), 1)):
+        cache, before = model.new_cache(len(toks)), comm.sent
+        for i in range(0, len(toks), step):
+            model(toks[i:i + step], cache, last_only=True)
+        out[key] = comm.sum_over_ranks(comm.sent - before) / len(toks)
+    return out
+
+
+def run_parallel(args, path, comm) -> int:
+    """`torchrun ... -m strata bench model --ep E --pp P`: pp and tg of the ranks together,
+    the bytes they send a token, then (rank 0, the others gone) the same model in one
+    process, same machine, same run."""
+    from strata import dist
+    L = comm.layout
+    given = [f for f in ("peer", "depth", "profile", "spec", "batch_invariant") if getattr(args, f, None)]
+    if given:
+        raise ValueError(f"--ep/--pp: bench model measures pp and tg of the ranks against one process; "
+                         f"--{', --'.join(g.replace('_', '-') for g in given)} run in one process: drop them")
+    ours = bench_strata(path, args, extra=lambda m, a: _bytes_sent(m, a, comm))
+    dist.close()
+    if L.rank != 0:
+        return 0
+    one = bench_strata(path, args)
+    name = f"strata --ep {L.ep} --pp {L.pp} ({L.world} processes)"
+    rows = []
+    for res, engine in ((ours, name), (one, "strata (1 process)")):
+        for test, key in ((f"pp{args.n_prompt}", "pp"), (f"tg{args.n_gen}", "tg")):
+            mean, sd = _stats(res[key])
+            sent = ours["extra"][key] if res is ours else 0.0
+            rows.append({"engine": engine, "model": path.name, "threads": args.threads, "test": test,
+                         "tok_s": mean, "stddev": sd, "runs": res[key], "t/s": f"{mean:.2f} ± {sd:.2f}",
+                         "vs_one": mean / _stats(one[key])[0], "bytes_sent_per_token": sent,
+                         "sent": f"{sent / 1024:,.1f} KiB"})
+    result = {"bench": "model-parallel", "machine": machine(), "model": str(path), "dtype": ours["dtype"],
+              "ep": L.ep, "pp": L.pp, "world": L.world, "rows": rows,
+              "peak_rss_mib_rank0": ours["peak_rss_mib"]}
+    cols = [("engine", "engine"), ("threads", "threads a process"), ("test", "test"), ("t/s", "t/s"),
+            ("vs_one", "x 1 process"), ("sent", "sent a token (all ranks)")]
+    table = markdown(rows, cols) + (
+        f"\n\nSent: the payload the ranks' collectives carry (an all-reduce counted as a ring, 2 (E-1)/E of "
+        f"the tensor per rank; activations and logits once per receiver). Rank 0's peak RSS as a rank: "
+        f"{ours['peak_rss_mib']:.0f} MiB.")
     emit(result, table, args.json)
     return 0

@@ -39,8 +39,50 @@ def main(argv: list[str] | None = None) -> int:
     interpret = getattr(args, "kernels", None) == "triton" and str(args.device).startswith("cpu")
     if interpret and not interpreter_on():
         _interpret(argv)
-    with configs.interpreter_tiles(interpret):
-        return _run(args)
+    try:
+        _join(args)
+    except ValueError as e:
+        print(f"strata: {e}", file=sys.stderr)
+        return 2
+    try:
+        with configs.interpreter_tiles(interpret):
+            return _run(args)
+    finally:
+        from strata import dist
+        dist.close()
+
+
+# commands that run as several processes under torchrun (--ep, --pp)
+_PARALLEL = ("generate", "perplexity", "bench")
+
+
+def _join(args) -> None:
+    """Under torchrun with --ep/--pp: join the world (strata.dist.init); only rank 0 prints
+    to stdout, and only rank 0 (or every rank, prefixed, with --plan-all-ranks) says
+    what it loads; errors are every rank's."""
+    import os
+
+    from strata import dist
+    from strata.cli import load
+    ep, pp = getattr(args, "ep", 1), getattr(args, "pp", 1)
+    if ep * pp == 1 and not (dist.launched() and int(os.environ["WORLD_SIZE"]) > 1):
+        return
+    if args.command not in _PARALLEL or (args.command == "bench" and args.what != "model"):
+        raise ValueError(f"--ep/--pp: `strata {args.command}` runs in one process; "
+                         f"{', '.join(_PARALLEL[:-1])} and bench model run under torchrun")
+    comm = dist.init(ep, pp, dist.parse_split(getattr(args, "layer_split", None)), args.dist_timeout,
+                     str(args.device))
+    rank = comm.layout.rank
+    if getattr(args, "plan_all_ranks", False):
+        load.prefix = f"[rank {rank}] "
+    elif rank != 0:
+        load.quiet = True
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")
+    if hasattr(args, "seed"):  # every rank samples the same tokens from the same logits
+        import random
+        seed = args.seed if args.seed is not None else random.randrange(2**31)
+        args.seed = comm.broadcast_object(seed, "the broadcast of the sampling seed")
 
 
 def _bench(args) -> int:
@@ -61,6 +103,7 @@ def _bench(args) -> int:
 
 
 def _run(args) -> int:
+    from strata.dist import RankLost
     from strata.hub import HubError
     try:
         if args.command in ("pack", "plan", "probe"):
@@ -91,5 +134,8 @@ def _run(args) -> int:
     except (ValueError, HubError) as e:  # bad input or file, named by the code that found it
         print(f"strata: {e}", file=sys.stderr)
         return 2
+    except RankLost as e:  # --ep/--pp: another process is gone
+        print(f"strata: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130

@@ -43,6 +43,22 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                         "placement sizes the expert cache (default 1024)")
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Several processes under torchrun (strata.dist)."""
+    g = p.add_argument_group("several processes (torchrun --nproc-per-node E*P -m strata ...)")
+    g.add_argument("--ep", type=int, default=1, metavar="E",
+                   help="expert parallelism: each of E ranks holds 1/E of every layer's experts (default 1)")
+    g.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="layer pipeline: P stages of consecutive layers (default 1)")
+    g.add_argument("--layer-split", default=None, metavar="L1,L2,...",
+                   help="--pp: the first layer of each stage after the first (default: even)")
+    g.add_argument("--plan-all-ranks", action="store_true",
+                   help="every rank prints its plan lines, prefixed by its rank (default: rank 0 alone)")
+    g.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a collective may wait for the other ranks before the run ends, naming "
+                        "the rank that is gone (default 300)")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="smollm2",
                    help="a known model (smollm2: pulled on first use) or a .gguf path")
@@ -56,6 +72,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_context_args(p)
     add_ple_args(p)
     add_expert_args(p)
+    add_parallel_args(p)
 
 
 def add_context_args(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,13 @@ from strata.cli.args import load_options
 from strata.hub import resolve_model
 
 
+# under --ep/--pp (strata.cli._join): ranks but 0 say nothing, or each says its rank
+quiet, prefix = False, ""
+
+
 def say(line: str) -> None:
-    print(f"strata: {line}", file=sys.stderr)
+    if not quiet:
+        print(f"strata: {prefix}{line}", file=sys.stderr)
 
 
 def load(args, model: str | None = None, dtype=None, **override):

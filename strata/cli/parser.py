@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from strata.cli.args import (add_chat_args, add_device_args, add_expert_args, add_kv_args, add_model_args,
-                             add_ple_args, add_sampling_args, add_spec_args, formats)
+                             add_parallel_args, add_ple_args, add_sampling_args, add_spec_args, formats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     bm.add_argument("--threads", "-t", type=int, default=2)
     add_device_args(bm)
+    add_parallel_args(bm)
     bm.add_argument("--n-prompt", "-p", type=int, default=512)
     bm.add_argument("--n-gen", "-n", type=int, default=128)
     bm.add_argument("--repeats", "-r", type=int, default=3)
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--threads", "-t", type=int, default=None)
     add_device_args(pp)
     add_kv_args(pp)
+    add_parallel_args(pp)
 
     im = sub.add_parser("imatrix", help="llama-imatrix: importance matrix (GGUF) for llama-quantize --imatrix")
     im.add_argument("model", nargs="?", default="smollm2", help="a known model (smollm2) or a .gguf path")

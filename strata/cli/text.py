@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from strata.cli.load import load
+from strata.cli.load import load, say
 from strata.hub import resolve_model
 from strata.runtime import SamplingParams, generate
 
@@ -42,11 +42,10 @@ def generate_cmd(args) -> int:
     ids = tok.encode(prompt)
     res = generate(model, tok, ids, sampling(args), on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p)
     print()
-    print(f"strata: {res.prompt_tokens} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
-          f"{len(res.tokens)} generated at {res.decode_tok_s:.1f} tok/s ({res.finish_reason})",
-          file=sys.stderr)
+    say(f"{res.prompt_tokens} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
+        f"{len(res.tokens)} generated at {res.decode_tok_s:.1f} tok/s ({res.finish_reason})")
     if res.spec is not None:
-        print(f"strata: {res.spec.summary()}", file=sys.stderr)
+        say(res.spec.summary())
     return 0
 
 

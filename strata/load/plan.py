@@ -11,6 +11,7 @@ its plan says.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,7 @@ class LoadPlan:
     context: int = 4096  # tokens a sequence may hold
     context_why: str = ""
     kv: str = "f32"  # the KV cache's storage (strata.nn.kv)
+    layout: object | None = None  # strata.dist.Layout: this rank's layers and experts; None: one process
 
     @property
     def batch_invariant(self) -> bool:
@@ -123,6 +125,8 @@ class LoadPlan:
             out.append("numerics: batch-invariant: a token's result does not depend on the prompt's chunks "
                        "or the requests batched beside it (fixed-shape matmuls, DeltaNet token by token, "
                        "QSA's sparse path at every length; --no-batch-invariant for speed)")
+        if self.layout is not None:
+            out.append(f"parallel: {self.layout.describe(*_counts(self.gguf))}, pid {os.getpid()}")
         if self.placement is not None:
             out += self.placement.lines()
         if self.experts is not None:
@@ -166,6 +170,31 @@ class LoadPlan:
                 bad.append(f"PLE table {mode or 'in the mapping' if ple else 'absent'}, planned "
                            f"{self.ple.mode or 'in the mapping'}")
         return bad
+
+
+def _counts(g: GGUFFile) -> tuple[int, int]:
+    """(layers, experts a layer) of a model, for --ep/--pp."""
+    return int(g.require(f"{g.arch}.block_count")), int(g.get(f"{g.arch}.expert_count", 1) or 1)
+
+
+def _layout(g: GGUFFile):
+    from strata import dist
+    c = dist.comm()
+    if c is None:
+        return None
+    if g.arch != qn.ARCH:
+        raise ValueError(f"{g.path.name}: --ep/--pp run {qn.ARCH} models; this one is {g.arch}")
+    n_layers, n_experts = _counts(g)
+    c.layout.layers(n_layers), c.layout.experts(n_experts)  # a bad split fails here, named
+    return c.layout
+
+
+def _holds_ple(g: GGUFFile, layout) -> bool:
+    """Whether this process builds the PLE layer (under --pp, only its stage does)."""
+    if layout is None:
+        return True
+    mine = layout.layers(_counts(g)[0])
+    return any(int(i) in mine for i in g.get(f"{qn.ARCH}.ple.layers") or [])
 
 
 def _rest_bytes(g: GGUFFile) -> int:
@@ -254,9 +283,10 @@ def decide(g: GGUFFile, options: Options | None = None, machine=None) -> LoadPla
     o = options or Options()
     device = choose_device(o.device)
     kernels = choose_kernels(o.kernels, device)
+    layout = _layout(g)
     experts, placement = _experts(g, o, device, machine) if g.arch == qn.ARCH else (None, None)
-    ple = _ple(g, o) if g.arch == qn.ARCH else None
+    ple = _ple(g, o) if g.arch == qn.ARCH and _holds_ple(g, layout) else None
     rope, context, why = _rope(g, o)
     return LoadPlan(g, o, device, kernels, o.dtype, o.threads or torch.get_num_threads(), experts, ple, placement,
-                    rope, context, why, kv.check(o.kv or "f32"))
+                    rope, context, why, kv.check(o.kv or "f32"), layout)
 

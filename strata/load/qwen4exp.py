@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from strata import dist
 from strata.gguf import GGUFError, GGUFFile, open_gguf
 from strata.models.qwen4exp import Layer, MTPHead, Qwen4Exp, Qwen4ExpConfig
 from strata.names import qwen4exp as n
@@ -90,11 +91,16 @@ class _Loader:
 
     def moe(self, f: GGUFFile, i: int) -> MoE:
         c, m = self.cfg, {k: n.blk(i, v) for k, v in n.MOE.items()}
+        layout = self.plan.layout
+        mine = layout.experts(c.n_experts) if layout is not None else None
         experts = ExpertStore(f.tensor(m["gate_exps"]), f.tensor(m["up_exps"]), f.tensor(m["down_exps"]),
                               self.dtype, self.device, self.budget, kernels=self.kernels,
-                              **self.plan.experts.store_kwargs())
+                              experts=mine, **self.plan.experts.store_kwargs())
         proj = self.lin(f, m["router"], m["shexp_gate"], m["shexp_up"], m["shexp_router"])
-        return MoE(proj, experts, c.n_experts, c.top_k, c.shared_dim, self.lin(f, m["shexp_down"]))
+        moe = MoE(proj, experts, c.n_experts, c.top_k, c.shared_dim, self.lin(f, m["shexp_down"]))
+        if layout is not None and layout.ep > 1:
+            moe.shard(dist.ExpertShare(dist.comm(), mine, f"layer {i}'s experts"))
+        return moe
 
     def ple_table(self, g: GGUFFile):
         choice = self.plan.ple
@@ -145,17 +151,24 @@ class _Loader:
 
 
 def build(plan) -> Qwen4Exp:
+    """The model as `plan` says; under --ep/--pp (plan.layout) the layers and experts of
+    this rank alone, with the output head on the last stage only."""
     g = plan.gguf
     cfg = Qwen4ExpConfig.from_gguf(g)
     ld = _Loader(plan, cfg)
-    layers = [ld.layer(g, i, cfg.compress_ratios[i] if i < len(cfg.compress_ratios) else 0)
-              for i in range(cfg.n_layers)]
-    mtp, mtp_file = ld.mtp(g)
-    out_hc, output = ld.hc(g, n.OUTPUT_HC, False), ld.lin(g, n.OUTPUT)
+    layout = plan.layout
+    mine = layout.layers(cfg.n_layers) if layout is not None else range(cfg.n_layers)
+    layers = [ld.layer(g, i, cfg.compress_ratios[i] if i < len(cfg.compress_ratios) else 0) for i in mine]
+    mtp, mtp_file = ld.mtp(g) if layout is None or layout.pp == 1 else (None, None)
+    last = layout is None or layout.last
+    out_hc, output = (ld.hc(g, n.OUTPUT_HC, False), ld.lin(g, n.OUTPUT)) if last else (None, None)
     embedding = g.tensor(n.TOKEN_EMBD)
     # its rows are read a token at a time from the mapping: a fault would otherwise read the
     # disk's readahead window around the row (read_ahead_kb 8192 made a decoded token of
     # flash-shape read 8 MiB of embedding for its 1100-byte row: 96 MB a token, not 88)
     io.advise_random(embedding.data)
-    return Qwen4Exp(g, cfg, embedding, layers, out_hc, output, plan.dtype, plan.device,
-                    plan.kernels, mtp, mtp_file, ld.qsa_fallback, kv=plan.kv)
+    model = Qwen4Exp(g, cfg, embedding, layers, out_hc, output, plan.dtype, plan.device,
+                     plan.kernels, mtp, mtp_file, ld.qsa_fallback, kv=plan.kv)
+    if layout is not None and layout.pp > 1:
+        model.pipe, model.first_layer = dist.Pipe(dist.comm()), mine.start
+    return model

@@ -284,6 +284,9 @@ class Qwen4Exp(torch.nn.Module):
         self.out_hc, self.output = out_hc, output
         self.mtp, self.mtp_file, self.qsa_fallback = mtp, mtp_file, qsa_fallback
         self.kv = kv_types.check(kv)
+        # under --pp (strata.dist.Pipe): this rank's stage of the layer pipeline, whose
+        # layers are blk.<first_layer>.. of the file; None: the whole model in this process
+        self.pipe, self.first_layer = None, 0
         self.to(self.device)  # norms, conv weights, RoPE tables (the weights went as loaded)
 
     # -- what the engine reports -------------------------------------------------------------
@@ -330,14 +333,20 @@ class Qwen4Exp(torch.nn.Module):
 
     def new_cache(self, capacity: int = 256, mtp: bool = False) -> Qwen4ExpState:
         """A state for one sequence; `mtp`: one that also tracks what the MTP head drafts from."""
+        if mtp and self.pipe is not None:
+            raise ValueError("--spec with --pp: the MTP head drafts from the last layer's streams, which "
+                             "only the pipeline's last stage holds; run --spec with --ep alone")
         if mtp and self.mtp is None:
             raise ValueError(f"{self.gguf.path}: no MTP head (neither in the file nor in "
                              f"{mtp_sidecar(self.gguf.path).name} beside it), so nothing drafts for --spec")
         return Qwen4ExpState(self, mtp)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.embedding.shape[0]:
             raise ValueError(f"token ids must lie in 0..{self.embedding.shape[0] - 1}")
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._check_tokens(tokens)
         rows = torch.from_numpy(np.take(self.embedding.data, tokens.numpy(), axis=0))
         return dequantize_torch(rows, self.embedding.fmt).to(self.device)
 
@@ -345,7 +354,12 @@ class Qwen4Exp(torch.nn.Module):
     def forward(self, tokens, state: Qwen4ExpState, last_only: bool = False) -> torch.Tensor:
         """Logits (S, vocab) float32 for tokens that continue the state's sequence."""
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        x = self.embed(tokens).repeat(1, self.cfg.streams)
+        pipe = self.pipe
+        if pipe is None or pipe.first:
+            x = self.embed(tokens).repeat(1, self.cfg.streams)
+        else:  # a later stage: checked here too, so that no stage waits on one that refused
+            self._check_tokens(tokens)
+            x = pipe.receive(tokens.numel(), self.cfg.streams * self.cfg.dim)
         start = state.length
         verify = state._verify
         ple_ids = None
@@ -365,8 +379,13 @@ class Qwen4Exp(torch.nn.Module):
         if verify is not None:
             verify.tokens, verify.streams = tokens, x
         state.length = start + tokens.numel()
-        if last_only:
-            x = x[-1:]
+        if pipe is not None:
+            rows = 1 if last_only else tokens.numel()
+            return pipe.finish(x, lambda x: self.logits(x[-rows:]), rows, self.cfg.vocab_size)
+        return self.logits(x[-1:] if last_only else x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, vocab) float32 from the streams after the last layer."""
         h, _ = self.out_hc.read(x)
         return self.output(h).float()
 

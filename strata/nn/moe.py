@@ -29,10 +29,20 @@ class MoE(torch.nn.Module):
         self.route = impl("route", proj.kernels)
         self.splits = [n_experts, shared_dim, shared_dim, 1]
         self.top_k, self.norm_topk = top_k, norm_topk
+        self.share = None  # strata.dist.ExpertShare under --ep: this rank holds some experts
+
+    def shard(self, share) -> "MoE":
+        """Hold only `share`'s experts (strata.dist.ExpertShare): route as before, run the
+        ones held here, sum the shares' outputs."""
+        self.share = share
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
         weights, ids = self.route(logits, self.top_k, self.norm_topk)
-        routed = self.experts(x.float(), weights, ids)
+        if self.share is None:
+            routed = self.experts(x.float(), weights, ids)
+        else:
+            routed = self.share.reduce(self.experts(x.float(), weights, self.share.local(ids)))
         shared = self.shared_down(F.silu(g) * u).float()
         return routed + invariant.pointwise(torch.sigmoid, gate) * shared

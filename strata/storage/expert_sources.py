@@ -157,7 +157,8 @@ class FileSource(Source):
 class PackedSource(Source):
     """Experts from experts.bin: gate, up, down of one expert adjacent, so one read each."""
 
-    def __init__(self, ts: tuple[QTensor, ...], pack: Pack, mode: str, depth: int):
+    def __init__(self, ts: tuple[QTensor, ...], pack: Pack, mode: str, depth: int, first: int = 0):
+        """`first`: the pack's expert that this source's expert 0 is (a rank's share)."""
         entries = [pack.entry(t) for t in ts]
         self.shapes = tuple(slab_shape(t) for t in ts)
         self.bytes = [rows * rb for rows, rb in self.shapes]
@@ -166,7 +167,7 @@ class PackedSource(Source):
             if ent.packed_offset != g.packed_offset + before or ent.stride != g.stride:
                 raise ValueError(f"{pack.index}: {ent.name} is not adjacent to {g.name} in {pack.bin.name}; "
                                  f"the pack is not one this Strata wrote: run `strata pack` again")
-        self.base, self.stride, self.span = g.packed_offset, g.stride, sum(self.bytes)
+        self.base, self.stride, self.span = g.packed_offset + first * g.stride, g.stride, sum(self.bytes)
         self.reader = reader(pack.bin, mode, depth)
         self.pack = pack
 

@@ -48,14 +48,19 @@ class ExpertStore(torch.nn.Module):
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor, dtype=torch.float32, device="cpu",
                  budget: DenseBudget | None = None, tier: str | ExpertTier | None = None, *,
                  experts_dir: str | os.PathLike | None = None, io_mode: str = "direct", depth: int = 16,
-                 kernels: str | None = None):
+                 kernels: str | None = None, experts: range | None = None):
         """`tier`: a `--experts` spec (see `parse_tier`), or None: dense on the CPU while
         `budget` lasts, else device. `experts_dir`: where `strata pack` wrote the pack
         (packed tiers; default `default_pack_dir` of the GGUF). `io_mode`, `depth`: how
         packed and file tiers read (`--experts-io`, `--experts-io-depth`). `kernels`: "triton"
         (the MoE kernels) or "torch" (None: the device's default, see
-        triton_kernels.backend.choose_kernels)."""
+        triton_kernels.backend.choose_kernels). `experts`: hold only these (a rank's share
+        under --ep, strata.dist); the store answers them as ids 0.. in order."""
         super().__init__()
+        packed_from, first = (gate, up, down), 0  # the pack's entries are of the whole tensors
+        if experts is not None and len(experts) != gate.shape[0]:
+            first = experts.start
+            gate, up, down = (_experts_of(t, experts) for t in (gate, up, down))
         self.kernels = choose_kernels(kernels, device)
         self.names = (gate.name, up.name, down.name)
         self.fmts = (gate.fmt, up.fmt, down.fmt)
@@ -96,7 +101,7 @@ class ExpertStore(torch.nn.Module):
                 self.source = HostSource(read_host(ts, pin=not on_cpu))
             elif backing == "packed":
                 where = experts_dir or default_pack_dir(tensor_file(gate)[0])
-                self.source = PackedSource(ts, Pack.open(where), io_mode, depth)
+                self.source = PackedSource(packed_from, Pack.open(where), io_mode, depth, first=first)
             else:
                 self.source = FileSource(ts, io_mode, depth)
             if kind == "cache":
@@ -254,7 +259,9 @@ class ExpertStore(torch.nn.Module):
         T, k = ids.shape
         flat = ids.reshape(-1).long()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        skip = int((flat < 0).sum())  # slots held elsewhere (-1, --ep): sorted first, dropped
+        order = order[skip:]
+        counts = torch.bincount(flat[flat >= 0], minlength=self.n_experts).tolist()
         xd = x.to(self.dtype)
         out = torch.zeros(T, self.hidden, dtype=torch.float32, device=x.device)
         w = weights.reshape(-1)
@@ -270,6 +277,13 @@ class ExpertStore(torch.nn.Module):
             # (index_add_ spins up threads for a few rows; this is 100x cheaper on a busy CPU)
             out[rows] += y.float() * w[slots, None]
         return out
+
+
+def _experts_of(t: QTensor, experts: range) -> QTensor:
+    """The slabs of `experts` of a stacked expert tensor: a view (the file tiers still
+    read it at its own offset)."""
+    rows = t.data.shape[0] // t.shape[0]
+    return QTensor(t.name, t.fmt, (len(experts), *t.shape[1:]), t.data[experts.start * rows:experts.stop * rows])
 
 
 # --- counters over a model ---------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""Several processes on loopback (gloo): --ep, --pp and both give the one-process logits and
+tokens; a rank that dies ends the run with its name; bench model --ep reports the bytes
+sent. Each test starts torchrun (python -m torch.distributed.run) with one thread a rank."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.strata import dist_run
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def _torchrun(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def one_process(flash_tiny_gguf):
+    """The reference: the same computation in this process, one thread (as each rank)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return dist_run.run(flash_tiny_gguf.path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("ep,pp", [(2, 1), (1, 2), (2, 2)])
+def test_ranks_give_the_one_process_logits(ep, pp, one_process, tmp_path):
+    out = tmp_path / "rank0.npz"
+    r = _torchrun(ep * pp, str(HERE / "dist_run.py"), str(out), str(ep), str(pp))
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = np.load(out)
+    ref = one_process["logits"]
+    # float32: the pipeline hands the same numbers on (bit for bit); the shares' partial
+    # expert sums are added in another order than one process adds the experts
+    err = np.abs(got["logits"] - ref).max() / np.abs(ref).max()
+    assert err <= 1e-6, f"--ep {ep} --pp {pp}: logits differ by {err:.2e} of the largest"
+    if ep == 1:
+        assert err == 0.0
+    assert got["tokens"].tolist() == one_process["tokens"].tolist()
+
+
+def test_generate_cli_ep2_pp2_gives_the_one_process_text(flash_tiny_gguf):
+    from strata.load import load_model
+    from strata.runtime import SamplingParams, generate
+    from strata.tokenizer import Tokenizer
+    prompt = "The capital of France is"
+    tok = Tokenizer.from_gguf(flash_tiny_gguf)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_model(flash_tiny_gguf, torch.float32, "cpu", "torch")
+        want = generate(model, tok, tok.encode(prompt), SamplingParams(temperature=0.0, max_tokens=8)).text
+    finally:
+        torch.set_num_threads(threads)
+    r = _torchrun(4, "-m", "strata", "generate", prompt, "--raw", "-m", str(flash_tiny_gguf.path), "--dtype", "f32",
+                  "-t", "1", "--temperature", "0", "-n", "8", "--ep", "2", "--pp", "2", "--ple-io", "ram")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == want.strip()
+    # rank 0 alone prints its plan; the others stay quiet
+    assert r.stderr.count("parallel: rank 0 of 4 (--ep 2 --pp 2): stage 0, layers 0-3, experts 0-31") == 1
+    assert "parallel: rank 1" not in r.stderr
+
+
+def test_a_rank_that_dies_ends_the_run_naming_it(flash_tiny_gguf, tmp_path):
+    log = tmp_path / "out.txt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "strata", "generate", "Once upon a time", "--raw", "-m", str(flash_tiny_gguf.path),
+           "--dtype", "f32", "-t", "1", "--temperature", "0", "-n", "3000", "--ep", "2",
+           "--ple-io", "ram", "--plan-all-ranks", "--dist-timeout", "60"]
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        pid, deadline = None, time.monotonic() + 240
+        while time.monotonic() < deadline and p.poll() is None:
+            text = log.read_text()
+            m = re.search(r"\[rank 1\] parallel: .*, pid (\d+)", text)
+            if m and text.count("Flash Tiny (qwen4exp") == 2:  # both loaded: generating
+                time.sleep(3)
+                pid = int(m.group(1))
+                break
+            time.sleep(0.5)
+        assert pid is not None, log.read_text()[-3000:]
+        os.kill(pid, signal.SIGKILL)
+        t = time.monotonic()
+        p.wait(timeout=60)
+        took = time.monotonic() - t
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert p.returncode != 0
+    assert took < 60, f"the run took {took:.0f} s to end after rank 1 died"
+    assert re.search(r"strata: rank 0: rank 1 (is gone|did not answer)", text), text[-3000:]
+
+
+def test_bench_model_ep2_reports_bytes_sent_beside_one_process(flash_tiny_gguf):
+    r = _torchrun(2, "-m", "strata", "bench", "model", "-m", str(flash_tiny_gguf.path), "--ep", "2", "-t", "1",
+                  "-p", "16", "-n", "4", "-r", "1", "--dtype", "f32", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    res = json.loads(r.stdout[r.stdout.index("{"):])
+    rows = {(row["engine"], row["test"]): row for row in res["rows"]}
+    both = rows["strata --ep 2 --pp 1 (2 processes)", "tg4"], rows["strata (1 process)", "tg4"]
+    assert both[0]["tok_s"] > 0 and both[1]["tok_s"] > 0
+    # a decode token: one all-reduce of the MoE output (dim float32) per layer, each of the
+    # 2 ranks sending half of it twice (ring): 8 layers x 256 x 4 bytes x 2 ranks
+    g = flash_tiny_gguf
+    layers, dim = int(g.require("qwen4exp.block_count")), int(g.require("qwen4exp.embedding_length"))
+    assert both[0]["bytes_sent_per_token"] == layers * dim * 4 * 2 * (2 * (2 - 1) / 2)
+    assert both[1]["bytes_sent_per_token"] == 0
+
+
+def test_ep_without_torchrun_says_how_to_start_it(flash_tiny_gguf, capsys):
+    from strata.cli import main
+    assert main(["generate", "x", "-m", str(flash_tiny_gguf.path), "--ep", "2"]) == 2
+    assert "torchrun --nproc-per-node 2 -m strata" in capsys.readouterr().err
+    assert main(["chat", "-m", str(flash_tiny_gguf.path), "--pp", "2"]) == 2
+    assert "`strata chat` runs in one process" in capsys.readouterr().err
+
+
+def test_layout_splits_layers_and_experts():
+    from strata.dist import Layout
+    L = Layout(ep=2, pp=4, rank=5, split=(13, 26, 38))
+    assert (L.stage, L.share) == (2, 1)
+    assert L.layers(48) == range(26, 38)
+    assert L.experts(512) == range(256, 512)
+    assert Layout(ep=3, rank=0).experts(8) == range(0, 3) and Layout(ep=3, rank=2).experts(8) == range(6, 8)
+    assert Layout(pp=3, rank=2).layers(8) == range(5, 8)
+    with pytest.raises(ValueError, match="split points"):
+        Layout(pp=2, rank=0, split=(3, 5))
+    with pytest.raises(ValueError, match="cannot be split"):
+        Layout(pp=2, rank=0, split=(9,)).layers(8)
