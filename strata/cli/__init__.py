@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # commands that run as several processes under torchrun (--ep, --pp)
-_PARALLEL = ("generate", "perplexity", "bench")
+_PARALLEL = ("generate", "serve", "perplexity", "bench")
 
 
 def _join(args) -> None:

@@ -84,13 +84,25 @@ def serve_cmd(args) -> int:
     import logging
     import os
     import threading
+    import time
 
     import uvicorn
 
+    from strata import dist
+    from strata.dist import RankLost
     from strata.server.app import create_app
     from strata.server.engine import Engine
+    from strata.server.ranks import Leader, follow
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     path = resolve_model(args.model)  # fail now on a bad --model
+    comm = dist.comm()
+    if comm is not None and args.spec:
+        raise ValueError("--spec with --ep/--pp in serve: speculative slots are not shared over ranks yet; "
+                         "drop --spec, or serve in one process")
+    if comm is not None and comm.layout.rank != 0:  # a follower: rank 0 serves
+        model, _ = load(args)
+        follow(model, comm)
+        return 0
     key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     if not key and args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("strata.server").warning(
@@ -105,6 +117,8 @@ def serve_cmd(args) -> int:
     state = app.state.strata
     try:
         model, tok = load(args)
+        if comm is not None:
+            model = Leader(model, comm)
         state.engine = Engine(model, tok, slots=args.slots, queue_size=args.queue,
                               cache_mib=args.conversation_cache_mib, ctx_size=args.ctx_size, start_thread=False,
                               spec=args.spec, spec_min_p=args.spec_min_p)
@@ -118,4 +132,14 @@ def serve_cmd(args) -> int:
         state.engine.run()
     except KeyboardInterrupt:
         server.should_exit = True
+    except RankLost as e:  # requests in flight get the error; then 503 naming the rank, and exit
+        engine, state.engine = state.engine, None
+        state.load_error = f"{e}; the server stops (torchrun --max-restarts N starts every rank again)"
+        engine.fail_all(state.load_error)
+        logging.getLogger("strata.server").error("%s", state.load_error)
+        time.sleep(2)  # the error events reach their streams
+        server.should_exit = True
+        return 3
+    if comm is not None:
+        model.stop()
     return 0

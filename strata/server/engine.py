@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from strata.runtime import timing
+from strata.dist import RankLost
 from strata.runtime.prefix_cache import PrefixCache
 from strata.runtime.sampling import Sampler, SamplingParams
 from strata.runtime.spec import Speculator, check as check_spec
@@ -105,6 +106,16 @@ class Engine:
     def busy_slots(self) -> int:
         return sum(s.req is not None for s in self.slots)
 
+    def fail_all(self, message: str) -> None:
+        """End every request in a slot or waiting with an error (the engine stops)."""
+        reqs = [s.req for s in self.slots if s.req is not None]
+        while not self.waiting.empty():
+            reqs.append(self.waiting.get_nowait())
+        for req in reqs:
+            req.emit({"type": "error", "message": message})
+        for s in self.slots:
+            s.req = s.cache = None
+
     def close(self) -> None:
         self._stop = True
         self._wake.set()
@@ -135,6 +146,9 @@ class Engine:
                 continue
             try:
                 self._prefill(slot, req)
+            except RankLost:  # --ep/--pp: the engine cannot go on (strata.server.ranks)
+                slot.req = req
+                raise
             except Exception as e:  # a failed request must not take the engine down
                 log.exception("request %d failed in prefill", req.id)
                 req.emit({"type": "error", "message": str(e)})

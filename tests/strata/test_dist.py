@@ -144,3 +144,60 @@ def test_layout_splits_layers_and_experts():
         Layout(pp=2, rank=0, split=(3, 5))
     with pytest.raises(ValueError, match="cannot be split"):
         Layout(pp=2, rank=0, split=(9,)).layers(8)
+
+
+def test_serve_ep2_pp2_answers_as_one_process(flash_tiny_gguf):
+    import concurrent.futures as cf
+    import socket
+
+    import httpx
+
+    from strata.load import load_model
+    from strata.runtime import SamplingParams, generate
+    from strata.tokenizer import Tokenizer
+    from triton_kernels import invariant
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "strata", "serve", "-m", str(flash_tiny_gguf.path), "--dtype", "f32", "-t", "1",
+           "--ep", "2", "--pp", "2", "--ple-io", "ram", "--port", str(port)]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
+                         start_new_session=True)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1000, 50000, n).tolist() for n in (20, 70)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert p.poll() is None, "the server ended before it was ready"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+
+        def ask(ids):
+            r = httpx.post(f"{url}/v1/completions", timeout=120,
+                           json={"prompt": ids, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with cf.ThreadPoolExecutor(2) as ex:  # two slots batched, then the first again from the cache
+            got = list(ex.map(ask, prompts)) + [ask(prompts[0])]
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    tok = Tokenizer.from_gguf(flash_tiny_gguf)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_model(flash_tiny_gguf, torch.float32, "cpu", "torch")
+        with invariant.batch_invariant(True):  # serve's numerics
+            want = [generate(model, tok, ids, SamplingParams(temperature=0.0, max_tokens=8)).text
+                    for ids in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    assert got == want + want[:1]
