@@ -64,6 +64,8 @@ def _join(args) -> None:
 
     from strata import dist
     from strata.cli import load
+    if args.command == "plan":  # --ep/--pp plan ranks there; this process is one
+        return
     ep, pp = getattr(args, "ep", 1), getattr(args, "pp", 1)
     if ep * pp == 1 and not (dist.launched() and int(os.environ["WORLD_SIZE"]) > 1):
         return

@@ -210,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--tokens", type=int, default=32768,
                     help="prompt length the drive reads are counted for (the context the KV cache holds, with a GPU)")
     pl.add_argument("--remeasure", action="store_true", help="measure the drive again (else its cached speed)")
+    pl.add_argument("--ep", type=int, default=1, metavar="E", help="plan E expert shares a stage (see --pp)")
+    pl.add_argument("--pp", type=int, default=1, metavar="P",
+                    help="plan P pipeline stages: with --ep, each rank's memory and the bytes sent a token")
+    pl.add_argument("--layer-split", default=None, metavar="L1,L2,...", help="--pp: each later stage's first layer")
+    pl.add_argument("--chunk", type=int, default=512, help="--ep/--pp: prefill chunk the bytes sent are counted for")
+    pl.add_argument("--mem-bw", type=float, default=4800.0, metavar="GB/S",
+                    help="--ep/--pp: a rank's memory bandwidth for the break-even link (default 4800: an H200's HBM)")
     pl.add_argument("--json", action="store_true")
     add_ple_args(pl)
     add_expert_args(pl)

@@ -32,6 +32,25 @@ def _placement(args):
     return pl.place(shape, machine, ctx=args.tokens)
 
 
+def _ranks(args) -> int:
+    """`strata plan MODEL --ep E --pp P`: each rank's share, the bytes sent (strata.storage.ranks)."""
+    from strata.dist import Layout, parse_split
+    from strata.storage import placement as pl
+    from strata.storage import ranks
+    name, _, experts = args.model.partition(":")
+    if name in pl.SHAPES:
+        shape = pl.SHAPES[name](experts or "IQ3_XXS")
+    else:
+        from strata.gguf import open_gguf
+        shape = pl.shape_of(open_gguf(resolve_model(args.model)))
+    layout = Layout(args.ep, args.pp, 0, parse_split(args.layer_split))
+    layout.layers(shape.n_layers), layout.experts(max(shape.n_experts, args.ep))  # a bad split, named
+    gpu = int(args.gpu_mem * pl.GiB) - args.vram_reserve_mib * 2**20 if args.gpu_mem else None
+    out = ranks.lines(shape, layout, gpu, args.tokens, args.chunk, args.mem_bw * 1e9)
+    print(json.dumps({"lines": out}, indent=1) if args.json else "\n".join(out))
+    return 0
+
+
 def plan(args) -> int:
     """`strata plan MODEL`: on a GPU (or for one), the placement; on the CPU, the plan a
     start would make (strata.load.decide), with the drive's reads."""
@@ -39,6 +58,8 @@ def plan(args) -> int:
     from strata.load import decide
     from strata.storage import placement as pl
     from strata.storage.plan import measure_drive, save_drive
+    if args.ep * args.pp > 1:
+        return _ranks(args)
     if str(args.device).startswith("cuda") or args.gpu_mem or args.model.partition(":")[0] in pl.SHAPES:
         p = _placement(args)
         print(json.dumps({"lines": p.lines(), "expert_tier": p.expert_tier, "slots": p.slots,

@@ -47,6 +47,9 @@ class ModelShape:
     ple_layer: int | None = None
     ple_rows: int = 0
     ple_row_bytes: int = 0
+    dim: int = 0                # the hidden size (what --ep/--pp send a token: strata.storage.ranks)
+    streams: int = 1            # hyper-connection streams between layers
+    vocab: int = 0
 
     @property
     def experts_total(self) -> int:
@@ -93,7 +96,8 @@ def flash_next(experts: str = "IQ3_XXS", dense: str = "Q8_0") -> ModelShape:
         top_k=10, expert_bytes=expert, layer_bytes=layers,
         embedding_bytes=_nbytes("IQ3_S", 248320, H), embedding_row_bytes=_nbytes("IQ3_S", 1, H),
         output_bytes=_nbytes("Q5_K", 248320, H), kv_bytes_per_token=12 * 2 * 2 * 256 * 2,
-        ple_layer=1, ple_rows=320_001_536, ple_row_bytes=_nbytes("IQ4_NL", 1, 160))
+        ple_layer=1, ple_rows=320_001_536, ple_row_bytes=_nbytes("IQ4_NL", 1, 160), dim=H, streams=4,
+        vocab=248320)
 
 
 SHAPES = {"flash-next": flash_next}
@@ -130,7 +134,9 @@ def shape_of(g) -> ModelShape:
         kv_bytes_per_token=n_attn * 2 * kv_heads * head_dim * 2,
         ple_layer=int(ple_layers[0]) if len(ple_layers) else None,
         ple_rows=ple.shape[0] if ple is not None else 0,
-        ple_row_bytes=int(ple.data.shape[-1]) if ple is not None else 0)
+        ple_row_bytes=int(ple.data.shape[-1]) if ple is not None else 0,
+        dim=int(g.get(f"{a}.embedding_length", 0)), streams=int(g.get(f"{a}.hyper_connection.count", 1) or 1),
+        vocab=emb.shape[0] if emb is not None else 0)
 
 
 def _size(n: float) -> str:

@@ -201,3 +201,16 @@ def test_serve_ep2_pp2_answers_as_one_process(flash_tiny_gguf):
     finally:
         torch.set_num_threads(threads)
     assert got == want + want[:1]
+
+
+def test_plan_across_ranks_for_the_real_shapes(capsys):
+    from strata.cli import main
+    assert main(["plan", "flash-next", "--ep", "8", "--device", "cuda", "--gpu-mem", "141"]) == 0
+    out = capsys.readouterr().out
+    # 512 experts over 8 shares; a decoded token: 48 layers x 8 ranks x 2 (8-1)/8 x 2560 float32
+    assert "64 of 512 experts a layer" in out and ": fits" in out
+    assert f"sent a decoded token: {48 * 8 * 2 * 7 / 8 * 2560 * 4 / 2**20:.2f} MiB" in out
+    assert "break-even link:" in out
+    assert main(["plan", "flash-next", "--ep", "2", "--pp", "4", "--layer-split", "13,26,38", "--gpu-mem", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 3 (ranks 6-7): layers 38-47" in out and "logits broadcast" in out
