@@ -201,3 +201,24 @@ def test_kernel_path_equals_resident(tmp_path, monkeypatch):
             x, w = torch.randn(T, 64, generator=rng), torch.rand(T, 2, generator=rng)
             ids = torch.stack([torch.randperm(6, generator=rng)[:2] for _ in range(T)]).int()
             assert torch.equal(store(x, w, ids), ref(x, w, ids)), (tier, T)
+
+
+@pytest.mark.parametrize("tier", ["dense", "device", "file", "packed", "cache:5:packed"])
+def test_a_share_of_the_experts_answers_for_them(tiny, tiny_pack, tier):
+    """--ep: a store of experts 24..48 (ids local to the share, -1 for the rest) gives what
+    the whole layer gives for the slots routed to them, in every tier (the packed tiers
+    read the pack at the share's offset)."""
+    ts = _layer(tiny)
+    E, _, H = ts[0].shape
+    mine = range(24, 48)
+    ref = ex.ExpertStore(*ts, torch.float32, "cpu", None, "device")
+    share = ex.ExpertStore(*ts, torch.float32, "cpu", None, tier, experts_dir=tiny_pack, experts=mine)
+    assert share.n_experts == len(mine)
+    for x, w, ids in _batches(E, 8, H, seed=3):
+        held = (ids >= mine.start) & (ids < mine.stop)
+        local = torch.where(held, ids - mine.start, -1)
+        only = torch.where(held, ids, -1)  # the whole layer, the other slots dropped
+        if tier == "dense":  # its own loop over experts: another order of the same sums
+            torch.testing.assert_close(share(x, w, local), ref(x, w, only), rtol=0, atol=1e-6)
+        else:  # the same bytes through the same kernel
+            assert torch.equal(share(x, w, local), ref(x, w, only)), tier
