@@ -137,7 +137,7 @@ def serve_cmd(args) -> int:
         state.load_error = f"{e}; the server stops (torchrun --max-restarts N starts every rank again)"
         engine.fail_all(state.load_error)
         logging.getLogger("strata.server").error("%s", state.load_error)
-        time.sleep(2)  # the error events reach their streams
+        time.sleep(5)  # the error events reach their streams; callers meanwhile hear 503 and why
         server.should_exit = True
         return 3
     if comm is not None:

@@ -170,5 +170,5 @@ def build(plan) -> Qwen4Exp:
     model = Qwen4Exp(g, cfg, embedding, layers, out_hc, output, plan.dtype, plan.device,
                      plan.kernels, mtp, mtp_file, ld.qsa_fallback, kv=plan.kv)
     if layout is not None and layout.pp > 1:
-        model.pipe, model.first_layer = dist.Pipe(dist.comm()), mine.start
+        model.pipe = dist.Pipe(dist.comm())
     return model

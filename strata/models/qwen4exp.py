@@ -284,9 +284,9 @@ class Qwen4Exp(torch.nn.Module):
         self.out_hc, self.output = out_hc, output
         self.mtp, self.mtp_file, self.qsa_fallback = mtp, mtp_file, qsa_fallback
         self.kv = kv_types.check(kv)
-        # under --pp (strata.dist.Pipe): this rank's stage of the layer pipeline, whose
-        # layers are blk.<first_layer>.. of the file; None: the whole model in this process
-        self.pipe, self.first_layer = None, 0
+        # under --pp (strata.dist.Pipe): this rank's stage of the layer pipeline (`layers`
+        # are the stage's); None: the whole model in this process
+        self.pipe = None
         self.to(self.device)  # norms, conv weights, RoPE tables (the weights went as loaded)
 
     # -- what the engine reports -------------------------------------------------------------

@@ -173,7 +173,8 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
     @app.get("/health")
     async def health():
         if st.engine is None:
-            return JSONResponse({"status": "error" if st.load_error else "loading"}, status_code=503)
+            return JSONResponse({"status": "error", "message": st.load_error} if st.load_error else
+                                {"status": "loading"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

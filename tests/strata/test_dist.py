@@ -214,3 +214,52 @@ def test_plan_across_ranks_for_the_real_shapes(capsys):
     assert main(["plan", "flash-next", "--ep", "2", "--pp", "4", "--layer-split", "13,26,38", "--gpu-mem", "141"]) == 0
     out = capsys.readouterr().out
     assert "stage 3 (ranks 6-7): layers 38-47" in out and "logits broadcast" in out
+
+
+def test_serve_fails_the_requests_in_flight_and_answers_503_naming_the_lost_rank(flash_tiny_gguf, tmp_path):
+    import socket
+    import threading
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.txt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "strata", "serve", "-m", str(flash_tiny_gguf.path), "--dtype", "f32", "-t", "1",
+           "--ep", "2", "--ple-io", "ram", "--port", str(port), "--plan-all-ranks", "--dist-timeout", "60"]
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert p.poll() is None, log.read_text()[-3000:]
+            m = re.search(r"\[rank 1\] Flash Tiny", log.read_text())  # rank 1 has loaded too
+            try:
+                if m and httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        pid = int(re.search(r"\[rank 1\] parallel: .*, pid (\d+)", log.read_text()).group(1))
+        answer = {}
+        long = threading.Thread(target=lambda: answer.update(r=httpx.post(
+            f"{url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0},
+            timeout=120)))
+        long.start()
+        time.sleep(3)  # decoding
+        os.kill(pid, signal.SIGKILL)
+        long.join(120)
+        r = answer["r"]
+        assert r.status_code == 500 and "rank 1 is gone" in r.json()["error"]["message"], r.text
+        h = httpx.get(f"{url}/health")
+        assert h.status_code == 503 and "rank 1 is gone" in h.json()["message"]
+        late = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert late.status_code == 503 and "rank 1" in late.json()["error"]["message"]
+        p.wait(timeout=60)
+        assert p.returncode != 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
