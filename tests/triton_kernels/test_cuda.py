@@ -104,3 +104,37 @@ def test_moe_dp4a_on_the_gpu(fmts):
         y = moe(x.cuda(), *args, *fmts, w.cuda(), ids.cuda(), path="dp4a").cpu()
         assert_close(y, ref, bound, torch.float32, "moe dp4a (cuda)")
     prop()
+
+
+@pytest.mark.parametrize("fmt", [quant.get(n) for n in ("Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "IQ3_XXS", "Q6_K")],
+                         ids=lambda f: f.name)
+def test_batch_invariant_rows_on_the_gpu(fmt):
+    """The batch-invariant GPU path (triton_kernels.invariant): a row's result is the same
+    bits alone, among m rows and at any offset, on the device: the dp4a GEMV where the
+    format has int8 units, the one-tile GEMM otherwise (Q6_K); the MoE likewise a token
+    alone and among T. The interpreter checks the dp4a rows (test_invariant.py); this is
+    the device's own arithmetic."""
+    from tests.triton_kernels.test_moe import make, routing_weights
+    from triton_kernels import invariant
+
+    @given(m=st.integers(1, 40), cut=st.integers(0, 39), seed=st.integers(0, 2 ** 16))
+    @settings(max_examples=20, deadline=None)
+    def prop(m, cut, seed):
+        rng = np.random.default_rng(seed)
+        K, N = 4 * 256, 96
+        q = torch.from_numpy(fmt.quantize(rng.standard_normal((N, K)).astype(np.float32))).cuda()
+        x = torch.from_numpy(rng.standard_normal((m, K)).astype(np.float32)).cuda()
+        cut = min(cut, m - 1)
+        with invariant.batch_invariant():
+            whole = qmatmul(x, q, fmt)
+            assert torch.equal(qmatmul(x[cut:cut + 1], q, fmt), whole[cut:cut + 1])
+            assert torch.equal(qmatmul(x[cut:], q, fmt), whole[cut:])
+            fmts = (fmt,) * 3
+            xe, wg, wu, wd, r = make(fmts, 8, 256, 256, m, seed, torch.float32)
+            ids = torch.from_numpy(np.stack([r.permutation(8)[:2] for _ in range(m)])).int()
+            w = routing_weights(r, m, 2)
+            args = [torch.from_numpy(a).cuda() for a in (wg, wu, wd)]
+            full = moe(xe.cuda(), *args, *fmts, w.cuda(), ids.cuda())
+            one = moe(xe[cut:cut + 1].cuda(), *args, *fmts, w[cut:cut + 1].cuda(), ids[cut:cut + 1].cuda())
+            assert torch.equal(one, full[cut:cut + 1])
+    prop()
