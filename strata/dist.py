@@ -274,13 +274,17 @@ class Pipe:
     def receive(self, rows: int, width: int) -> torch.Tensor:
         return self.comm.recv_prev((rows, width), torch.float32)
 
-    def finish(self, x: torch.Tensor, logits_of, rows: int, vocab: int) -> torch.Tensor:
-        """Hand the activations on (not the last stage), or compute the logits (the last);
-        every rank gets the last stage's (rows, vocab) logits."""
-        if not self.last:
-            self.comm.send_next(x.float())
-            return self.comm.logits_from_last(None, (rows, vocab))
-        return self.comm.logits_from_last(logits_of(x), None)
+    def hand_on(self, x: torch.Tensor) -> None:
+        """A stage's streams to the next stage (not the last stage)."""
+        self.comm.send_next(x.float())
+
+    def logits(self, parts: list, vocab: int) -> list[torch.Tensor]:
+        """The last stage's logits of a batch on every rank: `parts` are the last stage's
+        (rows, vocab) tensors, or elsewhere the row counts; one broadcast for the batch."""
+        rows = [p.shape[0] if torch.is_tensor(p) else p for p in parts]
+        whole = torch.cat(parts) if self.last else None
+        whole = self.comm.logits_from_last(whole, (sum(rows), vocab))
+        return list(whole.split(rows))
 
 
 # -- the process's group ----------------------------------------------------------------------

@@ -353,7 +353,28 @@ class Qwen4Exp(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, tokens, state: Qwen4ExpState, last_only: bool = False) -> torch.Tensor:
         """Logits (S, vocab) float32 for tokens that continue the state's sequence."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        return self.forward_batch([(tokens, state)], last_only)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items, last_only: bool = True) -> list[torch.Tensor]:
+        """Sequences one after another (their recurrent states are separate). Under --pp a
+        stage hands each sequence's streams on as soon as it has them, so the next stage
+        works on that sequence while this one computes the next (the batch's sequences are
+        the pipeline's micro-batches); the last stage's logits come back in one broadcast."""
+        pipe, out = self.pipe, []
+        for tokens, state in items:
+            tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+            x = self._trunk(tokens, state)
+            rows = 1 if last_only else tokens.numel()
+            if pipe is None or pipe.last:
+                out.append(self.logits(x[-rows:]))
+            else:
+                pipe.hand_on(x)
+                out.append(rows)
+        return out if pipe is None else pipe.logits(out, self.cfg.vocab_size)
+
+    def _trunk(self, tokens: torch.Tensor, state: Qwen4ExpState) -> torch.Tensor:
+        """The streams (T, S*H) after this model's layers (under --pp, its stage's)."""
         pipe = self.pipe
         if pipe is None or pipe.first:
             x = self.embed(tokens).repeat(1, self.cfg.streams)
@@ -379,10 +400,7 @@ class Qwen4Exp(torch.nn.Module):
         if verify is not None:
             verify.tokens, verify.streams = tokens, x
         state.length = start + tokens.numel()
-        if pipe is not None:
-            rows = 1 if last_only else tokens.numel()
-            return pipe.finish(x, lambda x: self.logits(x[-rows:]), rows, self.cfg.vocab_size)
-        return self.logits(x[-1:] if last_only else x)
+        return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(T, vocab) float32 from the streams after the last layer."""
@@ -418,8 +436,3 @@ class Qwen4Exp(torch.nn.Module):
                     ex[k] = ex.get(k, 0) + v
         out["experts"] = ex
         return out
-
-    def forward_batch(self, items, last_only: bool = True) -> list[torch.Tensor]:
-        """Sequences one after another (their recurrent states are separate)."""
-        return [self.forward(t, s, last_only=last_only) for t, s in items]
-

@@ -79,7 +79,7 @@ class Leader:
     def forward_batch(self, items, last_only: bool = True) -> list:
         items = [([int(t) for t in tokens], cache) for tokens, cache in items]
         self._announce("forward", [(t, c.id) for t, c in items], last_only)
-        return [self._model(t, c.state, last_only=last_only) for t, c in items]
+        return self._model.forward_batch([(t, c.state) for t, c in items], last_only)
 
     def stop(self) -> None:
         self._announce("stop")
@@ -103,7 +103,6 @@ def follow(model, comm: Comm) -> None:
                 states[sid] = states[src].copy(n)
             elif op == "forward":
                 items, last_only = rest
-                for tokens, sid in items:
-                    model(tokens, states[sid], last_only=last_only)
+                model.forward_batch([(tokens, states[sid]) for tokens, sid in items], last_only)
         except ValueError as e:  # refused alike on rank 0, before any collective: its request's error
             log.info("rank %d: %s", comm.layout.rank, e)

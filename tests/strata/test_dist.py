@@ -226,7 +226,10 @@ def test_serve_fails_the_requests_in_flight_and_answers_503_naming_the_lost_rank
         port = s.getsockname()[1]
     log = tmp_path / "serve.txt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # torchrun stops every worker once one has failed, checking every --monitor-interval
+    # seconds (0.1 by default): 30 here leaves rank 0 up to show what it answers meanwhile
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--monitor-interval", "30",
            "-m", "strata", "serve", "-m", str(flash_tiny_gguf.path), "--dtype", "f32", "-t", "1",
            "--ep", "2", "--ple-io", "ram", "--port", str(port), "--plan-all-ranks", "--dist-timeout", "60"]
     url = f"http://127.0.0.1:{port}"
