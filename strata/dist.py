@@ -232,21 +232,17 @@ class Comm:
         return t
 
     def broadcast_object(self, obj, what: str):
-        """rank 0's `obj` on every rank (small things: a seed, a prompt)."""
+        """rank 0's `obj` on every rank (small things: the sampling seed, the engine's next call)."""
         box = [obj]
         self._run(what, [0], lambda: self.dist.broadcast_object_list(box, src=0))
         return box[0]
 
     def sum_over_ranks(self, value: float) -> float:
         """`value` summed over every rank (a counter's total)."""
-        t = torch.tensor([float(value)], dtype=torch.float64)
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         self._run("the sum of a counter over the ranks", [r for r in range(self.layout.world) if r != self.layout.rank],
                   lambda: self.dist.all_reduce(t))
         return float(t.item())
-
-    def barrier(self, what: str = "a barrier") -> None:
-        self._run(what, [r for r in range(self.layout.world) if r != self.layout.rank],
-                  lambda: self.dist.barrier())
 
 
 class ExpertShare:
