@@ -66,11 +66,12 @@ def test_generate_cli_ep2_pp2_gives_the_one_process_text(flash_tiny_gguf):
     finally:
         torch.set_num_threads(threads)
     r = _torchrun(4, "-m", "strata", "generate", prompt, "--raw", "-m", str(flash_tiny_gguf.path), "--dtype", "f32",
-                  "-t", "1", "--temperature", "0", "-n", "8", "--ep", "2", "--pp", "2", "--ple-io", "ram")
+                  "-t", "1", "--temperature", "0", "-n", "8", "--ep", "2", "--pp", "2", "--layer-split", "3",
+                  "--ple-io", "ram")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == want.strip()
     # rank 0 alone prints its plan; the others stay quiet
-    assert r.stderr.count("parallel: rank 0 of 4 (--ep 2 --pp 2): stage 0, layers 0-3, experts 0-31") == 1
+    assert r.stderr.count("parallel: rank 0 of 4 (--ep 2 --pp 2): stage 0, layers 0-2, experts 0-31") == 1
     assert "parallel: rank 1" not in r.stderr
 
 
@@ -266,3 +267,30 @@ def test_serve_fails_the_requests_in_flight_and_answers_503_naming_the_lost_rank
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_perplexity_pp2_gives_the_one_process_ppl(flash_tiny_gguf, tmp_path):
+    from strata.cli import main
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    args = ["perplexity", str(flash_tiny_gguf.path), "--text", str(text), "--ctx", "64", "--chunks", "2",
+            "--dtype", "f32", "-t", "1", "--json"]
+    threads = torch.get_num_threads()
+    try:
+        import contextlib
+        import io
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    one = _json_tail(out.getvalue())
+    r = _torchrun(2, "-m", "strata", *args, "--pp", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = _json_tail(r.stdout)
+    assert two["ppl"] == one["ppl"]  # a pipeline hands the same numbers on
+
+
+def _json_tail(text: str) -> dict:
+    import json
+    return json.loads(text[text.index("{"):])
