@@ -189,16 +189,17 @@ class Comm:
         L = self.layout
         return [L.stage * L.ep + i for i in range(L.ep) if i != L.share]
 
-    def all_reduce_experts(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Sum `t` over this stage's shares (in place)."""
+    def all_reduce_experts(self, t: torch.Tensor, what: str):
+        """Start summing `t` over this stage's shares, in place: (t, wait), where t holds
+        the sum once wait() has returned."""
         if self.ep_group is None:
-            return t
+            return t, (lambda: None)
         t = t.contiguous()
         g = self.layout.ep
         self.sent += int(2 * (g - 1) / g * t.numel() * t.element_size())
-        self._run(f"the all-reduce of {what}", self.ep_peers(),
-                  lambda: self.dist.all_reduce(t, group=self.ep_group))
-        return t
+        what = f"the all-reduce of {what}"
+        work = self._run(what, self.ep_peers(), lambda: self.dist.all_reduce(t, group=self.ep_group, async_op=True))
+        return t, (lambda: self._run(what, self.ep_peers(), work.wait))
 
     def send_next(self, t: torch.Tensor) -> None:
         L = self.layout
@@ -256,7 +257,8 @@ class ExpertShare:
         mine = (ids >= self.lo) & (ids < self.hi)
         return torch.where(mine, ids - self.lo, torch.full_like(ids, -1))
 
-    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def reduce_start(self, t: torch.Tensor):
+        """(t, wait): t is the sum over the shares once wait() has returned."""
         return self.comm.all_reduce_experts(t, self.what)
 
 

@@ -41,8 +41,10 @@ class MoE(torch.nn.Module):
         logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
         weights, ids = self.route(logits, self.top_k, self.norm_topk)
         if self.share is None:
-            routed = self.experts(x.float(), weights, ids)
-        else:
-            routed = self.share.reduce(self.experts(x.float(), weights, self.share.local(ids)))
+            routed, summed = self.experts(x.float(), weights, ids), None
+        else:  # the shares' sum travels while this rank computes the shared expert
+            routed, summed = self.share.reduce_start(self.experts(x.float(), weights, self.share.local(ids)))
         shared = self.shared_down(F.silu(g) * u).float()
+        if summed is not None:
+            summed()
         return routed + invariant.pointwise(torch.sigmoid, gate) * shared
