@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from strata.runtime import timing
 from strata.dist import RankLost
+from strata.runtime import timing
 from strata.runtime.prefix_cache import PrefixCache
 from strata.runtime.sampling import Sampler, SamplingParams
 from strata.runtime.spec import Speculator, check as check_spec

@@ -15,6 +15,7 @@ every route answer 503 naming the rank, and the process exits so that torchrun
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import weakref
@@ -47,13 +48,13 @@ class Leader:
     def __init__(self, model, comm: Comm):
         self._model, self._comm = model, comm
         self._ids = itertools.count(1)
-        self._freed: list[int] = []
+        self._freed: collections.deque[int] = collections.deque()  # appended by finalizers, any thread
 
     def __getattr__(self, name):  # cfg, max_context, kernels, ...: the model's own
         return getattr(self._model, name)
 
     def _announce(self, *cmd) -> None:
-        freed, self._freed = self._freed, []
+        freed = [self._freed.popleft() for _ in range(len(self._freed))]
         self._comm.broadcast_object((freed, *cmd), "the broadcast of the engine's next call")
 
     def _handle(self, state) -> Handle:
