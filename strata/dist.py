@@ -154,17 +154,13 @@ class Comm:
                 self._pids[r] = store.get(f"strata/rank/{r}").decode()
 
     def gone(self) -> list[int]:
-        """Ranks whose process on this host has ended."""
+        """Ranks whose process on this host has ended (a zombie too: torchrun reaps its
+        workers only at its next check)."""
         host, out = socket.gethostname(), []
         for r, where in self._pids.items():
             h, _, pid = where.rpartition(":")
-            if h == host and r != self.layout.rank:
-                try:
-                    os.kill(int(pid), 0)
-                except ProcessLookupError:
-                    out.append(r)
-                except (PermissionError, ValueError):
-                    pass
+            if h == host and r != self.layout.rank and not _alive(int(pid)):
+                out.append(r)
         return out
 
     def _lost(self, what: str, e: Exception, peers: list[int]) -> RankLost:
@@ -235,7 +231,8 @@ class Comm:
     def broadcast_object(self, obj, what: str):
         """rank 0's `obj` on every rank (small things: the sampling seed, the engine's next call)."""
         box = [obj]
-        self._run(what, [0], lambda: self.dist.broadcast_object_list(box, src=0))
+        peers = list(range(1, self.layout.world)) if self.layout.rank == 0 else [0]
+        self._run(what, peers, lambda: self.dist.broadcast_object_list(box, src=0))
         return box[0]
 
     def sum_over_ranks(self, value: float) -> float:
@@ -283,6 +280,22 @@ class Pipe:
         whole = torch.cat(parts) if self.last else None
         whole = self.comm.logits_from_last(whole, (sum(rows), vocab))
         return list(whole.split(rows))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")  # zombie, dead
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 # -- the process's group ----------------------------------------------------------------------

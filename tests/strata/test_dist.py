@@ -294,3 +294,38 @@ def test_perplexity_pp2_gives_the_one_process_ppl(flash_tiny_gguf, tmp_path):
 def _json_tail(text: str) -> dict:
     import json
     return json.loads(text[text.index("{"):])
+
+
+def test_a_lost_rank_is_named_from_any_collective():
+    """Rank 0 waiting in a broadcast (serve's next call) when a rank's process has ended or
+    is a zombie (torchrun reaps its workers later): the error names that rank; where no
+    process on this host is seen to end, the peers of the collective are named, never the
+    broadcast's root itself."""
+    import socket
+    import types
+
+    from strata.dist import Comm, Layout, RankLost
+    host, me = socket.gethostname(), os.getpid()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    time.sleep(1.0)  # exited, not yet waited on
+
+    def comm(ep, pids):
+        c = Comm.__new__(Comm)
+        c.layout, c.timeout_s = Layout(ep=ep, rank=0), 60.0
+        c._pids = {r: f"{host}:{pid}" for r, pid in enumerate(pids)}
+
+        def fail(*a, **k):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+        c.dist = types.SimpleNamespace(broadcast_object_list=fail)
+        return c
+
+    try:
+        for gone in (dead.pid, zombie.pid):  # rank 2 of 3 gone, rank 1 alive
+            with pytest.raises(RankLost, match=r"^rank 0: rank 2 is gone during the broadcast"):
+                comm(3, [me, me, gone]).broadcast_object(("forward",), "the broadcast of the engine's next call")
+        with pytest.raises(RankLost, match=r"^rank 0: rank 1 is gone during the broadcast"):
+            comm(2, [me, me]).broadcast_object(("forward",), "the broadcast of the engine's next call")
+    finally:
+        zombie.wait()
