@@ -287,7 +287,8 @@ def compare_ptx_with_twin(n: int = 4096, seed: int = 0) -> str:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None,
-                    reason="needs an NVIDIA CUDA device")
+                    reason="needs an NVIDIA CUDA device (scripts/gpu_check.sh); CI checks the twins against "
+                           "the instruction models in this file (test_*_twin)")
 def test_ptx_equals_the_twin_on_cuda():
     if not interpreter_on():  # scripts/gpu_check.sh: these kernels are compiled already
         assert compare_ptx_with_twin() == "ok 8"
