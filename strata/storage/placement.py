@@ -139,8 +139,9 @@ def shape_of(g) -> ModelShape:
         vocab=emb.shape[0] if emb is not None else 0)
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+def size_text(n: float, digits: int = 1) -> str:
+    """Bytes as MiB, or KiB below one MiB."""
+    return f"{n / 2**20:.{digits}f} MiB" if n >= 2**20 else f"{n / 1024:.{digits}f} KiB"
 
 
 @dataclass
@@ -210,7 +211,7 @@ class Placement:
         out.append(f"  host RAM: {gib(host)} held of {gib(m.ram_bytes)}; token embedding {gib(s.embedding_bytes)} "
                    f"mapped (a row a token)")
         pcie, drive = self.per_token()
-        out.append(f"  a decoded token moves {_size(pcie)} over PCIe and reads {_size(drive)} "
+        out.append(f"  a decoded token moves {size_text(pcie)} over PCIe and reads {size_text(drive)} "
                    f"from the drive" + (f" (expert hit rate {self.hit_rate:.1%} if routing spreads evenly: "
                                         f"real routing is skewed, so it hits more)" if s.n_experts else ""))
         out += [f"  why: {w}" for w in self.why]

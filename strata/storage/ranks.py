@@ -6,13 +6,13 @@ long as reading the experts a token routes to."""
 from __future__ import annotations
 
 from strata.dist import Layout
-from strata.storage.placement import ModelShape, gib
+from strata.storage.placement import ModelShape, gib, size_text
 
 F32 = 4  # bytes of what strata.dist sends: MoE outputs, streams and logits in float32
 
 
 def _size(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+    return size_text(n, 2) if n >= 2**20 else size_text(n)
 
 
 def sent_per_token(s: ModelShape, layout: Layout, rows: int, logits_rows: int = 1) -> float:
