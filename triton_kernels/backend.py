@@ -1,13 +1,14 @@
 """Where a kernel runs: the one place that decides.
 
-Two decisions, both here:
+Three decisions, all here:
 - a model's: `choose_kernels(kernels, device)` gives "triton" or "torch" for the whole
   model (default: triton on a GPU, torch on the CPU); every module records it at load and
   takes its ops through `triton_kernels.ops.impl`, so nothing re-derives it;
 - a launcher's: a public launcher (qmatmul, moe, ...) called directly runs the Triton
   kernel for CUDA tensors, and for CPU tensors only under the Triton interpreter
   (TRITON_INTERPRET=1, as the tests set it), which runs the kernel's code on the CPU,
-  slowly, so that CI checks it; else the op's torch implementation.
+  slowly, so that CI checks it; else the op's torch implementation;
+- the CPU path's: whether torch.compile may build its C++ loops (`cpu_compile`).
 """
 from __future__ import annotations
 
@@ -69,3 +70,10 @@ def device_name(device: torch.device) -> str | None:
 def backend_name() -> str:
     """"hip" on a ROCm build of torch, else "cuda": the configuration family."""
     return "hip" if torch.version.hip else "cuda"
+
+
+def cpu_compile() -> bool:
+    """Whether the CPU path compiles with torch.compile: the decode step
+    (strata.runtime.cpu_step) and the int8-code matmul (triton_kernels.codes).
+    STRATA_CPU_COMPILE=0 turns both off (no C++ compiler, or to measure what they buy)."""
+    return os.environ.get("STRATA_CPU_COMPILE", "1") not in ("", "0")

@@ -229,6 +229,8 @@ def _build_table(name: str) -> torch.Tensor:
         return torch.from_numpy(iq1.GRID.astype("float32"))
     if name == "iq4_nl":
         return torch.from_numpy(iq4.KVALUES.astype("float32"))
+    if name == "iq4_nl_i8":
+        return torch.from_numpy(iq4.KVALUES.astype("int8"))
     raise KeyError(name)
 
 
@@ -302,12 +304,7 @@ def _deq_iq4_nl(b, out):
 
 def _deq_iq4_xs(b, out):
     n = b.shape[0]
-    d = _f16(b[:, :2])                                                   # (n, 1)
-    sh = b[:, 2:3].to(torch.int32) | (b[:, 3:4].to(torch.int32) << 8)
-    sl = b[:, 4:8].to(torch.int32)
-    lo = torch.stack([sl & 0x0F, sl >> 4], dim=-1).reshape(n, 8)
-    hi = (sh >> (2 * torch.arange(8, device=b.device, dtype=torch.int32))) & 3
-    dl = d * ((lo | (hi << 4)) - 32).float()                             # (n, 8)
+    dl = _iq4_xs_scales(b)                                               # (n, 8)
     q = _nibbles(b[:, 8:].reshape(n * 8, 16)).to(torch.int32)
     vals = _lookup(_Tables.get("iq4_nl", b.device), q).view(n, 8, 32)
     torch.mul(dl[:, :, None], vals, out=out.view(n, 8, 32))
@@ -391,16 +388,21 @@ def _words(h: torch.Tensor) -> torch.Tensor:
     return (x[:, 0::2] & 0xFFFF) | (x[:, 1::2] << 16)
 
 
-def _signed_codes(words: torch.Tensor, key: torch.Tensor, out: torch.Tensor, db: torch.Tensor):
-    """out = db * (the signed grid codes that `key` (n, 64) picks from `words`): a gather of
-    int8 words, one conversion into `out`, one in-place scale per 32 weights."""
+def _signed_codes(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """(n, 256) int8: the signed grid codes that `key` (n, 64) picks from `words` (a gather
+    of int8 words)."""
     n = key.shape[0]
-    codes = words.index_select(0, key.view(-1)).view(n, 64)
-    out.copy_(codes.view(torch.int8))
-    out.view(n, 8, 32).mul_(db[:, :, None])
+    return words.index_select(0, key.view(-1)).view(n, 64).view(torch.int8)
 
 
-def _deq_iq3_xxs(b, out):
+def _scale_codes(codes: torch.Tensor, db: torch.Tensor, out: torch.Tensor) -> None:
+    """out = db * codes: one conversion into `out`, one in-place scale per 32 weights."""
+    out.copy_(codes)
+    out.view(codes.shape[0], -1, 32).mul_(db[:, :, None])
+
+
+def _iq3_xxs_parts(b):
+    """(codes (n, 256) int8, db (n, 8)): w = db * code."""
     n, dev = b.shape[0], b.device
     # the arithmetic shift's sign bits never reach the masked fields
     words = _words(b.view(torch.int16)[:, 33:49])                        # (n, 8)
@@ -411,10 +413,11 @@ def _deq_iq3_xxs(b, out):
     key = b[:, 2:66].view(n, 32, 2).to(torch.int32) << 4
     key[:, :, :1] |= ks & 0x0F
     key[:, :, 1:] |= ks >> 4
-    _signed_codes(_Tables.get("iq3_xxs_words", dev), key, out, db)
+    return _signed_codes(_Tables.get("iq3_xxs_words", dev), key), db
 
 
-def _deq_iq3_s(b, out):
+def _iq3_s_parts(b):
+    """(codes (n, 256) int8, db (n, 8)): w = db * code."""
     n, dev = b.shape[0], b.device
     sc = b[:, 106:110].to(torch.int32)
     s = torch.stack([sc & 0x0F, sc >> 4], dim=-1).view(n, 8)
@@ -425,7 +428,15 @@ def _deq_iq3_s(b, out):
     k2 = key.view(n, 32, 2)
     k2[:, :, 0] |= sb & 0x0F
     k2[:, :, 1] |= sb >> 4
-    _signed_codes(_Tables.get("iq3_s_words", dev), key, out, db)
+    return _signed_codes(_Tables.get("iq3_s_words", dev), key), db
+
+
+def _deq_iq3_xxs(b, out):
+    _scale_codes(*_iq3_xxs_parts(b), out)
+
+
+def _deq_iq3_s(b, out):
+    _scale_codes(*_iq3_s_parts(b), out)
 
 
 def _shr(b: torch.Tensor, shifts: tuple, width: int) -> torch.Tensor:
@@ -464,52 +475,61 @@ def _k_nibbles(b: torch.Tensor, width: int) -> torch.Tensor:
     return (_shr(b, (0, 4), width) & 0x0F).reshape(-1, 256)
 
 
-def _sub_scaled(dl, q, ml, out):
-    """out = dl * q (- ml), per sub-block: dl, ml (n, k), q and out (n, 256)."""
-    n, k = dl.shape
-    o = out.view(n, k, -1)
-    torch.mul(dl[:, :, None], q.view(n, k, -1), out=o)
-    if ml is not None:
-        o -= ml[:, :, None]
-
-
-def _deq_q2_k(b, out):
+def _q2_k_parts(b):
     s = b[:, :16]
     dl = _f16(b[:, 80:82]) * (s & 0x0F).float()
     ml = _f16(b[:, 82:84]) * (s >> 4).float()
-    _sub_scaled(dl, _k_crumbs(b[:, 16:80]).float(), ml, out)
+    return _k_crumbs(b[:, 16:80]).view(torch.int8), dl, -ml
 
 
-def _deq_q3_k(b, out):
+def _q3_k_parts(b):
     s = b[:, 96:108]
     lo = (_shr(s[:, :8], (0, 4), 8) & 0x0F).reshape(-1, 16)
     hi = (_shr(s[:, 8:], (0, 2, 4, 6), 4) & 0x03).reshape(-1, 16)
     dl = _f16(b[:, 108:110]) * ((lo | (hi << 4)).to(torch.int8) - 32).float()
     q = _k_crumbs(b[:, 32:96]).to(torch.int8) - ((_k_bits(b[:, :32]) ^ 1) << 2).to(torch.int8)
-    _sub_scaled(dl, q.float(), None, out)
+    return q, dl, None
 
 
-def _deq_k(b, q, out):
+def _k_scales(b):
+    """Q4_K/Q5_K: (dl, ml) (n, 8) float32, a scale and a minimum per 32 weights."""
     a, m_, c = b[:, 4:8], b[:, 8:12], b[:, 12:16]
     sc = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], dim=-1)
     m = torch.cat([m_ & 0x3F, (c >> 4) | ((m_ >> 2) & 0x30)], dim=-1)
-    dl = _f16(b[:, :2]) * sc.float()
-    ml = _f16(b[:, 2:4]) * m.float()
-    _sub_scaled(dl, q.float(), ml, out)
+    return _f16(b[:, :2]) * sc.float(), _f16(b[:, 2:4]) * m.float()
 
 
-def _deq_q4_k(b, out):
-    _deq_k(b, _k_nibbles(b[:, 16:144], 32), out)
+def _q4_k_parts(b):
+    dl, ml = _k_scales(b)
+    return _k_nibbles(b[:, 16:144], 32).view(torch.int8), dl, -ml
 
 
-def _deq_q5_k(b, out):
-    _deq_k(b, _k_nibbles(b[:, 48:176], 32) | (_k_bits(b[:, 16:48]) << 4), out)
+def _q5_k_parts(b):
+    dl, ml = _k_scales(b)
+    return (_k_nibbles(b[:, 48:176], 32) | (_k_bits(b[:, 16:48]) << 4)).view(torch.int8), dl, -ml
 
 
-def _deq_q6_k(b, out):
+def _q6_k_parts(b):
     dl = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()
     q = (_k_nibbles(b[:, :128], 64) | (_k_crumbs(b[:, 128:192]) << 4)).to(torch.int8) - 32
-    _sub_scaled(dl, q.float(), None, out)
+    return q, dl, None
+
+
+def _k_dequant(parts):
+    """A K-quant's decoder from its parts: out = dl * q (+ offset), per sub-block. The
+    offset is the negated minimum, and x + (-m) rounds as x - m does."""
+    def deq(b, out):
+        q, dl, off = parts(b)
+        n, k = dl.shape
+        o = out.view(n, k, -1)
+        torch.mul(dl[:, :, None], q.view(n, k, -1).float(), out=o)
+        if off is not None:
+            o += off[:, :, None]
+    return deq
+
+
+_deq_q2_k, _deq_q3_k, _deq_q4_k, _deq_q5_k, _deq_q6_k = map(
+    _k_dequant, (_q2_k_parts, _q3_k_parts, _q4_k_parts, _q5_k_parts, _q6_k_parts))
 
 
 _TORCH = {
@@ -521,6 +541,66 @@ _TORCH = {
     "IQ2_XXS": _deq_iq2_xxs, "IQ2_XS": _deq_iq2_xs, "IQ2_S": _deq_iq2_s,
     "IQ1_S": _deq_iq1_s, "IQ1_M": _deq_iq1_m, "FP8_E4M3": _deq_fp8_e4m3,
 }
+
+
+def _iq4_codes(nib_bytes):
+    """(n, 16k) nibble bytes -> (n, 32k) int8 IQ4_NL grid values (runs of 32: low halves, then high)."""
+    idx = _nibble_codes(nib_bytes.reshape(-1, 16), torch.int32)
+    return _Tables.get("iq4_nl_i8", nib_bytes.device).index_select(0, idx.view(-1)).view(nib_bytes.shape[0], -1)
+
+
+def _iq4_xs_scales(b):
+    n = b.shape[0]
+    sh = b[:, 2:3].to(torch.int32) | (b[:, 3:4].to(torch.int32) << 8)
+    sl = b[:, 4:8].to(torch.int32)
+    lo = torch.stack([sl & 0x0F, sl >> 4], dim=-1).reshape(n, 8)
+    hi = (sh >> (2 * torch.arange(8, device=b.device, dtype=torch.int32))) & 3
+    return _f16(b[:, :2]) * ((lo | (hi << 4)) - 32).float()
+
+
+def _q4_0_codes(b):
+    c = _nibble_codes(b[:, 2:])
+    c -= 8
+    return c.view(torch.int8)
+
+
+# Each format whose weight is an int8 code times a float32 group scale, plus an offset for
+# some: (blocks) -> (codes (n, block_elems) int8, scale (n, groups), offset (n, groups) or
+# None), w = scale * code (+ offset) in float32 being the decoder's own operations.
+_PARTS = {
+    "Q8_0": lambda b: (b[:, 2:].view(torch.int8), _lead_scale(b), None),
+    "Q4_0": lambda b: (_q4_0_codes(b), _lead_scale(b), None),
+    "Q4_1": lambda b: (_nibbles(b[:, 4:]).view(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])),
+    "Q5_0": lambda b: (_q5_codes(b[:, 2:]).to(torch.int8) - 16, _f16(b[:, :2]), None),
+    "Q5_1": lambda b: (_q5_codes(b[:, 4:]).view(torch.int8), _f16(b[:, :2]), _f16(b[:, 2:4])),
+    "IQ4_NL": lambda b: (_iq4_codes(b[:, 2:]), _lead_scale(b), None),
+    "IQ4_XS": lambda b: (_iq4_codes(b[:, 8:]), _iq4_xs_scales(b), None),
+    "IQ3_XXS": lambda b: (*_iq3_xxs_parts(b), None),
+    "IQ3_S": lambda b: (*_iq3_s_parts(b), None),
+    "Q2_K": _q2_k_parts, "Q3_K": _q3_k_parts, "Q4_K": _q4_k_parts, "Q5_K": _q5_k_parts,
+    "Q6_K": _q6_k_parts,
+}
+INT8_FORMATS = tuple(_PARTS)
+
+
+def int8_parts(q: torch.Tensor, fmt: str | int | quant.Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A weight of whole blocks (rows of k blocks) as int8 codes and float32 group scales:
+    (codes (n, k * block_elems) int8, scale (n, groups), offset (n, groups) or None), with
+    w = scale * code (+ offset) in float32 equal bit for bit to `dequantize_torch` (the
+    same float operations; tests/triton_kernels/test_int8_parts.py). A group is 32 weights,
+    16 for Q2_K, Q3_K and Q6_K. Formats: INT8_FORMATS."""
+    fmt = quant.get(fmt)
+    if fmt.name not in _PARTS:
+        raise ValueError(f"{fmt.name} has no int8-code form (those that do: {', '.join(INT8_FORMATS)})")
+    check_blocks(q, fmt)
+    rows = q.shape[0] if q.dim() == 2 else 1
+    blocks = q.reshape(-1, fmt.block_bytes)
+    if not blocks.is_contiguous() or blocks.storage_offset() % 2:
+        blocks = torch.empty(blocks.shape, dtype=torch.uint8, device=q.device).copy_(blocks)
+    codes, scale, offset = _PARTS[fmt.name](blocks)
+    n = blocks.shape[0]
+    out = (codes.reshape(rows, -1), scale.reshape(rows, -1).contiguous())
+    return (*out, None if offset is None else offset.expand(n, scale.shape[1]).reshape(rows, -1).contiguous())
 
 
 def _compile_requested() -> bool:

@@ -107,7 +107,9 @@ def bench_strata(path, args, extra=None) -> dict:
     from triton_kernels import invariant
     model, device, load_s = _load_warm(path, args)
     vocab = model.cfg.vocab_size
-    model([5], model.new_cache())
+    warm = model.new_cache()
+    for tok in (5, 6, 7):  # decode steps at three lengths: a compiled step's compiles (strata.runtime.cpu_step)
+        model([tok], warm)
     with invariant.batch_invariant(False):
         pp, tg = _pp_tg(model, args, device, vocab)
     inv = None

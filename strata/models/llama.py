@@ -17,7 +17,7 @@ from strata.models import summary
 from strata.names import TOKEN_EMBD
 from strata.nn import Attention, KVCache, QuantLinear, RMSNorm, kv
 from strata.tensors import QTensor
-from strata.runtime import graphs
+from strata.runtime import cpu_step, graphs
 from triton_kernels.dequant import dequantize_torch
 from triton_kernels.ops import impl
 
@@ -133,7 +133,8 @@ class Llama(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, tokens, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Logits (S, vocab) float32 for tokens that continue the cache's sequence. On
-        CUDA a one-token step replays the cache's decode graph (strata.runtime.graphs)."""
+        CUDA a one-token step replays the cache's decode graph (strata.runtime.graphs); on
+        the CPU it runs the compiled step (strata.runtime.cpu_step)."""
         toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         if toks.numel() == 1 and self.device.type == "cuda" and graphs.enabled():
             cache.reserve(cache.length + 1)
@@ -141,6 +142,10 @@ class Llama(torch.nn.Module):
             if g is None or g.capacity != cache.k.shape[2]:  # new, or the cache grew: capture again
                 g = cache.graph = graphs.DecodeGraph(self, cache)
             return g(int(toks[0]))
+        if toks.numel() == 1 and self.device.type == "cpu":
+            out = cpu_step.decode(self, int(toks[0]), cache)
+            if out is not None:
+                return out
         return self.forward_batch([(tokens, cache)], last_only=last_only)[0]
 
     @torch.inference_mode()

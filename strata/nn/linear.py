@@ -8,6 +8,10 @@ Where the weight goes and how it is multiplied (chosen once, at load):
   (_weight_int4pack_mm_for_cpu): 4 bits a weight in memory, so decode reads 1/4 of what
   bf16 would (measured on 2 cores: 0.015 ms against 0.046 ms for a 1536x576 GEMV).
   Its w = (q - 8) * scale + zero takes scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0).
+- torch kernels, the int8-code formats (triton_kernels.dequant.INT8_FORMATS: Q8_0, IQ4_NL,
+  IQ3_XXS, IQ3_S, the K-quants, ...) of at least INT8_MIN_WEIGHTS weights: int8 codes and float32 group scales ("int8",
+  triton_kernels.codes), the file's weights exactly in 1.125-1.5 bytes a weight; decode
+  multiplies them in one compiled pass, prefill dequantizes per call into the compute dtype.
 - torch kernels otherwise: dequantized once into the compute dtype ("dense"), while the model's
   `DenseBudget` allows (default 2048 MiB, STRATA_DENSE_MIB); past it, dequantized per call.
 """
@@ -22,8 +26,15 @@ import quant
 from strata.tensors import QTensor
 from triton_kernels import invariant
 from triton_kernels.backend import choose_kernels
-from triton_kernels.dequant import dequantize_torch
+from triton_kernels.codes import codes_matmul
+from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
 from triton_kernels.ops import impl
+
+# Smaller weights stay dense: under about a million weights torch's bfloat16 matmul
+# (about 15 us a call on 2 cores) beats the codes' compiled pass, whose guard and
+# thread start cost about 40 us, and their bytes hardly matter.
+INT8_MIN_WEIGHTS = 1 << 20
+
 
 class DenseBudget:
     """Bytes of dequantized CPU weights one model may hold."""
@@ -50,6 +61,29 @@ def _int4pack(blocks: np.ndarray, fmt: quant.Format, n: int, k: int, dtype: torc
     w = torch.from_numpy(codes.reshape(n, k).astype(np.int32))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w, 1)
     return packed, torch.from_numpy(np.ascontiguousarray(sz)).to(dtype)
+
+
+def _int4_mm(x, packed, scales):
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(scales.dtype), packed, 32, scales).float()
+
+
+def _int8_mm_bf16(x, codes, scale, offset):
+    return codes_matmul(x, codes, scale, offset, torch.bfloat16)
+
+
+def _int8_mm_f32(x, codes, scale, offset):
+    return codes_matmul(x, codes, scale, offset, torch.float32)
+
+
+def _int8_mm_f16(x, codes, scale, offset):
+    return codes_matmul(x, codes, scale, offset, torch.float16)
+
+
+_INT8_MM = {torch.bfloat16: _int8_mm_bf16, torch.float32: _int8_mm_f32, torch.float16: _int8_mm_f16}
+
+
+def _dense_mm(x, weight):
+    return (x.to(weight.dtype) @ weight.T).float()
 
 
 class QuantLinear(torch.nn.Module):
@@ -96,6 +130,12 @@ class QuantLinear(torch.nn.Module):
             except RuntimeError:  # a shape the packed kernel does not take: stay dense
                 pass
         q = torch.from_numpy(np.ascontiguousarray(blocks))
+        if self.fmt.name in INT8_FORMATS and str(device) == "cpu" and self.out_features * self.in_features >= INT8_MIN_WEIGHTS:
+            parts = int8_parts(q, self.fmt)
+            if (budget or DenseBudget()).take(sum(t.nbytes for t in parts if t is not None)):
+                self.mode = "int8"
+                self.codes, self.scale, self.offset = parts
+                return
         size = self.out_features * self.in_features * torch.finfo(dtype).bits // 8
         if (budget or DenseBudget()).take(size):
             self.weight = dequantize_torch(q, self.fmt, dtype).view(self.out_features, self.in_features)
@@ -108,6 +148,9 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.mode == "parts":
             return torch.cat([p(x) for p in self.parts], dim=-1)
+        if self.mode == "int8":  # a decode's rows stay float32: the codes' pass computes in float32
+            y = self._rows(lambda t: codes_matmul(t, self.codes, self.scale, self.offset, self.dtype), x2)
+            return y.reshape(*lead, self.out_features)
         x2 = x2.to(self.dtype)
         if self.mode == "int4":
             y = self._rows(lambda t: torch.ops.aten._weight_int4pack_mm_for_cpu(t, self.packed, 32, self.scales), x2)
@@ -120,6 +163,19 @@ class QuantLinear(torch.nn.Module):
             y = self._rows(lambda t: t @ w.T, x2)
         return y.float().reshape(*lead, self.out_features)
 
+    def pure(self):
+        """(f, tensors) with f(x, *tensors) == self(x) for 2-D x, f a module-level function
+        of tensors alone (a compiled step traces it, and one compile serves every layer of the
+        same shapes); None for the modes a compiled step does not take (mixed formats,
+        per-call dequantization, Triton)."""
+        if self.mode == "int4":
+            return _int4_mm, (self.packed, self.scales)
+        if self.mode == "int8":
+            return _INT8_MM[self.dtype], (self.codes, self.scale, self.offset)
+        if self.mode == "dense":
+            return _dense_mm, (self.weight,)
+        return None
+
     def _rows(self, f, x):
         # batch-invariant mode (triton_kernels.invariant): calls of a fixed number of rows
         if not invariant.enabled():
@@ -130,8 +186,9 @@ class QuantLinear(torch.nn.Module):
         """Bytes this layer's weight occupies as held (packed, dense or raw blocks)."""
         if self.mode == "parts":
             return sum(p.held_bytes() for p in self.parts)
-        ts = {"int4": ("packed", "scales"), "dense": ("weight",)}.get(self.mode, ("blocks",))
-        return sum(getattr(self, t).numel() * getattr(self, t).element_size() for t in ts)
+        ts = {"int4": ("packed", "scales"), "dense": ("weight",), "int8": ("codes", "scale", "offset")}.get(
+            self.mode, ("blocks",))
+        return sum(t.nbytes for t in (getattr(self, n) for n in ts) if t is not None)
 
     def extra_repr(self) -> str:
         return f"{self.name}, {self.fmt.name}, {self.in_features}->{self.out_features}, {self.mode}"

@@ -49,3 +49,23 @@ def test_dense_budget_falls_back_to_per_call_dequantization():
     assert lin.mode == "stream"
     x = torch.randn(2, 256)
     assert np.abs(lin(x).double().numpy() - reference([part], x)).max() <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "IQ3_XXS", "Q5_K"])
+def test_large_int8_code_weights_are_held_as_codes(fmt, monkeypatch):
+    import strata.nn.linear as linear
+    monkeypatch.setattr(linear, "INT8_MIN_WEIGHTS", 64 * 256)
+    part = qt("w", fmt, 64, 256, 5)
+    lin = QuantLinear(part, torch.bfloat16)
+    assert lin.mode == "int8" and lin.codes.dtype == torch.int8
+    # 1 byte a code and 4 a group scale (+ 4 an offset): under bfloat16's 2 bytes a weight
+    assert lin.held_bytes() <= 1.5 * 64 * 256
+    x = torch.randn(1, 256)
+    ref = reference([part], x)
+    # one row: the file's weights in float32 (triton_kernels.codes: gamma_K sum |x||w|)
+    k = 256
+    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+    bound = gamma * (x.abs().double().numpy() @ np.abs(part.numpy()).astype(np.float64).T)
+    assert (np.abs(lin(x).double().numpy() - ref) <= bound).all()
+    # small weights stay dense (bfloat16's matmul is faster than the codes' pass there)
+    assert QuantLinear(qt("v", fmt, 32, 256, 6), torch.bfloat16).mode == "dense"

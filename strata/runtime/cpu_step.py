@@ -1,0 +1,121 @@
+"""A dense model's decode step on the CPU, compiled: one call of Inductor's C++ a layer.
+
+Eager, a SmolLM2 decode step is some 6,800 small torch ops whose dispatch costs more than
+its matmuls (measured on 2 cores: about 12 of 25 ms outside any op). torch.compile turns a
+layer's step into one Python call of fused C++ loops around the matmuls. The layer's
+weights are the compiled function's arguments, so one compile serves every layer of the
+same shapes; the cache's capacity is symbolic from the start, and the sequence's length
+from the second step (a second compile). The first step costs the compiles: about 10 s on 2
+cores with Inductor's disk cache cold, 1-3 s warm.
+
+The step computes what Llama.forward computes for one token, op for op (the same RMSNorm,
+RoPE, matmul calls and softmax), so its logits equal eager decode's except where Inductor
+fuses an element-wise chain (float32 either way). Off with STRATA_CPU_COMPILE=0; taken only
+where every matmul has a compiled form (QuantLinear.pure), the KV cache stores floats and
+batch-invariant mode is off. A failing compile (no C++ compiler) warns once and decodes
+eagerly from then on.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from triton_kernels import invariant
+from triton_kernels.backend import cpu_compile
+
+_broken: list[str] = []
+
+
+def enabled() -> bool:
+    return cpu_compile() and not _broken
+
+
+def _attend(qkv, pos, end, keys, vals, cos, sin, n_heads, n_kv, head_dim, rope_dim):
+    """One token's attention: qkv (1, (H + 2 Hkv) D) projected; its K and V written into the
+    layer's cache rows `keys`/`vals` (Hkv, capacity, D) at device position `pos`; the
+    positions up to `end` attended."""
+    H, Hkv, D = n_heads, n_kv, head_dim
+    qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
+    qk = qk.reshape(1, H + Hkv, D).transpose(0, 1)                      # (H + Hkv, 1, D)
+    r, rest = qk[..., :rope_dim], qk[..., rope_dim:]
+    half = rope_dim // 2
+    r = r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin
+    qk = torch.cat([r, rest], dim=-1) if rest.shape[-1] else r
+    keys.index_copy_(1, pos, qk[H:].to(keys.dtype))
+    vals.index_copy_(1, pos, v.reshape(1, Hkv, D).transpose(0, 1).to(vals.dtype))
+    k, vv = keys[:, :end].float(), vals[:, :end].float()
+    qg = qk[:H].reshape(Hkv, H // Hkv, D)
+    att = torch.softmax(qg @ k.transpose(1, 2) * D ** -0.5, dim=-1)
+    return (att @ vv).reshape(1, H * D)
+
+
+def _layer(x, pos, end, keys, vals, cos, sin, attn_norm, ffn_norm, eps, qkv, wo, gate_up, down,
+           n_heads, n_kv, head_dim, rope_dim, ffn_dim):
+    """A llama block for one token; each matmul is a (function, tensors) pair (QuantLinear.pure)."""
+    h = F.rms_norm(x, attn_norm.shape, attn_norm, eps)
+    a = _attend(qkv[0](h, *qkv[1]), pos, end, keys, vals, cos, sin, n_heads, n_kv, head_dim, rope_dim)
+    x = x + wo[0](a, *wo[1])
+    h = F.rms_norm(x, ffn_norm.shape, ffn_norm, eps)
+    gate, up = gate_up[0](h, *gate_up[1]).split(ffn_dim, dim=-1)
+    return x + down[0](F.silu(gate) * up, *down[1])
+
+
+class CpuStep:
+    """The compiled decode step of one Llama model (strata.models.llama)."""
+
+    def __init__(self, model):
+        self.model = model
+        c = model.cfg
+        self.shape = (c.n_heads, c.n_kv_heads, c.head_dim, model.blocks[0].attn.rope.dim, c.ffn_dim)
+        self.layers = [(b.attn_norm.weight, b.ffn_norm.weight, b.attn_norm.eps, b.attn.qkv.pure(),
+                        b.attn.wo.pure(), b.gate_up.pure(), b.down.pure()) for b in model.blocks]
+        # one layer a call: one compile of about 10 s cold on 2 cores (six layers a call
+        # took 23 s, all 30 took 125 s, for no speed measurable above this machine's noise)
+        self.layer_fn = torch.compile(_layer, fullgraph=True)
+
+    @staticmethod
+    def usable(model, cache) -> bool:
+        """Whether this model and cache can take the compiled step."""
+        if not enabled() or model.device.type != "cpu" or cache.kind == "int8" or invariant.enabled():
+            return False
+        linears = [model.output] + [m for b in model.blocks for m in (b.attn.qkv, b.attn.wo, b.gate_up, b.down)]
+        return all(m.pure() is not None for m in linears)
+
+    def __call__(self, tok: int, cache) -> torch.Tensor:
+        m = self.model
+        start = cache.length
+        cache.reserve(start + 1)
+        pos = torch.tensor([start])
+        x = m.embed(torch.tensor([tok]))
+        cos, sin = m.blocks[0].attn.rope._rows(pos, x.device)
+        for i, (n1, n2, eps, qkv, wo, gate_up, down) in enumerate(self.layers):
+            keys, vals = cache.k[i], cache.v[i]
+            for t in (keys, vals):  # the cache's capacity: symbolic from the first compile
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            x = self.layer_fn(x, pos, start + 1, keys, vals, cos, sin, n1, n2, eps,
+                              qkv, wo, gate_up, down, *self.shape)
+        cache.length = start + 1
+        # the head eagerly: compiled with the norm, Inductor recomputed the norm for every row
+        return m.output(m.norm(x))
+
+
+def decode(model, tok: int, cache) -> torch.Tensor | None:
+    """Logits (1, vocab) of one token through the model's compiled step, or None where the
+    step does not apply or its compile failed (the caller decodes eagerly)."""
+    if not CpuStep.usable(model, cache):
+        return None
+    step = getattr(model, "_cpu_step", None)
+    if step is None:
+        step = model._cpu_step = CpuStep(model)
+    length = cache.length
+    try:
+        return step(tok, cache)
+    except Exception as e:  # noqa: BLE001 - no C++ compiler and the like: eager decode is the same model
+        cache.length = length
+        _broken.append(f"{type(e).__name__}: {e}")
+        warnings.warn(f"STRATA_CPU_COMPILE: the compiled decode step failed ({_broken[0][:200]}); "
+                      "decoding eagerly from now on (set STRATA_CPU_COMPILE=0 to skip the attempt)",
+                      RuntimeWarning, stacklevel=2)
+        return None

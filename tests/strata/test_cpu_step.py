@@ -1,0 +1,80 @@
+"""The compiled CPU decode step (strata.runtime.cpu_step) against the model's eager decode.
+
+Tolerance: 1e-5 of the largest |logit|, as the decode graph's test: the same weights and
+ops in float32; Inductor may fuse an element-wise chain (a different rounding of a few ops)
+and sums the int8-code head in its own order (triton_kernels.codes: gamma_K sum |w x|,
+about 3e-5 relative at K = 576 in the worst case, far less on real logits; measured
+below 1e-6)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import strata.runtime.cpu_step as cpu_step
+from strata.load import load_model
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_gguf):
+    return load_model(smollm2_gguf, dtype=torch.bfloat16)
+
+
+def _decode(model, prompt, steps, compiled, monkeypatch):
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "1" if compiled else "0")
+    cache = model.new_cache(8)  # grows past its capacity on the way: a new capacity, no recompile needed
+    model(prompt, cache, last_only=True)
+    out, tok = [], 42
+    for _ in range(steps):
+        logits = model([tok], cache, last_only=True)
+        out.append(logits)
+        tok = int(logits.argmax())
+    return out, cache
+
+
+def test_compiled_step_equals_eager_decode(model, monkeypatch):
+    monkeypatch.setattr(cpu_step, "_broken", [])
+    prompt = [1, 504, 3458, 314, 2113]
+    want, a = _decode(model, prompt, 6, False, monkeypatch)
+    assert getattr(model, "_cpu_step", None) is None  # off: never built
+    got, b = _decode(model, prompt, 6, True, monkeypatch)
+    assert model._cpu_step is not None and cpu_step._broken == []
+    assert b.length == a.length == len(prompt) + 6
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max() / w.abs().max()) < 1e-5
+    n = a.length
+    scale = a.k[:, :, :n].abs().max()
+    assert float((b.k[:, :, :n] - a.k[:, :, :n]).abs().max() / scale) < 1e-5  # keys written alike
+
+
+def test_the_step_is_skipped_where_it_does_not_apply(model, monkeypatch):
+    from triton_kernels import invariant
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
+    monkeypatch.setattr(cpu_step, "_broken", [])
+    cache = model.new_cache(8)
+    assert cpu_step.CpuStep.usable(model, cache)
+    int8 = model.new_cache(8)
+    int8.kind = "int8"
+    assert not cpu_step.CpuStep.usable(model, int8)   # codes and scales: the eager path's
+    with invariant.batch_invariant(True):
+        assert not cpu_step.CpuStep.usable(model, cache)  # fixed-shape matmuls: eager
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "0")
+    assert not cpu_step.CpuStep.usable(model, cache)
+
+
+def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
+    monkeypatch.setattr(cpu_step, "_broken", [])
+
+    def broken(self, tok, cache):
+        cache.length += 1  # a step that fails half way: the length is put back
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(cpu_step.CpuStep, "__call__", broken)
+    cache = model.new_cache(8)
+    model([1, 504, 3458], cache, last_only=True)
+    ref = model.new_cache(8)
+    model([1, 504, 3458], ref, last_only=True)
+    with pytest.warns(RuntimeWarning, match="no C.. compiler.*decoding eagerly"):
+        got = model([42], cache, last_only=True)
+    assert cache.length == 4 and not cpu_step.enabled()
+    want = model([42], ref, last_only=True)  # eagerly too, now that the step is off
+    assert torch.equal(got, want)
