@@ -25,17 +25,14 @@ multiplied by torch's matmul (same bound, slower).
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from .backend import cpu_compile
+from .compiled import Compiled
 
 # rows up to this go through the one-pass product; more rows dequantize and take torch.mm
 GEMV_ROWS = 4
 
-_COMPILED: dict[int, object] = {}
-_broken: list[str] = []
+_COMPILED: dict[int, Compiled] = {}
 
 
 def codes_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
@@ -60,13 +57,13 @@ def _product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: 
     return (w[None] * x.view(m, 1, g, -1)).sum((-1, -2))
 
 
-def _compiled(k: int):
+def _compiled(k: int) -> Compiled:
     fn = _COMPILED.get(k)
     if fn is None:
-        # one code object serves every (K, M): a compile each, more than dynamo's default 8
-        cfg = torch._dynamo.config
-        cfg.recompile_limit = max(cfg.recompile_limit, 64)
-        fn = _COMPILED[k] = torch.compile(_product, dynamic=False, fullgraph=True)
+        # the rows N symbolic (codes, scale, offset); one code object serves every (K, M),
+        # a compile each: more than dynamo's default 8
+        fn = _COMPILED[k] = Compiled(_product, "the int8-code matmul", symbolic={1: 0, 2: 0, 3: 0},
+                                     recompiles=64, dynamic=False)
     return fn
 
 
@@ -94,15 +91,5 @@ def codes_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offs
     x = x.float().contiguous()
     if torch.compiler.is_compiling():  # inside a compiled step: traced inline
         return _product(x, codes, scale, offset)
-    if _broken or not cpu_compile():
-        return codes_matmul_torch(x, codes, scale, offset)
-    for t in (codes, scale) if offset is None else (codes, scale, offset):
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-    try:
-        return _compiled(codes.shape[1])(x, codes, scale, offset)
-    except Exception as e:  # noqa: BLE001 - no C++ compiler and the like: eager gives the same bound
-        _broken.append(f"{type(e).__name__}: {e}")
-        warnings.warn(f"torch.compile failed for the int8-code matmul ({_broken[0][:200]}); "
-                      "multiplying eagerly from now on (slower, same results within the stated bound)",
-                      RuntimeWarning, stacklevel=2)
-        return codes_matmul_torch(x, codes, scale, offset)
+    y = _compiled(codes.shape[1])(x, codes, scale, offset)
+    return codes_matmul_torch(x, codes, scale, offset) if y is None else y

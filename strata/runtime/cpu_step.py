@@ -22,14 +22,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from triton_kernels import invariant
+from triton_kernels import compiled, invariant
 from triton_kernels.backend import cpu_compile
-
-_broken: list[str] = []
 
 
 def enabled() -> bool:
-    return cpu_compile() and not _broken
+    return cpu_compile() and not compiled.broken
 
 
 def _attend(qkv, pos, end, keys, vals, cos, sin, n_heads, n_kv, head_dim, rope_dim):
@@ -114,8 +112,7 @@ def decode(model, tok: int, cache) -> torch.Tensor | None:
         return step(tok, cache)
     except Exception as e:  # noqa: BLE001 - no C++ compiler and the like: eager decode is the same model
         cache.length = length
-        _broken.append(f"{type(e).__name__}: {e}")
-        warnings.warn(f"STRATA_CPU_COMPILE: the compiled decode step failed ({_broken[0][:200]}); "
-                      "decoding eagerly from now on (set STRATA_CPU_COMPILE=0 to skip the attempt)",
-                      RuntimeWarning, stacklevel=2)
+        compiled.broken.append(f"{type(e).__name__}: {e}")
+        warnings.warn(f"the compiled decode step failed ({compiled.broken[0][:200]}); running the CPU path "
+                      "eagerly from now on (STRATA_CPU_COMPILE=0 skips the attempt)", RuntimeWarning, stacklevel=2)
         return None

@@ -38,6 +38,8 @@ from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
 from triton_kernels import invariant
 from triton_kernels.backend import choose_kernels
+from triton_kernels.codes import GEMV_ROWS
+from triton_kernels.compiled import Compiled
 from triton_kernels.moe import choose_path
 from triton_kernels.ops import impl
 
@@ -257,6 +259,10 @@ class ExpertStore(torch.nn.Module):
 
     def _dense(self, x, weights, ids) -> torch.Tensor:
         T, k = ids.shape
+        if T <= GEMV_ROWS and not invariant.enabled():  # decode: one compiled pass, no loop
+            y = _FEW_TOKENS(x.float(), weights.float(), ids, self.w13, self.w2)
+            if y is not None:
+                return y
         flat = ids.reshape(-1).long()
         order = torch.argsort(flat, stable=True)
         skip = int((flat < 0).sum())  # slots held elsewhere (-1, --ep): sorted first, dropped
@@ -277,6 +283,22 @@ class ExpertStore(torch.nn.Module):
             # (index_add_ spins up threads for a few rows; this is 100x cheaper on a busy CPU)
             out[rows] += y.float() * w[slots, None]
         return out
+
+
+def _few_tokens(x, weights, ids, w13, w2):
+    """The dense tier's experts for a few tokens in one expression that Inductor turns into
+    loops over the routed experts' rows, read in place (no gathered copy, no Python loop a
+    slot: measured 130 us against 870 for flash-tiny's 8 of 64 on 2 cores). Float32 from x
+    to the sum, where the loop rounds x and the SwiGLU product to the weights' dtype.
+    Slots held elsewhere (-1, --ep) weigh nothing."""
+    e = ids.clamp(min=0).long()                                    # (T, k)
+    g, u = (w13[e].float() * x[:, None, None, :]).sum(-1).chunk(2, dim=-1)
+    h = F.silu(g) * u                                              # (T, k, I)
+    y = (w2[e].float() * h[:, :, None, :]).sum(-1)                 # (T, k, H)
+    return (y * torch.where(ids >= 0, weights, 0.0)[:, :, None]).sum(1)
+
+
+_FEW_TOKENS = Compiled(_few_tokens, "the dense experts' decode", dynamic=False)
 
 
 def _experts_of(t: QTensor, experts: range) -> QTensor:

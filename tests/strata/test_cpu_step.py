@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import strata.runtime.cpu_step as cpu_step
+import triton_kernels.compiled as compiled
 from strata.load import load_model
 
 
@@ -32,12 +33,12 @@ def _decode(model, prompt, steps, compiled, monkeypatch):
 
 
 def test_compiled_step_equals_eager_decode(model, monkeypatch):
-    monkeypatch.setattr(cpu_step, "_broken", [])
+    monkeypatch.setattr(compiled, "broken", [])
     prompt = [1, 504, 3458, 314, 2113]
     want, a = _decode(model, prompt, 6, False, monkeypatch)
     assert getattr(model, "_cpu_step", None) is None  # off: never built
     got, b = _decode(model, prompt, 6, True, monkeypatch)
-    assert model._cpu_step is not None and cpu_step._broken == []
+    assert model._cpu_step is not None and compiled.broken == []
     assert b.length == a.length == len(prompt) + 6
     for g, w in zip(got, want):
         assert float((g - w).abs().max() / w.abs().max()) < 1e-5
@@ -49,7 +50,7 @@ def test_compiled_step_equals_eager_decode(model, monkeypatch):
 def test_the_step_is_skipped_where_it_does_not_apply(model, monkeypatch):
     from triton_kernels import invariant
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
-    monkeypatch.setattr(cpu_step, "_broken", [])
+    monkeypatch.setattr(compiled, "broken", [])
     cache = model.new_cache(8)
     assert cpu_step.CpuStep.usable(model, cache)
     int8 = model.new_cache(8)
@@ -63,7 +64,7 @@ def test_the_step_is_skipped_where_it_does_not_apply(model, monkeypatch):
 
 def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
-    monkeypatch.setattr(cpu_step, "_broken", [])
+    monkeypatch.setattr(compiled, "broken", [])
 
     def broken(self, tok, cache):
         cache.length += 1  # a step that fails half way: the length is put back
@@ -73,7 +74,7 @@ def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
     model([1, 504, 3458], cache, last_only=True)
     ref = model.new_cache(8)
     model([1, 504, 3458], ref, last_only=True)
-    with pytest.warns(RuntimeWarning, match="no C.. compiler.*decoding eagerly"):
+    with pytest.warns(RuntimeWarning, match="no C.. compiler.*eagerly from now on"):
         got = model([42], cache, last_only=True)
     assert cache.length == 4 and not cpu_step.enabled()
     want = model([42], ref, last_only=True)  # eagerly too, now that the step is off

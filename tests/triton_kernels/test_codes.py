@@ -28,6 +28,11 @@ from triton_kernels.dequant import INT8_FORMATS, int8_parts
 FORMATS = [quant.get(n) for n in INT8_FORMATS]
 
 
+def compiled_broken():
+    import triton_kernels.compiled as compiled
+    return compiled.broken
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_parts_rebuild_the_reference_weights_bit_for_bit(fmt):
     @given(blocks(fmt, max_blocks=4), st.integers(1, 2))
@@ -77,7 +82,7 @@ def test_a_few_rows_within_the_float32_bound(fmt_name, compiled, monkeypatch):
         xd = x.double().numpy()
         bound = _gamma(k) * (np.abs(xd) @ np.abs(w[:n]).T)
         assert np.all(np.abs(got - xd @ w[:n].T) <= bound), fmt_name
-    assert codes_mod._broken == []
+    assert compiled_broken() == []
 
 
 def test_many_rows_take_bfloat16_within_its_bound():
@@ -96,17 +101,21 @@ def test_many_rows_take_bfloat16_within_its_bound():
 
 
 def test_a_failing_compile_warns_once_and_multiplies_eagerly(monkeypatch):
+    import triton_kernels.compiled as compiled
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
-    monkeypatch.setattr(codes_mod, "_broken", [])
+    monkeypatch.setattr(compiled, "broken", [])
+    monkeypatch.setattr(codes_mod, "_COMPILED", {})
 
-    def broken(k):
-        raise RuntimeError("no C++ compiler")
-    monkeypatch.setattr(codes_mod, "_compiled", broken)
+    def no_compiler(fn, **kw):
+        def call(*a):
+            raise RuntimeError("no C++ compiler")
+        return call
+    monkeypatch.setattr(torch, "compile", no_compiler)
     fmt = quant.get("Q8_0")
     q, w = _random_weight(fmt, 8, 64, 3)
     c, scale, _ = int8_parts(q, fmt)
     x = torch.randn(1, 64)
-    with pytest.warns(RuntimeWarning, match="no C.. compiler.*multiplying eagerly"):
+    with pytest.warns(RuntimeWarning, match="no C.. compiler.*eagerly from now on"):
         first = codes_matmul(x, c, scale)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning: the path is remembered
