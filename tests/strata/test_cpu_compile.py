@@ -1,4 +1,5 @@
-"""The compiled CPU decode step (strata.runtime.cpu_step) against the model's eager decode.
+"""The CPU path's compiled decode against its eager one: the llama step
+(strata.runtime.cpu_step), and Flash-Next's DeltaNet step and dense experts.
 
 Tolerance: 1e-5 of the largest |logit|, as the decode graph's test: the same weights and
 ops in float32; Inductor may fuse an element-wise chain (a different rounding of a few ops)
@@ -79,3 +80,27 @@ def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
     assert cache.length == 4 and not cpu_step.enabled()
     want = model([42], ref, last_only=True)  # eagerly too, now that the step is off
     assert torch.equal(got, want)
+
+
+def test_flash_next_decode_compiled_equals_eager(flash_tiny_gguf, monkeypatch):
+    """Flash-Next's decode takes the compiled DeltaNet step and the dense experts' one pass;
+    logits and the DeltaNet states stay within 1e-5 of the eager path's (float32 both ways,
+    Inductor's element-wise rounding and summation order: measured about 1e-7)."""
+    import strata.nn.deltanet as deltanet
+    import strata.storage.experts as experts
+    monkeypatch.setattr(compiled, "broken", [])
+    model = load_model(flash_tiny_gguf, dtype=torch.float32)
+    prompt = list(range(1000, 1012))
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("STRATA_CPU_COMPILE", on)
+        state = model.new_cache()
+        model(prompt, state)
+        logits = [model([t], state) for t in (5000, 6000, 7000)]
+        runs[on] = logits, [x.rec.clone() for x in state.layers if hasattr(x, "rec")]
+    assert deltanet._STEP.compiled is not None and experts._FEW_TOKENS.compiled is not None
+    assert compiled.broken == []
+    (want, want_rec), (got, got_rec) = runs["0"], runs["1"]
+    assert want_rec
+    for g, w in zip(got + got_rec, want + want_rec):
+        assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
