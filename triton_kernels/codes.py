@@ -10,8 +10,8 @@ as int8 codes and float32 scales, a weight takes 1.125 bytes (1.25 with an offse
 1.25/1.5) against bfloat16's 2, and `w = scale * code (+ offset)` is the reference
 decoder's own float32 operations: the file's weights exactly, not rounded to bfloat16.
 
-The matmul of a few rows (decode) is one pass of Inductor's C++ over the codes: each
-weight decoded in registers, multiplied by x and summed, no dequantized weight stored
+The matmul of a few rows (decode) is one pass of Inductor's C++ over the codes a row:
+each weight decoded in registers, multiplied by x and summed, no dequantized weight stored
 (torch.compile, compiled once per input size K with the row count N dynamic). Measured on
 2 cores (AVX-512): 1.4 ms for SmolLM2's 49152 x 576 Q8_0 output head against 5.1-5.9 ms
 for the same weight as bfloat16 through torch's matmul. More rows (prefill) dequantize the
@@ -29,8 +29,9 @@ import torch
 
 from .compiled import Compiled
 
-# rows up to this go through the one-pass product; more rows dequantize and take torch.mm
-GEMV_ROWS = 4
+# rows up to this go through the one-pass product, a row at a time; more rows dequantize
+# and take torch.mm
+GEMV_ROWS = 16
 
 _COMPILED: dict[int, Compiled] = {}
 
@@ -60,8 +61,8 @@ def _product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: 
 def _compiled(k: int) -> Compiled:
     fn = _COMPILED.get(k)
     if fn is None:
-        # the rows N symbolic (codes, scale, offset); one code object serves every (K, M),
-        # a compile each: more than dynamo's default 8
+        # the rows N symbolic (codes, scale, offset); one code object serves every K, a
+        # compile each: more than dynamo's default 8
         fn = _COMPILED[k] = Compiled(_product, "the int8-code matmul", symbolic={1: 0, 2: 0, 3: 0},
                                      recompiles=64, dynamic=False)
     return fn
@@ -84,12 +85,17 @@ def codes_matmul_torch(x, codes, scale, offset=None, dtype: torch.dtype = torch.
 def codes_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x (M, K) @ W.T as float32 (M, N). Up to GEMV_ROWS rows: one compiled pass over the
-    codes in float32. More: the weight dequantized into `dtype` and torch's matmul, with x
-    in `dtype` (the dense path's numerics)."""
+    codes in float32 for each row, so that a row's result does not depend on the rows
+    beside it (a decode batched with others gives the bits it gives alone). More: the
+    weight dequantized into `dtype` and torch's matmul, with x in `dtype` (the dense
+    path's numerics)."""
     if x.shape[0] > GEMV_ROWS:
         return codes_matmul_torch(x, codes, scale, offset, dtype)
     x = x.float().contiguous()
     if torch.compiler.is_compiling():  # inside a compiled step: traced inline
         return _product(x, codes, scale, offset)
-    y = _compiled(codes.shape[1])(x, codes, scale, offset)
-    return codes_matmul_torch(x, codes, scale, offset) if y is None else y
+    out = torch.empty((x.shape[0], codes.shape[0]), device=x.device)
+    for i in range(x.shape[0]):
+        y = _compiled(codes.shape[1])(x[i:i + 1], codes, scale, offset)
+        out[i:i + 1] = codes_matmul_torch(x[i:i + 1], codes, scale, offset) if y is None else y
+    return out

@@ -37,8 +37,7 @@ from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
 from triton_kernels import invariant
-from triton_kernels.backend import choose_kernels
-from triton_kernels.codes import GEMV_ROWS
+from triton_kernels.backend import choose_kernels, cpu_compile
 from triton_kernels.compiled import Compiled
 from triton_kernels.moe import choose_path
 from triton_kernels.ops import impl
@@ -259,10 +258,12 @@ class ExpertStore(torch.nn.Module):
 
     def _dense(self, x, weights, ids) -> torch.Tensor:
         T, k = ids.shape
-        if T <= GEMV_ROWS and not invariant.enabled():  # decode: one compiled pass, no loop
-            y = _FEW_TOKENS(x.float(), weights.float(), ids, self.w13, self.w2)
-            if y is not None:
-                return y
+        if T <= FEW_TOKENS and not invariant.enabled() and cpu_compile():
+            # decode: a compiled pass a token (a token's result whatever the batch beside it)
+            ys = [_FEW_TOKENS(x[t:t + 1].float(), weights[t:t + 1].float(), ids[t:t + 1], self.w13, self.w2)
+                  for t in range(T)]
+            if all(y is not None for y in ys):
+                return torch.cat(ys)
         flat = ids.reshape(-1).long()
         order = torch.argsort(flat, stable=True)
         skip = int((flat < 0).sum())  # slots held elsewhere (-1, --ep): sorted first, dropped
@@ -299,6 +300,8 @@ def _few_tokens(x, weights, ids, w13, w2):
 
 
 _FEW_TOKENS = Compiled(_few_tokens, "the dense experts' decode", dynamic=False)
+# tokens up to this take _few_tokens (each reads its k experts' weights; more tokens share them in the loop)
+FEW_TOKENS = 4
 
 
 def _experts_of(t: QTensor, experts: range) -> QTensor:

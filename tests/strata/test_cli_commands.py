@@ -260,7 +260,8 @@ def test_bench_model_table(smollm2_gguf):
                   rf"reads {NUM} MiB of weights: {NUM} GB/s, {NUM}% of the {NUM} GB/s a copy moves on cpu", r.out)
     assert m, r.out
     load_s, rss, step_mib, gbs, pct, copy = (positive(x) for x in m.groups())
-    assert 400 < step_mib < 600  # 30 layers' dense f32 matmuls (513 MiB) and no more
+    # f32: weights under 2^20 dense float32, larger ones int8 codes (gate_up, the Q8_0 head): 296 MiB
+    assert 280 < step_mib < 320
     assert rss > step_mib
 
 

@@ -226,7 +226,7 @@ def test_a_share_of_the_experts_answers_for_them(tiny, tiny_pack, tier):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dense_tier_few_tokens_in_one_pass_equal_its_loop(tiny, dtype, monkeypatch):
-    """Up to GEMV_ROWS tokens the dense tier runs one compiled pass over the routed experts
+    """Up to FEW_TOKENS tokens the dense tier runs one compiled pass over the routed experts
     (experts._few_tokens); it equals the expert loop: float32 weights, to summation order
     (1e-5 of the output's scale); bfloat16, to the loop's own rounding of x and of the
     SwiGLU product to bfloat16 (2^-7 relative, a little more through silu: 2^-6)."""
@@ -236,7 +236,7 @@ def test_dense_tier_few_tokens_in_one_pass_equal_its_loop(tiny, dtype, monkeypat
     E, _, H = ts[0].shape
     store = ex.ExpertStore(*ts, dtype, "cpu", None, "dense")
     for x, w, ids in _batches(E, 8, H, seed=4):
-        if x.shape[0] > 4:
+        if x.shape[0] > ex.FEW_TOKENS:
             continue
         ids[0, 0] = -1  # a slot held by another rank weighs nothing
         monkeypatch.setenv("STRATA_CPU_COMPILE", "1")

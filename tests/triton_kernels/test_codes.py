@@ -71,6 +71,8 @@ def _gamma(k):
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("fmt_name", ["Q8_0", "IQ3_XXS", "Q4_K", "Q6_K"])
 def test_a_few_rows_within_the_float32_bound(fmt_name, compiled, monkeypatch):
+    import triton_kernels.compiled as compiled_mod
+    monkeypatch.setattr(compiled_mod, "broken", [])
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1" if compiled else "0")
     fmt = quant.get(fmt_name)
     k = 512
@@ -123,3 +125,15 @@ def test_a_failing_compile_warns_once_and_multiplies_eagerly(monkeypatch):
     want = x.double().numpy() @ w.T
     for got in (first, second):
         assert np.all(np.abs(got.double().numpy() - want) <= _gamma(64) * (np.abs(x.double().numpy()) @ np.abs(w).T))
+
+
+def test_a_row_gives_the_same_bits_alone_or_beside_others():
+    """Rows up to GEMV_ROWS run one at a time: batching decodes changes no bit; no rows, no work."""
+    fmt = quant.get("IQ3_XXS")
+    q, _ = _random_weight(fmt, 48, 256, 4)
+    c, scale, offset = int8_parts(q, fmt)
+    x = torch.randn(3, 256)
+    together = codes_matmul(x, c, scale, offset)
+    for i in range(3):
+        assert torch.equal(codes_matmul(x[i:i + 1], c, scale, offset), together[i:i + 1])
+    assert codes_matmul(x[:0], c, scale, offset).shape == (0, 48)
