@@ -8,10 +8,11 @@ Where the weight goes and how it is multiplied (chosen once, at load):
   (_weight_int4pack_mm_for_cpu): 4 bits a weight in memory, so decode reads 1/4 of what
   bf16 would (measured on 2 cores: 0.015 ms against 0.046 ms for a 1536x576 GEMV).
   Its w = (q - 8) * scale + zero takes scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0).
-- torch kernels, the int8-code formats (triton_kernels.dequant.INT8_FORMATS: Q8_0, IQ4_NL,
-  IQ3_XXS, IQ3_S, the K-quants, ...) of at least INT8_MIN_WEIGHTS weights: int8 codes and float32 group scales ("int8",
-  triton_kernels.codes), the file's weights exactly in 1.125-1.5 bytes a weight; decode
-  multiplies them in one compiled pass, prefill dequantizes per call into the compute dtype.
+- torch kernels on the CPU, a weight of INT8_MIN_WEIGHTS or more in an int8-code format
+  (triton_kernels.dequant.INT8_FORMATS: Q8_0, IQ4_NL, IQ3_XXS, IQ3_S, the K-quants, ...):
+  int8 codes and float32 group scales ("int8", triton_kernels.codes), the file's weights
+  exactly in 1.125-1.5 bytes a weight; decode multiplies them in one compiled pass a row,
+  prefill dequantizes per call into the compute dtype.
 - torch kernels otherwise: dequantized once into the compute dtype ("dense"), while the model's
   `DenseBudget` allows (default 2048 MiB, STRATA_DENSE_MIB); past it, dequantized per call.
 """
@@ -67,6 +68,8 @@ def _int4_mm(x, packed, scales):
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(scales.dtype), packed, 32, scales).float()
 
 
+# the int8 codes' matmul for each compute dtype (its rows past GEMV_ROWS take that dtype),
+# module-level functions: a compiled step's guards see the same function in every layer
 def _int8_mm_bf16(x, codes, scale, offset):
     return codes_matmul(x, codes, scale, offset, torch.bfloat16)
 
@@ -130,7 +133,8 @@ class QuantLinear(torch.nn.Module):
             except RuntimeError:  # a shape the packed kernel does not take: stay dense
                 pass
         q = torch.from_numpy(np.ascontiguousarray(blocks))
-        if self.fmt.name in INT8_FORMATS and str(device) == "cpu" and self.out_features * self.in_features >= INT8_MIN_WEIGHTS:
+        large = self.out_features * self.in_features >= INT8_MIN_WEIGHTS
+        if self.fmt.name in INT8_FORMATS and str(device) == "cpu" and large:
             parts = int8_parts(q, self.fmt)
             if (budget or DenseBudget()).take(sum(t.nbytes for t in parts if t is not None)):
                 self.mode = "int8"
@@ -148,19 +152,15 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.mode == "parts":
             return torch.cat([p(x) for p in self.parts], dim=-1)
-        if self.mode == "int8":  # a decode's rows stay float32: the codes' pass computes in float32
-            y = self._rows(lambda t: codes_matmul(t, self.codes, self.scale, self.offset, self.dtype), x2)
-            return y.reshape(*lead, self.out_features)
-        x2 = x2.to(self.dtype)
-        if self.mode == "int4":
-            y = self._rows(lambda t: torch.ops.aten._weight_int4pack_mm_for_cpu(t, self.packed, 32, self.scales), x2)
-        elif self.mode == "dense":
-            y = self._rows(lambda t: t @ self.weight.T, x2)
-        elif self.mode == "triton":
-            y = self._qmatmul(x2, self.blocks, self.fmt)
+        pure = self.pure()
+        if pure is not None:  # int4, int8 codes, dense
+            f, held = pure
+            return self._rows(lambda t: f(t, *held), x2).reshape(*lead, self.out_features)
+        if self.mode == "triton":
+            y = self._qmatmul(x2.to(self.dtype), self.blocks, self.fmt)
         else:
             w = dequantize_torch(self.blocks, self.fmt, self.dtype).view(self.out_features, self.in_features)
-            y = self._rows(lambda t: t @ w.T, x2)
+            y = self._rows(lambda t: t @ w.T, x2.to(self.dtype))
         return y.float().reshape(*lead, self.out_features)
 
     def pure(self):
