@@ -8,9 +8,9 @@ Where the weight goes and how it is multiplied (chosen once, at load):
   (_weight_int4pack_mm_for_cpu): 4 bits a weight in memory, so decode reads 1/4 of what
   bf16 would (measured on 2 cores: 0.015 ms against 0.046 ms for a 1536x576 GEMV).
   Its w = (q - 8) * scale + zero takes scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0).
-- torch kernels on the CPU, a weight of INT8_MIN_WEIGHTS or more in an int8-code format
-  (triton_kernels.dequant.INT8_FORMATS: Q8_0, IQ4_NL, IQ3_XXS, IQ3_S, the K-quants, ...):
-  int8 codes and float32 group scales ("int8", triton_kernels.codes), the file's weights
+- torch kernels on the CPU with compiles on (STRATA_CPU_COMPILE), a weight of
+  INT8_MIN_WEIGHTS or more in an int8-code format (triton_kernels.dequant.INT8_FORMATS:
+  Q8_0, IQ4_NL, IQ3_XXS, IQ3_S, the K-quants, ...): int8 codes and float32 group scales ("int8", triton_kernels.codes), the file's weights
   exactly in 1.125-1.5 bytes a weight; decode multiplies them in one compiled pass a row,
   prefill dequantizes per call into the compute dtype.
 - torch kernels otherwise: dequantized once into the compute dtype ("dense"), while the model's
@@ -26,7 +26,7 @@ import torch
 import quant
 from strata.tensors import QTensor
 from triton_kernels import invariant
-from triton_kernels.backend import choose_kernels
+from triton_kernels.backend import choose_kernels, cpu_compile
 from triton_kernels.codes import codes_matmul
 from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
 from triton_kernels.ops import impl
@@ -134,7 +134,9 @@ class QuantLinear(torch.nn.Module):
                 pass
         q = torch.from_numpy(np.ascontiguousarray(blocks))
         large = self.out_features * self.in_features >= INT8_MIN_WEIGHTS
-        if self.fmt.name in INT8_FORMATS and str(device) == "cpu" and large:
+        # without compiles (STRATA_CPU_COMPILE=0) the codes' matmul decodes the weight every
+        # call (30 ms for SmolLM2's head against 5 ms as bfloat16): held dense then
+        if self.fmt.name in INT8_FORMATS and str(device) == "cpu" and large and cpu_compile():
             parts = int8_parts(q, self.fmt)
             if (budget or DenseBudget()).take(sum(t.nbytes for t in parts if t is not None)):
                 self.mode = "int8"

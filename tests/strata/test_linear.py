@@ -67,5 +67,8 @@ def test_large_int8_code_weights_are_held_as_codes(fmt, monkeypatch):
     gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
     bound = gamma * (x.abs().double().numpy() @ np.abs(part.numpy()).astype(np.float64).T)
     assert (np.abs(lin(x).double().numpy() - ref) <= bound).all()
-    # small weights stay dense (bfloat16's matmul is faster than the codes' pass there)
+    # small weights stay dense (bfloat16's matmul is faster than the codes' pass there), and
+    # all do without compiles (the codes' eager matmul decodes the weight every call)
     assert QuantLinear(qt("v", fmt, 32, 256, 6), torch.bfloat16).mode == "dense"
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "0")
+    assert QuantLinear(part, torch.bfloat16).mode == "dense"
