@@ -13,8 +13,9 @@ Where the weight goes and how it is multiplied (chosen once, at load):
   Q8_0, IQ4_NL, IQ3_XXS, IQ3_S, the K-quants, ...): int8 codes and float32 group scales ("int8", triton_kernels.codes), the file's weights
   exactly in 1.125-1.5 bytes a weight; decode multiplies them in one compiled pass a row,
   prefill dequantizes per call into the compute dtype.
-- torch kernels otherwise: dequantized once into the compute dtype ("dense"), while the model's
-  `DenseBudget` allows (default 2048 MiB, STRATA_DENSE_MIB); past it, dequantized per call.
+- torch kernels otherwise, mixed formats too: dequantized once into the compute dtype
+  ("dense"), while the model's `DenseBudget` allows (default 2048 MiB, STRATA_DENSE_MIB);
+  past it, dequantized per call.
 """
 from __future__ import annotations
 
@@ -112,7 +113,11 @@ class QuantLinear(torch.nn.Module):
         self.splits = [p.shape[0] for p in parts]
         self.out_features = sum(self.splits)
         if len(fmts) > 1:
-            # mixed formats (llama-quantize's mixes do this): one matmul per part, joined
+            # mixed formats (llama-quantize's mixes do this). Dequantized, the formats no
+            # longer matter: one dense matmul (a decode's 3-5 small GEMVs a layer cost 25-80 us
+            # each on 2 cores); else one matmul per part, joined.
+            if kernels == "torch" and self._dense_from_parts(parts, rows, dtype, budget):
+                return
             self.mode = "parts"
             self.parts = torch.nn.ModuleList(
                 QuantLinear(p, dtype, device, rows=[r], budget=budget, kernels=kernels) for p, r in zip(parts, rows))
@@ -148,6 +153,19 @@ class QuantLinear(torch.nn.Module):
         else:
             self.mode = "stream"
             self.blocks = q
+
+    def _dense_from_parts(self, parts, rows, dtype, budget) -> bool:
+        size = self.out_features * self.in_features * torch.finfo(dtype).bits // 8
+        if not (budget or DenseBudget()).take(size):
+            return False
+        self.mode = "dense"
+        ws = []
+        for p, r in zip(parts, rows):
+            q = p.data.reshape(p.shape[0], -1)
+            q = torch.from_numpy(np.ascontiguousarray(q[r] if r is not None else q))
+            ws.append(dequantize_torch(q, p.fmt, dtype).view(p.shape[0], self.in_features))
+        self.weight = torch.cat(ws)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

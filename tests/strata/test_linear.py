@@ -22,12 +22,16 @@ def reference(parts, x):
 @pytest.mark.parametrize("fmts", [("Q4_0",), ("Q4_1", "Q4_1"), ("IQ4_NL", "Q8_0", "Q4_K"), ("IQ3_XXS", "Q2_K")])
 def test_fused_and_mixed_weights_in_f32(fmts):
     parts = [qt(f"w{i}", f, 32 + 16 * i, 256, i) for i, f in enumerate(fmts)]
-    lin = QuantLinear(parts, torch.float32)
-    assert lin.mode == ("parts" if len(set(fmts)) > 1 else "dense")
-    x = torch.randn(5, 256)
-    y = lin(x)
-    # f32 matmul of K=256 terms: well inside 1e-5 of the output's scale
-    assert np.abs(y.double().numpy() - reference(parts, x)).max() <= 1e-5 * (1 + np.abs(reference(parts, x)).max())
+    # dequantized, the formats no longer matter: one dense matmul; past the budget, a
+    # mixed layer runs its parts (each dequantized per call)
+    for lin, mode in ((QuantLinear(parts, torch.float32), "dense"),
+                      (QuantLinear(parts, torch.float32, budget=DenseBudget(mib=0)),
+                       "parts" if len(set(fmts)) > 1 else "stream")):
+        assert lin.mode == mode
+        x = torch.randn(5, 256)
+        y = lin(x)
+        # f32 matmul of K=256 terms: well inside 1e-5 of the output's scale
+        assert np.abs(y.double().numpy() - reference(parts, x)).max() <= 1e-5 * (1 + np.abs(reference(parts, x)).max())
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
