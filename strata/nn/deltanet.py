@@ -162,7 +162,8 @@ class GatedDeltaNet(torch.nn.Module):
         Hk, Hv, dk, dv = heads = self.k_heads, self.v_heads, self.dk, self.dv
         qkv, z, b, a = self.proj(x).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
         weights = (self.conv, self.dt_bias, self.a_coef, self.norm)
-        if T == 1 and st.trail is None and not invariant.enabled():  # decode: one compiled call
+        if T == 1 and x.device.type == "cpu" and st.trail is None and not invariant.enabled():
+            # a CPU decode: one compiled call (strata.runtime.cpu_step's reasons)
             r = _STEP(qkv, z, b, a, st.conv, st.rec, *weights, heads, self.eps)
             if r is not None:
                 o, st.conv = r
