@@ -10,6 +10,8 @@ units (32 or 64 weights) from whole-word loads and scales each code once. The ot
 `_dequant_kernel`, one weight a lane through the format's per-weight decode function.
 `dequantize_torch` is the same computation in vectorised torch, the CPU fast path, with
 torch.compile's one-pass loops for Q8_0, Q4_0 and IQ4_NL on request (dequant_compiled.py).
+`int8_parts` gives a weight of the int8-code formats as codes and group scales from the same
+decoders (the CPU's held form: triton_kernels.codes).
 """
 from __future__ import annotations
 
