@@ -84,6 +84,20 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in (getattr(self, n) for n in self._parts()))
 
 
+def one_token(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+              masked: torch.Tensor | None = None) -> torch.Tensor:
+    """One token's attention: query heads q (H, 1, D) over keys and values (Hkv, L, D),
+    each KV head serving its group of query heads; `masked` (L,) True leaves a position out.
+    Returns (Hkv, H / Hkv, D). Three small ops beat SDPA's generic path here (measured 2 ms
+    of a 9 ms step on SmolLM2)."""
+    Hkv, _, D = keys.shape
+    qg = q.reshape(Hkv, -1, D)
+    scores = qg @ keys.transpose(1, 2) * D ** -0.5
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ vals
+
+
 class Attention(torch.nn.Module):
     def __init__(self, layer: int, qkv: QuantLinear, n_heads: int, n_kv_heads: int, head_dim: int,
                  rope: Rope, wo: QuantLinear):
@@ -112,17 +126,13 @@ class Attention(torch.nn.Module):
         return self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
 
     def _attend(self, q, k, v, cache: KVCache, start: int) -> torch.Tensor:
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        H, D = self.n_heads, self.head_dim
         S = q.shape[1]
         end = start + S
         cache.write(self.layer, start, k, v)
         keys, vals = cache.read(self.layer, end)
         if S == 1:
-            # decode: each KV head serves its group of query heads; three small ops beat
-            # SDPA's generic path here (measured 2 ms of a 9 ms step on SmolLM2)
-            qg = q.reshape(Hkv, H // Hkv, D)
-            att = torch.softmax(qg @ keys.transpose(1, 2) * D ** -0.5, dim=-1)
-            out = (att @ vals).reshape(H, 1, D)
+            out = one_token(q, keys, vals).reshape(H, 1, D)
         elif start == 0:
             out = F.scaled_dot_product_attention(q, keys, vals, is_causal=True, enable_gqa=True)
         else:  # a chunk after a cached prefix: query i sees keys up to start + i

@@ -110,8 +110,13 @@ class Rope(torch.nn.Module):
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: (..., S, head_dim) float32; pos: (S,) positions (on the host, preferably)."""
         cos, sin = self._rows(pos, x.device)
-        r, rest = x[..., :self.dim], x[..., self.dim:]
-        half = self.dim // 2
-        rotated = torch.cat([-r[..., half:], r[..., :half]], dim=-1)
-        out = r * cos + rotated * sin
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+        return rotate(x, cos, sin, self.dim)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    """RoPE in the rotate-half layout on the first `dim` dims of x (..., head_dim), by the
+    positions' cos and sin rows (Rope's, or a compiled step's)."""
+    r, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    out = r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out

@@ -22,6 +22,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from strata.nn.attention import one_token
+from strata.nn.rope import rotate
+
 
 def enabled() -> bool:
     """STRATA_CUDA_GRAPHS=0 turns capture off (for measuring what it buys)."""
@@ -33,20 +36,13 @@ def _attend(attn, x: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
     H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
     qk, v = attn.qkv(x).split([(H + Hkv) * D, Hkv * D], dim=-1)
     qk = qk.reshape(1, H + Hkv, D).transpose(0, 1)                     # (H + Hkv, 1, D)
-    cos, sin = attn.rope.cos[pos], attn.rope.sin[pos]                  # (1, rope_dim)
-    r, rest = qk[..., :attn.rope.dim], qk[..., attn.rope.dim:]
-    half = attn.rope.dim // 2
-    r = r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin
-    qk = torch.cat([r, rest], dim=-1) if rest.shape[-1] else r
+    qk = rotate(qk, attn.rope.cos[pos], attn.rope.sin[pos], attn.rope.dim)  # rows (1, rope_dim)
     q, k = qk[:H], qk[H:]
     v = v.reshape(1, Hkv, D).transpose(0, 1)
     cache.write(attn.layer, pos, k, v)
     keys, vals = cache.read(attn.layer)                                 # (Hkv, C, D) float32
-    qg = q.reshape(Hkv, H // Hkv, D)
-    scores = qg @ keys.transpose(1, 2) * D ** -0.5                      # (Hkv, H/Hkv, C)
     later = torch.arange(keys.shape[1], device=keys.device) > pos       # positions not yet written
-    att = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1)
-    return attn.wo((att @ vals).reshape(1, H * D))
+    return attn.wo(one_token(q, keys, vals, later).reshape(1, H * D))
 
 
 def step(model, tok: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
