@@ -33,8 +33,6 @@ from .compiled import Compiled
 # and take torch.mm
 GEMV_ROWS = 16
 
-_COMPILED: dict[int, Compiled] = {}
-
 
 def codes_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -47,25 +45,16 @@ def codes_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor 
 
 
 def _product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """(M, K) float32 x (N, K) codes -> (M, N): the weight decoded as codes_weight's float32
-    and multiplied in one expression, which Inductor fuses into one loop over the codes."""
-    m = x.shape[0]
-    n, k = codes.shape
-    g = scale.shape[1]
-    w = codes.view(n, g, -1).float() * scale[:, :, None]
-    if offset is not None:
-        w = w + offset[:, :, None]
-    return (w[None] * x.view(m, 1, g, -1)).sum((-1, -2))
+    """(M, K) float32 x (N, K) codes -> (M, N): codes_weight's float32 weight and its
+    product in one expression, which Inductor fuses into one loop over the codes."""
+    n, g = scale.shape
+    w = codes_weight(codes, scale, offset).view(n, g, -1)
+    return (w[None] * x.view(x.shape[0], 1, g, -1)).sum((-1, -2))
 
 
-def _compiled(k: int) -> Compiled:
-    fn = _COMPILED.get(k)
-    if fn is None:
-        # the rows N symbolic (codes, scale, offset); one code object serves every K, a
-        # compile each: more than dynamo's default 8
-        fn = _COMPILED[k] = Compiled(_product, "the int8-code matmul", symbolic={1: 0, 2: 0, 3: 0},
-                                     recompiles=64, dynamic=False)
-    return fn
+# the rows N symbolic (codes, scale, offset); one code object serves every K and row count,
+# a compile each: more than dynamo's default 8
+_MATMUL = Compiled(_product, "the int8-code matmul", symbolic={1: 0, 2: 0, 3: 0}, recompiles=64, dynamic=False)
 
 
 def codes_matmul_torch(x, codes, scale, offset=None, dtype: torch.dtype = torch.float32,
@@ -96,6 +85,6 @@ def codes_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offs
         return _product(x, codes, scale, offset)
     out = torch.empty((x.shape[0], codes.shape[0]), device=x.device)
     for i in range(x.shape[0]):
-        y = _compiled(codes.shape[1])(x[i:i + 1], codes, scale, offset)
+        y = _MATMUL(x[i:i + 1], codes, scale, offset)
         out[i:i + 1] = codes_matmul_torch(x[i:i + 1], codes, scale, offset) if y is None else y
     return out

@@ -16,6 +16,11 @@ from .backend import cpu_compile
 broken: list[str] = []
 
 
+def available() -> bool:
+    """Whether the CPU path compiles now: asked for (STRATA_CPU_COMPILE) and not failed."""
+    return cpu_compile() and not broken
+
+
 class Compiled:
     def __init__(self, fn, what: str, symbolic: dict[int, int] | None = None, recompiles: int = 8, **options):
         """`fn` compiled lazily, on its first call (importing Dynamo and Inductor takes
@@ -26,7 +31,7 @@ class Compiled:
         self.compiled = None
 
     def __call__(self, *args):
-        if broken or not cpu_compile():
+        if not available():
             return None
         if self.compiled is None:
             cfg = torch._dynamo.config

@@ -13,21 +13,17 @@ RoPE, matmul calls and softmax), so its logits equal eager decode's except where
 fuses an element-wise chain (float32 either way). Off with STRATA_CPU_COMPILE=0; taken only
 where every matmul has a compiled form (QuantLinear.pure), the KV cache stores floats and
 batch-invariant mode is off. A failing compile (no C++ compiler) warns once and decodes
-eagerly from then on.
+eagerly from then on (triton_kernels.compiled).
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.nn.functional as F
 
+from strata.nn.attention import one_token
+from strata.nn.rope import rotate
 from triton_kernels import compiled, invariant
-from triton_kernels.backend import cpu_compile
-
-
-def enabled() -> bool:
-    return cpu_compile() and not compiled.broken
+from triton_kernels.compiled import Compiled
 
 
 def _attend(qkv, pos, end, keys, vals, cos, sin, n_heads, n_kv, head_dim, rope_dim):
@@ -36,17 +32,10 @@ def _attend(qkv, pos, end, keys, vals, cos, sin, n_heads, n_kv, head_dim, rope_d
     positions up to `end` attended."""
     H, Hkv, D = n_heads, n_kv, head_dim
     qk, v = qkv.split([(H + Hkv) * D, Hkv * D], dim=-1)
-    qk = qk.reshape(1, H + Hkv, D).transpose(0, 1)                      # (H + Hkv, 1, D)
-    r, rest = qk[..., :rope_dim], qk[..., rope_dim:]
-    half = rope_dim // 2
-    r = r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin
-    qk = torch.cat([r, rest], dim=-1) if rest.shape[-1] else r
+    qk = rotate(qk.reshape(1, H + Hkv, D).transpose(0, 1), cos, sin, rope_dim)   # (H + Hkv, 1, D)
     keys.index_copy_(1, pos, qk[H:].to(keys.dtype))
     vals.index_copy_(1, pos, v.reshape(1, Hkv, D).transpose(0, 1).to(vals.dtype))
-    k, vv = keys[:, :end].float(), vals[:, :end].float()
-    qg = qk[:H].reshape(Hkv, H // Hkv, D)
-    att = torch.softmax(qg @ k.transpose(1, 2) * D ** -0.5, dim=-1)
-    return (att @ vv).reshape(1, H * D)
+    return one_token(qk[:H], keys[:, :end].float(), vals[:, :end].float()).reshape(1, H * D)
 
 
 def _layer(x, pos, end, keys, vals, cos, sin, attn_norm, ffn_norm, eps, qkv, wo, gate_up, down,
@@ -70,18 +59,23 @@ class CpuStep:
         self.layers = [(b.attn_norm.weight, b.ffn_norm.weight, b.attn_norm.eps, b.attn.qkv.pure(),
                         b.attn.wo.pure(), b.gate_up.pure(), b.down.pure()) for b in model.blocks]
         # one layer a call: one compile of about 10 s cold on 2 cores (six layers a call
-        # took 23 s, all 30 took 125 s, for no speed measurable above this machine's noise)
-        self.layer_fn = torch.compile(_layer, fullgraph=True)
+        # took 23 s, all 30 took 125 s, for no speed measurable above this machine's noise);
+        # the cache's capacity (keys, vals: dimension 1) symbolic from the first compile
+        self.layer_fn = Compiled(_layer, "the compiled decode step", symbolic={3: 1, 4: 1})
 
     @staticmethod
     def usable(model, cache) -> bool:
         """Whether this model and cache can take the compiled step."""
-        if not enabled() or model.device.type != "cpu" or cache.kind == "int8" or invariant.enabled():
+        if not compiled.available() or model.device.type != "cpu" or cache.kind == "int8" or invariant.enabled():
             return False
-        linears = [model.output] + [m for b in model.blocks for m in (b.attn.qkv, b.attn.wo, b.gate_up, b.down)]
-        return all(m.pure() is not None for m in linears)
+        every = getattr(model, "_cpu_step_pure", None)  # once a model: every matmul has a pure form
+        if every is None:
+            linears = [model.output] + [m for b in model.blocks for m in (b.attn.qkv, b.attn.wo, b.gate_up, b.down)]
+            every = model._cpu_step_pure = all(m.pure() is not None for m in linears)
+        return every
 
-    def __call__(self, tok: int, cache) -> torch.Tensor:
+    def __call__(self, tok: int, cache) -> torch.Tensor | None:
+        """Logits (1, vocab), or None where a compile failed (the cache as it was)."""
         m = self.model
         start = cache.length
         cache.reserve(start + 1)
@@ -89,11 +83,10 @@ class CpuStep:
         x = m.embed(torch.tensor([tok]))
         cos, sin = m.blocks[0].attn.rope._rows(pos, x.device)
         for i, (n1, n2, eps, qkv, wo, gate_up, down) in enumerate(self.layers):
-            keys, vals = cache.k[i], cache.v[i]
-            for t in (keys, vals):  # the cache's capacity: symbolic from the first compile
-                torch._dynamo.maybe_mark_dynamic(t, 1)
-            x = self.layer_fn(x, pos, start + 1, keys, vals, cos, sin, n1, n2, eps,
+            x = self.layer_fn(x, pos, start + 1, cache.k[i], cache.v[i], cos, sin, n1, n2, eps,
                               qkv, wo, gate_up, down, *self.shape)
+            if x is None:  # the rows written at `start` are written again by the eager step
+                return None
         cache.length = start + 1
         # the head eagerly: compiled with the norm, Inductor recomputed the norm for every row
         return m.output(m.norm(x))
@@ -107,12 +100,4 @@ def decode(model, tok: int, cache) -> torch.Tensor | None:
     step = getattr(model, "_cpu_step", None)
     if step is None:
         step = model._cpu_step = CpuStep(model)
-    length = cache.length
-    try:
-        return step(tok, cache)
-    except Exception as e:  # noqa: BLE001 - no C++ compiler and the like: eager decode is the same model
-        cache.length = length
-        compiled.broken.append(f"{type(e).__name__}: {e}")
-        warnings.warn(f"the compiled decode step failed ({compiled.broken[0][:200]}); running the CPU path "
-                      "eagerly from now on (STRATA_CPU_COMPILE=0 skips the attempt)", RuntimeWarning, stacklevel=2)
-        return None
+    return step(tok, cache)

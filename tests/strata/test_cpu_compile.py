@@ -67,17 +67,22 @@ def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
     monkeypatch.setattr(compiled, "broken", [])
 
-    def broken(self, tok, cache):
-        cache.length += 1  # a step that fails half way: the length is put back
-        raise RuntimeError("no C++ compiler")
-    monkeypatch.setattr(cpu_step.CpuStep, "__call__", broken)
+    step, calls = cpu_step.CpuStep(model), []
+
+    def no_compiler(*args):  # two layers run, the third fails: a step that fails half way
+        calls.append(1)
+        if len(calls) > 2:
+            raise RuntimeError("no C++ compiler")
+        return cpu_step._layer(*args)
+    step.layer_fn.compiled = no_compiler
+    monkeypatch.setattr(model, "_cpu_step", step, raising=False)
     cache = model.new_cache(8)
     model([1, 504, 3458], cache, last_only=True)
     ref = model.new_cache(8)
     model([1, 504, 3458], ref, last_only=True)
     with pytest.warns(RuntimeWarning, match="no C.. compiler.*eagerly from now on"):
         got = model([42], cache, last_only=True)
-    assert cache.length == 4 and not cpu_step.enabled()
+    assert cache.length == 4 and not compiled.available()
     want = model([42], ref, last_only=True)  # eagerly too, now that the step is off
     assert torch.equal(got, want)
 
