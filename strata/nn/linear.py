@@ -10,9 +10,10 @@ Where the weight goes and how it is multiplied (chosen once, at load):
   Its w = (q - 8) * scale + zero takes scale = d and zero = m + 8d (Q4_1) or 0 (Q4_0).
 - torch kernels on the CPU with compiles on (STRATA_CPU_COMPILE), a weight of
   INT8_MIN_WEIGHTS or more in an int8-code format (triton_kernels.dequant.INT8_FORMATS:
-  Q8_0, IQ4_NL, IQ3_XXS, IQ3_S, the K-quants, ...): int8 codes and float32 group scales ("int8", triton_kernels.codes), the file's weights
-  exactly in 1.125-1.5 bytes a weight; decode multiplies them in one compiled pass a row,
-  prefill dequantizes per call into the compute dtype.
+  Q8_0, IQ4_NL, IQ3_XXS, IQ3_S, the K-quants, ...): int8 codes and float32 group scales
+  ("int8", triton_kernels.codes), the file's weights exactly in 1.125-1.5 bytes a weight;
+  decode multiplies them in one compiled pass a row, prefill dequantizes per call into the
+  compute dtype.
 - torch kernels otherwise, mixed formats too: dequantized once into the compute dtype
   ("dense"), while the model's `DenseBudget` allows (default 2048 MiB, STRATA_DENSE_MIB);
   past it, dequantized per call.
@@ -65,25 +66,14 @@ def _int4pack(blocks: np.ndarray, fmt: quant.Format, n: int, k: int, dtype: torc
     return packed, torch.from_numpy(np.ascontiguousarray(sz)).to(dtype)
 
 
+def _rows_of(p: QTensor, r: np.ndarray | None) -> np.ndarray:
+    """A weight's blocks as rows, reordered by `r` where given."""
+    q = p.data.reshape(p.shape[0], -1)
+    return q if r is None else q[r]
+
+
 def _int4_mm(x, packed, scales):
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(scales.dtype), packed, 32, scales).float()
-
-
-# the int8 codes' matmul for each compute dtype (its rows past GEMV_ROWS take that dtype),
-# module-level functions: a compiled step's guards see the same function in every layer
-def _int8_mm_bf16(x, codes, scale, offset):
-    return codes_matmul(x, codes, scale, offset, torch.bfloat16)
-
-
-def _int8_mm_f32(x, codes, scale, offset):
-    return codes_matmul(x, codes, scale, offset, torch.float32)
-
-
-def _int8_mm_f16(x, codes, scale, offset):
-    return codes_matmul(x, codes, scale, offset, torch.float16)
-
-
-_INT8_MM = {torch.bfloat16: _int8_mm_bf16, torch.float32: _int8_mm_f32, torch.float16: _int8_mm_f16}
 
 
 def _dense_mm(x, weight):
@@ -116,15 +106,13 @@ class QuantLinear(torch.nn.Module):
             # mixed formats (llama-quantize's mixes do this). Dequantized, the formats no
             # longer matter: one dense matmul (a decode's 3-5 small GEMVs a layer cost 25-80 us
             # each on 2 cores); else one matmul per part, joined.
-            if kernels == "torch" and self._dense_from_parts(parts, rows, dtype, budget):
+            if kernels == "torch" and self._take_dense(parts, rows, dtype, budget):
                 return
             self.mode = "parts"
             self.parts = torch.nn.ModuleList(
                 QuantLinear(p, dtype, device, rows=[r], budget=budget, kernels=kernels) for p, r in zip(parts, rows))
             return
-        blocks = np.concatenate([p.data.reshape(p.shape[0], -1)[r] if r is not None
-                                 else p.data.reshape(p.shape[0], -1) for p, r in zip(parts, rows)])
-        self.mode = "dense"
+        blocks = np.concatenate([_rows_of(p, r) for p, r in zip(parts, rows)])
         if kernels == "triton":
             self.mode = "triton"
             self.blocks = torch.from_numpy(np.ascontiguousarray(blocks)).to(device)
@@ -142,27 +130,25 @@ class QuantLinear(torch.nn.Module):
         # without compiles (STRATA_CPU_COMPILE=0) the codes' matmul decodes the weight every
         # call (30 ms for SmolLM2's head against 5 ms as bfloat16): held dense then
         if self.fmt.name in INT8_FORMATS and str(device) == "cpu" and large and cpu_compile():
-            parts = int8_parts(q, self.fmt)
-            if (budget or DenseBudget()).take(sum(t.nbytes for t in parts if t is not None)):
+            held = int8_parts(q, self.fmt)
+            if (budget or DenseBudget()).take(sum(t.nbytes for t in held if t is not None)):
                 self.mode = "int8"
-                self.codes, self.scale, self.offset = parts
+                self.codes, self.scale, self.offset = held
                 return
-        size = self.out_features * self.in_features * torch.finfo(dtype).bits // 8
-        if (budget or DenseBudget()).take(size):
-            self.weight = dequantize_torch(q, self.fmt, dtype).view(self.out_features, self.in_features)
-        else:
+        if not self._take_dense(parts, rows, dtype, budget):
             self.mode = "stream"
             self.blocks = q
 
-    def _dense_from_parts(self, parts, rows, dtype, budget) -> bool:
+    def _take_dense(self, parts, rows, dtype, budget) -> bool:
+        """Hold the weight dequantized into `dtype` ("dense"), each part in its own format,
+        if the budget allows."""
         size = self.out_features * self.in_features * torch.finfo(dtype).bits // 8
         if not (budget or DenseBudget()).take(size):
             return False
         self.mode = "dense"
         ws = []
         for p, r in zip(parts, rows):
-            q = p.data.reshape(p.shape[0], -1)
-            q = torch.from_numpy(np.ascontiguousarray(q[r] if r is not None else q))
+            q = torch.from_numpy(np.ascontiguousarray(_rows_of(p, r)))
             ws.append(dequantize_torch(q, p.fmt, dtype).view(p.shape[0], self.in_features))
         self.weight = torch.cat(ws)
         return True
@@ -184,14 +170,14 @@ class QuantLinear(torch.nn.Module):
         return y.float().reshape(*lead, self.out_features)
 
     def pure(self):
-        """(f, tensors) with f(x, *tensors) == self(x) for 2-D x, f a module-level function
-        of tensors alone (a compiled step traces it, and one compile serves every layer of the
-        same shapes); None for the modes a compiled step does not take (mixed formats,
-        per-call dequantization, Triton)."""
+        """(f, args) with f(x, *args) == self(x) for 2-D x, f a module-level function of
+        tensors (and the dtype) alone: a compiled step traces it, and one compile serves every
+        layer of the same shapes. None for the modes a compiled step does not take (mixed
+        formats past the budget, per-call dequantization, Triton)."""
         if self.mode == "int4":
             return _int4_mm, (self.packed, self.scales)
         if self.mode == "int8":
-            return _INT8_MM[self.dtype], (self.codes, self.scale, self.offset)
+            return codes_matmul, (self.codes, self.scale, self.offset, self.dtype)
         if self.mode == "dense":
             return _dense_mm, (self.weight,)
         return None
