@@ -73,7 +73,7 @@ def backend_name() -> str:
 
 
 def cpu_compile() -> bool:
-    """Whether the CPU path compiles with torch.compile: the decode step
-    (strata.runtime.cpu_step) and the int8-code matmul (triton_kernels.codes).
-    STRATA_CPU_COMPILE=0 turns both off (no C++ compiler, or to measure what they buy)."""
+    """Whether the CPU path compiles with torch.compile (triton_kernels.compiled: the llama
+    decode step, the int8-code matmul, the DeltaNet step, the dense experts' decode).
+    STRATA_CPU_COMPILE=0 turns them all off (no C++ compiler, or to measure what they buy)."""
     return os.environ.get("STRATA_CPU_COMPILE", "1") not in ("", "0")
