@@ -589,7 +589,7 @@ def int8_parts(q: torch.Tensor, fmt: str | int | quant.Format) -> tuple[torch.Te
     """A weight of whole blocks (rows of k blocks) as int8 codes and float32 group scales:
     (codes (n, k * block_elems) int8, scale (n, groups), offset (n, groups) or None), with
     w = scale * code (+ offset) in float32 equal bit for bit to `dequantize_torch` (the
-    same float operations; tests/triton_kernels/test_int8_parts.py). A group is 32 weights,
+    same float operations; tests/triton_kernels/test_codes.py). A group is 32 weights,
     16 for Q2_K, Q3_K and Q6_K. Formats: INT8_FORMATS."""
     fmt = quant.get(fmt)
     if fmt.name not in _PARTS:
