@@ -80,7 +80,10 @@ def test_a_rank_that_dies_ends_the_run_naming_it(flash_tiny_gguf, tmp_path):
     # no compiles: rank 1 dies 3 s after loading, when rank 0 must already be decoding (a
     # rank still compiling is ended by torchrun's agent before it reaches a collective)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), STRATA_CPU_COMPILE="0")
+    # torchrun's agent checks its workers every 5 s here (0.1 s by default): the test is of
+    # Strata's own report, which must come first; the agent's SIGTERM to rank 0 would race it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "--monitor-interval", "5",
            "-m", "strata", "generate", "Once upon a time", "--raw", "-m", str(flash_tiny_gguf.path),
            "--dtype", "f32", "-t", "1", "--temperature", "0", "-n", "3000", "--ep", "2",
            "--ple-io", "ram", "--plan-all-ranks", "--dist-timeout", "60"]
