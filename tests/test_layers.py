@@ -17,7 +17,7 @@ LAYERS = [  # bottom first
     ("strata.storage", "strata.models"),  # where weights live; models as structure
     ("strata.load",),  # the plan and the loaders
     ("strata.perplexity", "strata.imatrix", "strata.quantize", "strata.convert", "strata.server",
-     "strata.bench"),  # library tools, each with plain arguments
+     "strata.bench", "strata.vision"),  # library tools, each with plain arguments
     ("strata.hub",),  # the known models
     ("strata.cli", "strata.__main__", "argparse"),  # the command line
 ]

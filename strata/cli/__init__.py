@@ -118,12 +118,12 @@ def _run(args) -> int:
                 return 0
             given = [f for f in ("layers", "rows", "out") if getattr(args, f) is not None]
             if given:
-                raise ValueError(f"--{', --'.join(given)}: flash-shape's flags; flash-tiny takes none")
-            print(hub.synth_flash_tiny(force=args.force))
+                raise ValueError(f"--{', --'.join(given)}: flash-shape's flags; {args.name} takes none")
+            print(hub.synth_flash_tiny(force=args.force, vision=args.name == "flash-tiny-vision"))
             return 0
         if args.command == "convert":
             from strata.convert import convert
-            convert(args.hf_dir, args.output, args.outtype)
+            convert(args.hf_dir, args.output, args.outtype, mmproj=args.mmproj)
             return 0
         if args.command in ("perplexity", "imatrix", "quantize"):
             from strata.cli import eval as ev

@@ -100,6 +100,15 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
                         "for reasoning first, --no-think for the answer alone (default: the template's)")
 
 
+def add_vision_args(p: argparse.ArgumentParser, images: bool = False) -> None:
+    p.add_argument("--mmproj", default=None, metavar="PATH",
+                   help="the vision tower's GGUF (default: mmproj-<model file> beside the model, where there "
+                        "is one; `strata convert HF_DIR OUT.gguf --mmproj` writes it)")
+    if images:
+        p.add_argument("--image", action="append", default=None, metavar="PATH",
+                       help="an image to show the model, before the prompt's text (several allowed)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-predict", "-n", type=int, default=256, help="most tokens to generate")
     p.add_argument("--temperature", "--temp", type=float, default=0.8, help="0: greedy")

@@ -31,3 +31,19 @@ def load(args, model: str | None = None, dtype=None, **override):
     m = build(plan)
     say(m.plan_line())
     return m, Tokenizer.from_gguf(g)
+
+
+def load_vision(args, model, tok, need: bool = False):
+    """The model's vision tower (strata.vision.images.Vision) from --mmproj or the file beside
+    the model, said in a line; None where there is none and `need` is false."""
+    from strata.vision.images import Vision, find_mmproj
+    model_path = resolve_model(args.model)
+    path = find_mmproj(model_path, getattr(args, "mmproj", None))
+    if path is None:
+        if need:
+            raise ValueError(f"--image: {model_path.name} has no vision tower beside it (mmproj-{model_path.name}); "
+                             f"give --mmproj PATH (`strata convert HF_DIR OUT.gguf --mmproj` writes one)")
+        return None
+    vision = Vision.load(model, tok, path)
+    say(vision.describe())
+    return vision

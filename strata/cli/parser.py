@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from strata.cli.args import (add_chat_args, add_device_args, add_expert_args, add_kv_args, add_model_args,
-                             add_parallel_args, add_ple_args, add_sampling_args, add_spec_args, formats)
+                             add_parallel_args, add_ple_args, add_sampling_args, add_spec_args, add_vision_args,
+                             formats)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,9 +16,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", choices=("smollm2",))
 
     sy = sub.add_parser("synth", help="build a test model into the cache (flash-tiny: a random "
-                                      "Qwen3.8-Flash-Next with the real structure, scaled down; flash-shape: "
+                                      "Qwen3.8-Flash-Next with the real structure, scaled down; "
+                                      "flash-tiny-vision: the same with a tiny vision tower; flash-shape: "
                                       "its real widths and PLE table, random blocks, about 35 GB at 4 layers)")
-    sy.add_argument("name", choices=("flash-tiny", "flash-shape"))
+    sy.add_argument("name", choices=("flash-tiny", "flash-tiny-vision", "flash-shape"))
     sy.add_argument("--force", action="store_true", help="rebuild even when cached")
     sy.add_argument("--layers", type=int, default=None, metavar="L",
                     help="flash-shape: layers (default 4; the MTP block comes after them)")
@@ -31,18 +33,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="no chat template: continue the prompt as is")
     add_chat_args(gen)
     add_model_args(gen)
+    add_vision_args(gen, images=True)
     add_sampling_args(gen)
     add_spec_args(gen)
 
-    chat = sub.add_parser("chat", help="interactive chat (one line a turn; /reset, /exit)")
+    chat = sub.add_parser("chat", help="interactive chat (one line a turn; /image PATH shows an image with the "
+                                       "next turn; /reset, /exit)")
     chat.add_argument("--system", default=None, help="system prompt")
     add_chat_args(chat)
     add_model_args(chat)
+    add_vision_args(chat)
     add_sampling_args(chat)
     add_spec_args(chat)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with slots and a conversation cache")
     add_model_args(srv)
+    add_vision_args(srv)
     add_spec_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
@@ -189,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("hf_dir", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
     cv.add_argument("output", help=".gguf to write; an mtp.* block goes to mtp-<name> beside it")
     cv.add_argument("--outtype", default="f16", help="f32, f16 (default), bf16 or q8_0")
+    cv.add_argument("--mmproj", action="store_true",
+                    help="also write the vision tower to mmproj-<name> beside the output, as llama.cpp's "
+                         "converter does with --mmproj (a Qwen4ExpForConditionalGeneration checkpoint)")
 
     pk = sub.add_parser("pack", help="write experts.bin and its index for the packed expert tier")
     pk.add_argument("model", help="a .gguf path (or a known model); the other shards of its set come along")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from strata.cli.load import load, say
+from strata.cli.load import load, load_vision, say
 from strata.hub import resolve_model
 from strata.runtime import SamplingParams, generate
 
@@ -35,12 +35,21 @@ def _print(text: str) -> None:
 
 
 def generate_cmd(args) -> int:
+    from strata.vision.images import MARKER, flatten
     model, tok = load(args)
-    prompt = args.prompt
+    vision = load_vision(args, model, tok, need=bool(args.image))
+    parts = [{"type": "image", "image": p} for p in args.image or []] + [{"type": "text", "text": args.prompt}]
+    messages, sources = flatten([{"role": "user", "content": parts}], where="--image")
+    images = [vision.read(src) for src, _ in sources]  # an image is named by its path
     if not args.raw and tok.chat_template:
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], enable_thinking=_think(args, tok))
+        prompt = tok.apply_chat_template(messages, enable_thinking=_think(args, tok))
+    else:
+        prompt = MARKER * len(images) + args.prompt
     ids = tok.encode(prompt)
-    res = generate(model, tok, ids, sampling(args), on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p)
+    if images:
+        ids = vision.expand(ids, images)
+    res = generate(model, tok, ids, sampling(args), on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p,
+                   vision=vision, images=images)
     print()
     say(f"{res.prompt_tokens} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
         f"{len(res.tokens)} generated at {res.decode_tok_s:.1f} tok/s ({res.finish_reason})")
@@ -50,9 +59,15 @@ def generate_cmd(args) -> int:
 
 
 def chat_cmd(args) -> int:
-    """Interactive chat: one line per turn; /reset clears the history, /exit or EOF quits."""
+    """Interactive chat: one line per turn; /image PATH shows an image with the next turn,
+    /reset clears the history, /exit or EOF quits."""
+    from strata.vision.images import flatten
+    from strata.vision.preprocess import ImageError
     model, tok = load(args)
+    vision = load_vision(args, model, tok)
     history = [{"role": "system", "content": args.system}] if args.system else []
+    pending: list = []   # this turn's image parts
+    seen: dict = {}      # path -> its Image, read once
     think = _think(args, tok)
     params = sampling(args)
     interactive = sys.stdin.isatty()
@@ -67,12 +82,31 @@ def chat_cmd(args) -> int:
             break
         if line == "/reset":
             history = history[:1] if args.system else []
+            pending = []
+            continue
+        if line.startswith("/image"):
+            path = line[len("/image"):].strip()
+            try:
+                if vision is None:
+                    raise ImageError(f"/image: {args.model} has no vision tower: start with --mmproj PATH")
+                seen[path] = seen.get(path) or vision.read(path)
+            except (ImageError, ValueError) as e:
+                print(f"strata: {e}", file=sys.stderr)
+                continue
+            pending.append({"type": "image", "image": path})
+            print(f"strata: {path}: {seen[path].n_tokens} image tokens, shown with your next line", file=sys.stderr)
             continue
         if not line:
             continue
-        history.append({"role": "user", "content": line})
-        ids = tok.encode(tok.apply_chat_template(history, enable_thinking=think))
-        res = generate(model, tok, ids, params, on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p)
+        history.append({"role": "user", "content": pending + [{"type": "text", "text": line}] if pending else line})
+        pending = []
+        messages, sources = flatten(history)
+        images = [seen[src] for src, _ in sources]
+        ids = tok.encode(tok.apply_chat_template(messages, enable_thinking=think))
+        if images:
+            ids = vision.expand(ids, images)
+        res = generate(model, tok, ids, params, on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p,
+                       vision=vision, images=images)
         print()
         history.append({"role": "assistant", "content": res.text})
     return 0
@@ -108,7 +142,8 @@ def serve_cmd(args) -> int:
         logging.getLogger("strata.server").warning(
             "listening on %s without --api-key: anyone who can reach port %d can use this model "
             "(set --api-key KEY or STRATA_API_KEY)", args.host, args.port)
-    app = create_app(args.model if args.model == "smollm2" else path.stem, default_max_tokens=args.max_tokens,
+    from strata.hub import MODELS
+    app = create_app(args.model if args.model in MODELS else path.stem, default_max_tokens=args.max_tokens,
                      api_key=key, max_request_bytes=args.max_request_bytes,
                      max_prompt_tokens=args.max_prompt_tokens)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info"))
@@ -117,11 +152,12 @@ def serve_cmd(args) -> int:
     state = app.state.strata
     try:
         model, tok = load(args)
+        vision = load_vision(args, model, tok) if comm is None else None  # images: one process
         if comm is not None:
             model = Leader(model, comm)
         state.engine = Engine(model, tok, slots=args.slots, queue_size=args.queue,
                               cache_mib=args.conversation_cache_mib, ctx_size=args.ctx_size, start_thread=False,
-                              spec=args.spec, spec_min_p=args.spec_min_p)
+                              spec=args.spec, spec_min_p=args.spec_min_p, vision=vision)
     except Exception as e:
         logging.getLogger("strata.server").exception("loading failed")
         state.load_error = str(e)

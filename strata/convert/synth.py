@@ -109,15 +109,46 @@ def _mtp_tensors(model, config, dtype, generator) -> dict[str, Any]:
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
+def _dtype(name: str):
+    import torch
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype {name!r}: choose one of {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def _draw_and_save(model, seed: int, dtype, out: Path):
+    """Every parameter of `model` from N(0, 0.02) but _KEEP_INIT's, stored as `dtype` in
+    `out`; returns the generator, for draws that follow."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith(_KEEP_INIT):
+                p.normal_(0.0, 0.02, generator=gen)
+    model.to(dtype)
+    model.save_pretrained(out)
+    return gen
+
+
 def build_qwen4exp_checkpoint(out_dir: str | os.PathLike, config_overrides: Mapping[str, Any] | None = None,
                               seed: int = 0, *, dtype: str = "bfloat16", mtp: bool = True,
-                              tokenizer_gguf: str | os.PathLike) -> Path:
+                              tokenizer_gguf: str | os.PathLike, vision: Mapping[str, Any] | None = None) -> Path:
     """Write a random Qwen4ExpForCausalLM checkpoint to `out_dir` and return it.
 
     `config_overrides` replace keys of TINY_CONFIG (a full-size model is only a matter of
     overrides, and of memory). `dtype` is the stored dtype ("bfloat16", as the release, or
     "float32", "float16"). `tokenizer_gguf` is the GGUF whose tokenizer is saved (flash-tiny
-    takes SmolLM2's: strata.hub.pull_smollm2)."""
+    takes SmolLM2's: strata.hub.pull_smollm2).
+
+    With `vision` (keys of TINY_VISION to replace; {} for none), the checkpoint is the
+    release's Qwen4ExpForConditionalGeneration instead: the text model under
+    `model.language_model.`, a vision tower under `model.visual.`, a preprocessor_config.json,
+    and four of the tokenizer's unused special tokens renamed to the release's vision markers
+    (VISION_TOKENS), so that prompts name them as the release's vocabulary does. No MTP block."""
+    if vision is not None:
+        return _build_with_vision(Path(out_dir), {**TINY_CONFIG, **dict(config_overrides or {})},
+                                  {**TINY_VISION, **dict(vision)}, seed, dtype, tokenizer_gguf)
     import torch
     from safetensors.torch import load_file, save_file
     try:
@@ -126,10 +157,7 @@ def build_qwen4exp_checkpoint(out_dir: str | os.PathLike, config_overrides: Mapp
         raise ImportError(f"building a Qwen4Exp checkpoint needs transformers with qwen4_exp (5.23 or "
                           f"later): pip install 'transformers>=5.23' ({e})") from None
 
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(dtypes)}")
-    torch_dtype = dtypes[dtype]
+    torch_dtype = _dtype(dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     values = {**TINY_CONFIG, **dict(config_overrides or {})}
@@ -138,13 +166,7 @@ def build_qwen4exp_checkpoint(out_dir: str | os.PathLike, config_overrides: Mapp
     config = Qwen4ExpTextConfig(**values)
     config.architectures = ["Qwen4ExpForCausalLM"]
     model = Qwen4ExpForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith(_KEEP_INIT):
-                p.normal_(0.0, 0.02, generator=gen)
-    model.to(torch_dtype)
-    model.save_pretrained(out)
+    gen = _draw_and_save(model, seed, torch_dtype, out)
 
     # transformers rewrites the layer type to its own name and writes defaults the release
     # does not carry; the converters read the release's spelling
@@ -164,4 +186,77 @@ def build_qwen4exp_checkpoint(out_dir: str | os.PathLike, config_overrides: Mapp
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     _save_tokenizer(out, tokenizer_gguf)
+    return out
+
+
+# A Qwen3-VL vision tower at test size: 2 blocks of width 64 (2 heads of 32, so the axial
+# 2-D RoPE has 8 frequencies per axis), 16-pixel patches, 2x2 merge, 2 frames per temporal
+# patch, and a learned position grid of 8 x 8 that is resampled to each image's grid.
+TINY_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 64,
+    "hidden_act": "gelu_pytorch_tanh",
+    "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+}
+
+# SmolLM2's unused special tokens (ids 3-6) take the release's vision markers' names.
+VISION_TOKENS = {"vision_start_token_id": (3, "<|vision_start|>"), "vision_end_token_id": (4, "<|vision_end|>"),
+                 "image_token_id": (5, "<|image_pad|>"), "video_token_id": (6, "<|video_pad|>")}
+
+# The release's preprocessor_config.json (Qwen3-VL's image processor settings): the pixel
+# bounds are the release's too, so an image gets at least 64 merged tokens.
+TINY_PREPROCESSOR: dict[str, Any] = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+}
+
+
+def _rename_tokens(out_dir: Path) -> None:
+    path = out_dir / "tokenizer.json"
+    tok = json.loads(path.read_text(encoding="utf-8"))
+    names = {i: name for i, name in VISION_TOKENS.values()}
+    vocab = tok["model"]["vocab"]
+    for added in tok["added_tokens"]:
+        if added["id"] in names:
+            del vocab[added["content"]]
+            added["content"] = names[added["id"]]
+            vocab[added["content"]] = added["id"]
+    path.write_text(json.dumps(tok, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    cfg_path = out_dir / "tokenizer_config.json"
+    if cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        for key, entry in (cfg.get("added_tokens_decoder") or {}).items():
+            if int(key) in names:
+                entry["content"] = names[int(key)]
+        cfg_path.write_text(json.dumps(cfg, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+
+
+def _build_with_vision(out: Path, text: dict[str, Any], vision: dict[str, Any], seed: int, dtype: str,
+                       tokenizer_gguf: str | os.PathLike) -> Path:
+    import torch
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+
+    torch_dtype = _dtype(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    vision = {**vision, "out_hidden_size": text["hidden_size"]}
+    torch.manual_seed(seed)
+    config = Qwen4ExpConfig(text_config=text, vision_config=vision,
+                            **{k: i for k, (i, _) in VISION_TOKENS.items()})
+    config.architectures = ["Qwen4ExpForConditionalGeneration"]
+    _draw_and_save(Qwen4ExpForConditionalGeneration(config), seed, torch_dtype, out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["text_config"]["layer_types"] = list(text["layer_types"])
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2) + "\n")
+    _save_tokenizer(out, tokenizer_gguf)
+    _rename_tokens(out)
     return out

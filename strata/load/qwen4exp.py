@@ -46,7 +46,8 @@ class _Loader:
         self.plan, self.cfg = plan, cfg
         self.dtype, self.device, self.kernels = plan.dtype, plan.device, plan.kernels
         self.budget = DenseBudget()
-        self.rope = Rope(cfg.rope_dim, cfg.rope_theta, max_pos=min(plan.context, 8192), scaling=plan.rope)
+        self.rope = Rope(cfg.rope_dim, cfg.rope_theta, max_pos=min(plan.context, 8192), scaling=plan.rope,
+                         sections=cfg.rope_sections)
         self.qsa_fallback = False
 
     def lin(self, f: GGUFFile, *names: str) -> QuantLinear:

@@ -33,6 +33,7 @@ from strata.nn import kv as kv_types
 from strata.nn.deltanet import GatedDeltaNet
 from strata.nn.gated_attention import AttentionState
 from strata.nn.hyperconn import HyperConnection
+from strata.nn.mrope import Positions
 from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
 from strata.tensors import QTensor
@@ -68,6 +69,8 @@ class Qwen4ExpConfig:
     compress_ratios: tuple[int, ...]
     ple_layers: tuple[int, ...]
     ple: dict = field(default_factory=dict)
+    rope_sections: tuple[int, int, int] | None = None  # M-RoPE's (t, h, w) rotary pairs
+    image_token: int | None = None  # the placeholder an image's tokens take in the prompt
 
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Qwen4ExpConfig":
@@ -109,7 +112,10 @@ class Qwen4ExpConfig:
             idx_heads=int(opt("attention.indexer.head_count", 0)),
             idx_dim=int(opt("attention.indexer.key_length", 0)),
             idx_budget=int(opt("attention.indexer.top_k", 0)),
-            compress_ratios=tuple(ratios[:n]), ple_layers=ple_layers, ple=ple)
+            compress_ratios=tuple(ratios[:n]), ple_layers=ple_layers, ple=ple,
+            rope_sections=tuple(int(x) for x in opt("rope.dimension_sections"))[:3]
+            if opt("rope.dimension_sections") is not None else None,
+            image_token=int(opt("ple.image_token_id")) if opt("ple.image_token_id") is not None else None)
 
 
 class Layer(torch.nn.Module):
@@ -119,13 +125,14 @@ class Layer(torch.nn.Module):
         self.mixer, self.attn_hc, self.moe, self.ffn_hc, self.ple = mixer, attn_hc, moe, ffn_hc, ple
         self.recurrent = isinstance(mixer, GatedDeltaNet)
 
-    def forward(self, x, tokens, mixer_state, ple_state, start, ple_ids=None):
-        """x (T, S*H) continuing at `start`; the states are this layer's, updated in place."""
+    def forward(self, x, tokens, mixer_state, ple_state, start, ple_ids=None, positions=None):
+        """x (T, S*H) continuing at `start`; the states are this layer's, updated in place;
+        `positions`: the sequence's M-RoPE positions (strata.nn.mrope)."""
         if self.ple is not None:
             x = self.ple(x, tokens, ple_state, ple_ids)
         a, w = self.attn_hc.read(x)
         x = HyperConnection.write(x, self.mixer(a, mixer_state) if self.recurrent
-                                  else self.mixer(a, mixer_state, start), w)
+                                  else self.mixer(a, mixer_state, start, positions), w)
         m, w = self.ffn_hc.read(x)
         return HyperConnection.write(x, self.moe(m), w)
 
@@ -156,6 +163,9 @@ class Qwen4ExpState:
         self.mtp = AttentionState(model.kv) if mtp else None
         self.hidden: torch.Tensor | None = None
         self.length = 0
+        self.positions = Positions()
+        # an image's rows planned for the tokens to come: (token indices, rows (n, dim))
+        self.media: tuple[torch.Tensor, torch.Tensor] | None = None
         self._model_ple = model.ple
         self._verify: _Verify | None = None
 
@@ -170,6 +180,7 @@ class Qwen4ExpState:
         c.mtp = self.mtp.copy() if self.mtp is not None else None
         c.hidden = self.hidden
         c.length = self.length
+        c.positions, c.media = self.positions.copy(), self.media
         c._model_ple, c._verify = self._model_ple, None
         return c
 
@@ -214,6 +225,7 @@ class Qwen4ExpState:
             ple, tokens = self._model_ple, v.tokens[:n]
             ple(v.ple_input[:n], tokens, self.ple, ple.ids(tokens, self.ple))
         self.length = v.start + n
+        self.positions.truncate(self.length)
 
 
 class MTPHead(torch.nn.Module):
@@ -252,15 +264,17 @@ class MTPHead(torch.nn.Module):
         both = torch.cat([e.unsqueeze(1).expand(T, S, H), h], dim=-1)
         return self.eh_proj(both.reshape(T * S, 2 * H)).float().reshape(T, S * H)
 
-    def keys(self, model: "Qwen4Exp", tokens, hidden, st: AttentionState, start: int) -> None:
+    def keys(self, model: "Qwen4Exp", tokens, hidden, st: AttentionState, start: int,
+             positions: Positions | None = None) -> None:
         """Append the block's keys and values at positions start.. (only its attention's
         input is needed: the rest of the block matters for a draft's own row)."""
         a, _ = self.block.attn_hc.read(self.inputs(model, tokens, hidden))
-        self.block.mixer(a, st, start)
+        self.block.mixer(a, st, start, positions)
 
-    def step(self, model: "Qwen4Exp", tokens, hidden, st: AttentionState, start: int):
+    def step(self, model: "Qwen4Exp", tokens, hidden, st: AttentionState, start: int,
+             positions: Positions | None = None):
         """(logits (T, vocab) float32, the block's output streams (T, S*H)) for rows at start.."""
-        x = self.block(self.inputs(model, tokens, hidden), tokens, st, None, start)
+        x = self.block(self.inputs(model, tokens, hidden), tokens, st, None, start, positions=positions)
         h, _ = model.out_hc.read(x)
         h = F.rms_norm(h, (h.shape[-1],), eps=model.cfg.norm_eps) * self.head_norm
         return model.output(h).float(), x
@@ -377,7 +391,7 @@ class Qwen4Exp(torch.nn.Module):
         """The streams (T, S*H) after this model's layers (under --pp, its stage's)."""
         pipe = self.pipe
         if pipe is None or pipe.first:
-            x = self.embed(tokens).repeat(1, self.cfg.streams)
+            x = self._with_media(self.embed(tokens), state).repeat(1, self.cfg.streams)
         else:  # a later stage: checked here too, so that no stage waits on one that refused
             self._check_tokens(tokens)
             x = pipe.receive(tokens.numel(), self.cfg.streams * self.cfg.dim)
@@ -392,14 +406,69 @@ class Qwen4Exp(torch.nn.Module):
         for layer, st in zip(self.layers, state.layers):
             if verify is not None and layer.ple is not None:
                 verify.ple_input = x
-            x = layer(x, tokens, st, state.ple, start, ple_ids)
+            x = layer(x, tokens, st, state.ple, start, ple_ids, state.positions)
         if state.mtp is not None:
             prev = x.new_zeros(1, x.shape[1]) if state.hidden is None else state.hidden.reshape(1, -1)
-            self.mtp.keys(self, tokens, torch.cat([prev, x[:-1]]), state.mtp, start)
+            self.mtp.keys(self, tokens, torch.cat([prev, x[:-1]]), state.mtp, start, state.positions)
             state.hidden = x[-1].clone()
         if verify is not None:
             verify.tokens, verify.streams = tokens, x
         state.length = start + tokens.numel()
+        return x
+
+    def add_images(self, state: Qwen4ExpState, tokens, images: list[tuple[torch.Tensor | None, tuple[int, int]]]
+                   ) -> None:
+        """Plan a sequence with images: `tokens` are its ids from the first (what `state`
+        holds already and the prompt about to be fed, at once or in chunks), in which each
+        run of image tokens stands for the next of `images`: (its rows (n, dim) from
+        strata.models.vision, or None for an image `state` has taken in whole; its (h', w')
+        grid of merged patches, h' * w' = n). The runs' embeddings become the images' rows,
+        and every token takes its M-RoPE position (strata.nn.mrope), as transformers'
+        Qwen4ExpModel does."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        image = self.cfg.image_token
+        if image is None:
+            raise ValueError(f"{self.gguf.path}: the file names no image token (qwen4exp.ple.image_token_id); "
+                             f"convert a checkpoint with a vision tower (its config's image_token_id)")
+        if self.pipe is not None:
+            raise ValueError("images with --pp: only the first stage would see them; run images in one process")
+        is_image = (tokens == image).tolist()
+        runs, i = [], 0
+        while i < len(is_image):
+            j = i
+            while j < len(is_image) and is_image[j] == is_image[i]:
+                j += 1
+            runs.append((j - i, is_image[i]))
+            i = j
+        sizes = [n for n, img in runs if img]
+        if sizes != [h * w for _, (h, w) in images]:
+            raise ValueError(f"the prompt has runs of {sizes} image tokens for images of "
+                             f"{[h * w for _, (h, w) in images]}: each image needs one run of exactly its tokens")
+        grids = iter(grid for _, grid in images)
+        state.positions.plan(0, [(n, next(grids) if img else None) for n, img in runs])
+        index = torch.nonzero(tokens == image).flatten()
+        ahead = index >= state.length  # the image tokens still to be fed
+        if not bool(ahead.any()):
+            return
+        ends = torch.tensor(sizes).cumsum(0) - 1   # each image's last token, in `index`
+        if any(rows is None and int(index[end]) >= state.length for (rows, _), end in zip(images, ends)):
+            raise ValueError("an image the state has not taken in whole needs its rows")
+        rows = torch.cat([r if r is not None else torch.zeros(h * w, self.cfg.dim) for r, (h, w) in images])
+        state.media = (index[ahead], rows[ahead].to(self.device, torch.float32))
+
+    def _with_media(self, x: torch.Tensor, state: Qwen4ExpState) -> torch.Tensor:
+        """The token embeddings x (T, dim) of tokens state.length.., with the rows of planned
+        images in place of their tokens'."""
+        if state.media is None:
+            return x
+        index, rows = state.media
+        start, T = state.length, x.shape[0]
+        here = (index >= start) & (index < start + T)
+        if bool(here.any()):
+            x = x.clone()
+            x[index[here] - start] = rows[here].to(x.dtype)
+        if int(index[-1]) < start + T:  # every row placed
+            state.media = None
         return x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -422,7 +491,7 @@ class Qwen4Exp(torch.nn.Module):
         if hidden is None:  # nothing seen yet: no streams before position 0
             hidden = torch.zeros(self.cfg.streams * self.cfg.dim, device=self.device)
         logits, x = self.mtp.step(self, torch.tensor([token]), hidden.reshape(1, -1), state.mtp,
-                                  state.length + step)
+                                  state.length + step, state.positions)
         return logits[0], x[0]
 
     def io_stats(self) -> dict:

@@ -63,6 +63,13 @@ def mtp_sidecar(path: str | os.PathLike) -> Path:
     return path.with_name(f"mtp-{path.name}")
 
 
+def mmproj_sidecar(path: str | os.PathLike) -> Path:
+    """The file beside a model's GGUF that holds its vision tower: `mmproj-<name>`, the
+    prefix llama.cpp's converter gives an mmproj file (`strata convert --mmproj`)."""
+    path = Path(path)
+    return path.with_name(f"mmproj-{path.name}")
+
+
 # --- Hugging Face -> GGUF, for strata convert ----------------------------------------------
 
 # per layer: HF suffix (model.layers.N.) -> (GGUF suffix (blk.N.), transform or None)

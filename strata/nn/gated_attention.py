@@ -31,6 +31,7 @@ from triton_kernels.qsa import select_blocks
 
 from . import kv
 from .linear import QuantLinear
+from .mrope import Positions
 from .rope import Rope
 
 
@@ -190,11 +191,16 @@ class GatedAttention(torch.nn.Module):
         if n_idx:
             self.splits += [n_idx * idx_dim, idx_dim]
 
-    def forward(self, x: torch.Tensor, st: AttentionState, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, st: AttentionState, start: int,
+                positions: Positions | None = None) -> torch.Tensor:
+        """x (T, dim) at token indices start..; `positions`: the sequence's M-RoPE positions
+        where they are not the indices (an image is in it)."""
         T = x.shape[0]
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         dev = x.device
-        pos = torch.arange(start, start + T)  # on the host: RoPE takes its rows from there
+        pos = positions.of(start, T) if positions is not None else None
+        if pos is None:
+            pos = torch.arange(start, start + T)  # on the host: RoPE takes its rows from there
         parts = self.proj(x).float().split(self.splits, dim=-1)
         qg = parts[0].reshape(T, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
@@ -210,7 +216,7 @@ class GatedAttention(torch.nn.Module):
         # mode, where a query's sums must run in one order whatever the chunk (SDPA's differ)
         sparse = end // self.ratio > self.budget // self.ratio or invariant.enabled()
         if self.qsa and not self.dense_only and sparse:
-            sel = self._select(parts[3], st, start)
+            sel = self._select(parts[3], st, start, pos, positions)
             t1 = _now(dev) if clock is not None else 0.0
             scales = st.kv_scales()
             out = impl("qsa_attention", self.kernels)(q, *st.kv_cache(), sel, start, self.ratio,
@@ -229,7 +235,7 @@ class GatedAttention(torch.nn.Module):
         out = out.transpose(0, 1).reshape(T, H * D) * torch.sigmoid(gate)
         return self.o(out)
 
-    def _blocks(self, st: AttentionState) -> torch.Tensor:
+    def _blocks(self, st: AttentionState, positions: Positions | None) -> torch.Tensor:
         """The pooled keys of every complete block in `st`, pooling only the blocks that
         completed since the last call: mean of the block's raw keys, normed, roped at the
         block's first position."""
@@ -238,17 +244,21 @@ class GatedAttention(torch.nn.Module):
         if nb > have:
             raw = st.idx_rows(have * r, nb * r).float().reshape(nb - have, r, self.idx_dim).mean(dim=1)
             first = torch.arange(have, nb) * r
+            if positions is not None:
+                first = positions.at(first)
             st.add_blocks(self.rope(_heads_norm(raw, self.idx_k_norm, self.eps).unsqueeze(0), first)[0], r)
         return st.blocks(r)
 
-    def _select(self, idx_q: torch.Tensor, st: AttentionState, start: int) -> torch.Tensor:
+    def _select(self, idx_q: torch.Tensor, st: AttentionState, start: int, pos: torch.Tensor | None = None,
+                positions: Positions | None = None) -> torch.Tensor:
         """Each query's chosen blocks, (T, budget // ratio) int64, -1 in unused slots
-        (triton_kernels.qsa.select_blocks). idx_q: the indexer queries (T, n_idx*d)."""
+        (triton_kernels.qsa.select_blocks). idx_q: the indexer queries (T, n_idx*d) at
+        rotary positions `pos` (default: their indices)."""
         T = idx_q.shape[0]
-        pos = torch.arange(start, start + T)
+        pos = torch.arange(start, start + T) if pos is None else pos
         qi = idx_q.reshape(T, self.n_idx, self.idx_dim)
         qi = self.rope(_heads_norm(qi, self.idx_q_norm, self.eps).transpose(0, 1), pos)  # (n_idx, T, d)
-        keep, blocks = self.budget // self.ratio, self._blocks(st)
+        keep, blocks = self.budget // self.ratio, self._blocks(st, positions)
         if blocks is None or blocks.shape[0] <= keep:
             # no query sees more blocks than it keeps (batch-invariant mode within the
             # budget): every query takes all its blocks, and no score is needed

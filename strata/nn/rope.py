@@ -66,11 +66,22 @@ class RopeScaling:
 class Rope(torch.nn.Module):
     """Rotary position embedding on the first `dim` dims of each head, in the
     rotate-half layout (the model's Q/K rows are in Hugging Face order), optionally
-    scaled (`RopeScaling`)."""
+    scaled (`RopeScaling`).
 
-    def __init__(self, dim: int, theta: float, max_pos: int = 8192, scaling: RopeScaling | None = None):
+    `sections` (t, h, w): multimodal RoPE, interleaved (qwen4exp; transformers'
+    Qwen4ExpTextRotaryEmbedding): rotary pair i turns with the h position where i % 3 == 1
+    and i < 3 * h, with the w position where i % 3 == 2 and i < 3 * w, else with the t
+    position. It matters only for (3, S) positions (strata.nn.mrope); for text all three
+    are one."""
+
+    def __init__(self, dim: int, theta: float, max_pos: int = 8192, scaling: RopeScaling | None = None,
+                 sections: tuple[int, int, int] | None = None):
         super().__init__()
         self.dim, self.scaling = dim, scaling
+        pairs = torch.zeros(dim // 2, dtype=torch.long)
+        if sections is not None:
+            pairs[1:3 * sections[1]:3], pairs[2:3 * sections[2]:3] = 1, 2
+        self._axis = torch.cat([pairs, pairs])  # which of (t, h, w) turns each rotary column
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         if scaling is not None:
             inv_freq = scaling.inv_freq(inv_freq, dim, theta)
@@ -89,6 +100,12 @@ class Rope(torch.nn.Module):
         """cos and sin rows of `pos` on `device`. On a GPU the positions cross over once a
         step, not once a layer: every layer of a step asks for the same ones (a copy from
         the host waits for the GPU's queue)."""
+        if pos.dim() == 2:  # (3, S) multimodal positions: each column from its axis's row
+            if int(pos.max()) >= self.cos.shape[0]:
+                self._table(2 * int(pos.max()) + 1)
+            idx = pos.to(self.cos.device)[self._axis.to(self.cos.device)].T     # (S, dim)
+            cols = torch.arange(self.dim, device=self.cos.device)
+            return self.cos[idx, cols].to(device), self.sin[idx, cols].to(device)
         key = (pos.device, tuple(pos.tolist())) if pos.device.type == "cpu" and pos.numel() <= 64 else None
         if key is not None and self._last is not None and self._last[0] == key:
             return self._last[1]
@@ -108,7 +125,8 @@ class Rope(torch.nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """x: (..., S, head_dim) float32; pos: (S,) positions (on the host, preferably)."""
+        """x: (..., S, head_dim) float32; pos: (S,) positions, or (3, S) multimodal ones (on
+        the host, preferably)."""
         cos, sin = self._rows(pos, x.device)
         return rotate(x, cos, sin, self.dim)
 

@@ -35,11 +35,12 @@ class GenerationResult:
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
              on_text: Callable[[str], None] | None = None, cache=None, ubatch: int = 512,
-             spec: int = 0, spec_min_p: float = 0.0, drafter=None) -> GenerationResult:
+             spec: int = 0, spec_min_p: float = 0.0, drafter=None, vision=None, images=()) -> GenerationResult:
     """Generate after `prompt_ids`; `on_text` receives the text as it becomes final.
     `spec` > 0: speculative decoding with up to `spec` drafts of the model's MTP head a step
     (strata.runtime.spec; `spec_min_p` stops a draft below that top probability; `drafter`
-    replaces the head). Greedy, the tokens are those of `spec` = 0."""
+    replaces the head). Greedy, the tokens are those of `spec` = 0. `images`
+    (strata.vision.images.Image, read by `vision`) fill the prompt's runs of image tokens."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     sampler = Sampler(params)
@@ -48,6 +49,8 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
         capacity = len(prompt_ids) + params.max_tokens
         cache = speculator.new_state(capacity) if speculator else model.new_cache(capacity)
     t0 = time.perf_counter()
+    if images:
+        vision.prepare(cache, prompt_ids, list(images))
     for i in range(0, len(prompt_ids), ubatch):
         logits = model(prompt_ids[i:i + ubatch], cache, last_only=True)
     t1 = time.perf_counter()

@@ -25,7 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata.runtime.sampling import SamplingParams
 from strata.server.engine import Engine, QueueFull, Request
+from strata.vision.images import flatten
 from strata.tokenizer import TokenizerInputError
+from strata.vision.preprocess import ImageError
 
 log = logging.getLogger("strata.server")
 
@@ -147,6 +149,10 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
     async def _api_error(_, e: ApiError):
         return error(e.message, e.code, e.status, e.headers)
 
+    @app.exception_handler(ImageError)
+    async def _bad_image(_, e: ImageError):  # names the content part
+        return error(str(e), "invalid_image")
+
     @app.exception_handler(TokenizerInputError)
     async def _bad_text(_, e: TokenizerInputError):  # text the tokenizer cannot take (a lone surrogate)
         return error(str(e), "invalid_text")
@@ -225,7 +231,8 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
                               min_p=body.min_p, seed=body.seed, stop=stop,
                               max_tokens=default_max_tokens if n is None else n)
 
-    async def run(http: HTTPRequest, prompt: list[int], sp: SamplingParams, body: _Sampling, chat: bool):
+    async def run(http: HTTPRequest, prompt: list[int], sp: SamplingParams, body: _Sampling, chat: bool,
+                  images=(), key: list[int] | None = None):
         e = engine()
         if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
             raise ApiError(f"the prompt has {len(prompt)} tokens; this server takes at most {max_prompt_tokens} "
@@ -235,7 +242,8 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
                            f"the context size ({e.ctx_size} tokens)", "context_length_exceeded")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        req = Request(prompt, sp, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        req = Request(prompt, sp, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                      images=list(images), key=key)
         try:
             e.submit(req)
         except QueueFull as ex:
@@ -245,9 +253,11 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
         obj = "chat.completion" if chat else "text_completion"
 
         def usage():
+            details = {"cached_tokens": req.cached_tokens}
+            if images:  # counted in prompt_tokens too
+                details["image_tokens"] = sum(im.n_tokens for im in images)
             return {"prompt_tokens": len(prompt), "completion_tokens": len(req.tokens),
-                    "total_tokens": len(prompt) + len(req.tokens),
-                    "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
+                    "total_tokens": len(prompt) + len(req.tokens), "prompt_tokens_details": details}
 
         if not body.stream:
             try:
@@ -314,9 +324,16 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
         sp = params(body)
         e = engine()
         for m in body.messages:
-            if not isinstance(m.get("content", ""), str) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                raise ApiError("each message needs a role (system, user, assistant) and text content",
-                               "invalid_messages")
+            if not isinstance(m.get("content", ""), (str, list)) or \
+                    m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise ApiError("each message needs a role (system, user, assistant) and content: text, or a "
+                               "list of text and image_url parts", "invalid_messages")
+        messages, sources = flatten(body.messages)
+        if sources and e.vision is None:
+            raise ApiError(f"{sources[0][1]}: this server's model has no vision tower; start it with --mmproj PATH "
+                           f"to take images", "images_not_supported")
+        # decoding and resizing is the request's own work, off the event loop
+        images = [await asyncio.to_thread(e.vision.read, src, label) for src, label in sources]
         kw = dict(body.chat_template_kwargs or {})
         think = kw.pop("enable_thinking", None)
         if think is not None and not isinstance(think, bool):
@@ -327,10 +344,13 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
             raise ApiError(f"chat_template_kwargs may not set {', '.join(taken)}: the server sets them",
                            "invalid_request")
         try:
-            text = e.tok.apply_chat_template(body.messages, enable_thinking=think, **kw)
+            text = e.tok.apply_chat_template(messages, enable_thinking=think, **kw)
         except jinja2.TemplateError as ex:  # the template refused these messages
             raise ApiError(f"the model's chat template refused these messages: {ex}", "invalid_messages") from None
         prompt = e.tok.encode(text)
+        if images:
+            prompt = e.vision.expand(prompt, images)
+            return await run(http, prompt, sp, body, chat=True, images=images, key=e.vision.key(prompt, images))
         return await run(http, prompt, sp, body, chat=True)
 
     @app.post("/v1/completions")

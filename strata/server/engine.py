@@ -49,6 +49,8 @@ class Request:
     emit: Callable[[dict], None]          # called from the engine thread with events
     id: int = 0
     cancelled: bool = False
+    images: list = field(default_factory=list)  # strata.vision.images.Image, in the prompt's order
+    key: list[int] | None = None  # the prompt as the conversation cache knows it (images by content)
     # filled in by the engine
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -72,9 +74,11 @@ class Slot:
 class Engine:
     def __init__(self, model, tokenizer, slots: int = 4, queue_size: int = 64,
                  cache_mib: float = 512, ctx_size: int | None = None, start_thread: bool = True,
-                 align: int = PREFILL_CHUNK, spec: int = 0, spec_min_p: float = 0.0):
+                 align: int = PREFILL_CHUNK, spec: int = 0, spec_min_p: float = 0.0, vision=None):
         """`align`: the prefill's chunk, and the conversation cache's unit of reuse. `spec`:
-        speculative decoding per slot, up to that many MTP drafts a step (strata.runtime.spec)."""
+        speculative decoding per slot, up to that many MTP drafts a step (strata.runtime.spec).
+        `vision`: the model's tower (strata.vision.images.Vision), for requests with images."""
+        self.vision = vision
         check_spec(model, spec)
         self.spec, self.spec_min_p = spec, spec_min_p
         self.model, self.tok, self.align = model, tokenizer, align
@@ -156,10 +160,13 @@ class Engine:
 
     def _prefill(self, slot: Slot, req: Request) -> None:
         t0 = time.perf_counter()
-        cache, reused = self.prefix.take(req.prompt)
+        key = req.key or req.prompt
+        cache, reused = self.prefix.take(key)
         if cache is None:
             tracks = {"mtp": True} if self.spec else {}  # what the MTP head drafts from, too
             cache = self.model.new_cache(len(req.prompt) + req.params.max_tokens, **tracks)
+        if req.images:
+            self.vision.prepare(cache, req.prompt, req.images, have=reused)
         req.cached_tokens = reused
         slot.req, slot.cache = req, cache
         slot.sampler = Sampler(req.params)
@@ -173,7 +180,7 @@ class Engine:
         for s in range(reused, P, a):
             slot.logits = self.model(req.prompt[s:s + a], cache, last_only=True)[-1]
             if s + a == whole and whole > reused and not getattr(cache, "rewindable", True):
-                slot.keep = (req.prompt[:whole], cache.copy())  # a recurrent state cannot be cut back later
+                slot.keep = (key[:whole], cache.copy())  # a recurrent state cannot be cut back later
         self.stats["prompt_tokens"] += len(req.prompt)
         self.stats["cached_tokens"] += reused
         self.stats["requests"] += 1
@@ -242,7 +249,7 @@ class Engine:
         # the prompt's whole chunks, as a fresh prefill computes them
         whole = len(req.prompt) // self.align * self.align
         if getattr(slot.cache, "rewindable", True) and whole > req.cached_tokens:
-            self.prefix.put(req.prompt[:whole], slot.cache.copy(whole))
+            self.prefix.put((req.key or req.prompt)[:whole], slot.cache.copy(whole))
         elif slot.keep is not None:
             self.prefix.put(*slot.keep)
         slot.req = slot.cache = slot.sampler = slot.out = slot.logits = slot.keep = slot.spec = slot.chosen = None

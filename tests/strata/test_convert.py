@@ -8,7 +8,6 @@ shapes, types, offsets and byte hashes) that says where a file that differs diff
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -67,31 +66,14 @@ def test_checkpoint_is_the_golden_one(hf_dir):
 
 
 def _assert_matches_golden(path: Path, outtype: str) -> None:
-    """The whole file equals llama.cpp's, byte for byte.
+    """The whole file equals llama.cpp's, byte for byte (golden_convert.assert_matches).
 
     One exception, and it is bounded: the `.ssm_a` tensors hold -exp(A_log), and torch's
     float32 exp (which llama.cpp's converter and Strata both call) sets the last bit
     differently on CPUs with and without AVX-512; where this machine's bits differ from the
     golden machine's they must be within 1 ulp, and llama.cpp's are put in their place
     before the whole file is hashed. test_layout checks those values against torch here."""
-    want = GOLDEN["outtypes"][outtype]
-    got = golden_convert.digest_gguf(path)
-    # first the digest, for a message that names the key or tensor that differs
-    assert [m["key"] for m in got["metadata"]] == [m["key"] for m in want["metadata"]]
-    for g, w in zip(got["metadata"], want["metadata"]):
-        assert (g["type"], g["sha256"]) == (w["type"], w["sha256"]), (g["key"], g.get("value"), w.get("value"))
-    assert [t["name"] for t in got["tensors"]] == [t["name"] for t in want["tensors"]]
-    data = bytearray(path.read_bytes())
-    for g, w in zip(got["tensors"], want["tensors"]):
-        if g["name"] in want["machine_dependent"]:
-            ours = np.frombuffer(bytes.fromhex(got["machine_dependent"][g["name"]]), np.float32)
-            theirs = np.frombuffer(bytes.fromhex(want["machine_dependent"][g["name"]]), np.float32)
-            assert np.all(np.abs(ours.view(np.int32) - theirs.view(np.int32)) <= 1), g["name"]
-            data[g["offset"]:g["offset"] + theirs.nbytes] = theirs.tobytes()
-            g, w = ({k: v for k, v in t.items() if k != "sha256"} for t in (g, w))
-        assert g == w, g["name"]
-    assert len(data) == want["bytes"]
-    assert hashlib.sha256(data).hexdigest() == want["sha256"], f"{outtype}: the files differ outside the tensors"
+    golden_convert.assert_matches(path, GOLDEN["outtypes"][outtype], outtype)
 
 
 # bf16 is compared in test_cli_convert_shows_progress

@@ -1,0 +1,1 @@
+"""Image input for the vision tower of qwen4exp models."""
