@@ -181,16 +181,25 @@ def test_generate_with_images_names_the_tower(path, tmp_path):
     assert "4 generated" in r.stderr
 
 
-def test_chat_shows_an_image_with_the_next_line(path, tmp_path):
-    (tmp_path / "a.png").write_bytes(png(90, 120, 1))
+@pytest.fixture(scope="module")
+def described(path, tmp_path_factory):
+    """`strata generate "Describe them." --image a.png -n 4`, greedy, f32: (the image's path, the run)."""
+    a = tmp_path_factory.mktemp("images") / "a.png"
+    a.write_bytes(png(90, 120, 1))
+    run = _cli("Describe them.", "--image", str(a), "-n", "4")
+    assert run.returncode == 0, run.stderr
+    return a, run
+
+
+def test_chat_shows_an_image_with_the_next_line(described, tmp_path):
+    a, gen = described
     chat = subprocess.run([sys.executable, "-m", "strata", "chat", "--model", "flash-tiny-vision", "--dtype", "f32",
                            "-t", "1", "--temperature", "0", "-n", "4"],
-                          input=f"/image {tmp_path / 'nothing.png'}\n/image {tmp_path / 'a.png'}\nDescribe them.\n",
+                          input=f"/image {tmp_path / 'nothing.png'}\n/image {a}\nDescribe them.\n",
                           capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr
     assert "nothing.png: no such file" in chat.stderr      # said, and the chat goes on
     assert "70 image tokens, shown with your next line" in chat.stderr
-    gen = _cli("Describe them.", "--image", str(tmp_path / "a.png"), "-n", "4")
     assert chat.stdout.strip() == gen.stdout.strip() != ""
 
 
@@ -249,12 +258,9 @@ def _ask(server, image: bytes, text: str = "Describe them.", n: int = 4):
                                                  max_tokens=n, temperature=0)
 
 
-def test_the_server_sees_what_generate_sees(server, tmp_path):
-    image = png(90, 120, 1)
-    r = _ask(server, image)
-    (tmp_path / "a.png").write_bytes(image)
-    cli = _cli("Describe them.", "--image", str(tmp_path / "a.png"), "-n", "4")
-    assert cli.returncode == 0, cli.stderr
+def test_the_server_sees_what_generate_sees(server, described):
+    a, cli = described
+    r = _ask(server, a.read_bytes())
     assert cli.stdout.strip() == r.choices[0].message.content.strip()
     assert r.usage.prompt_tokens_details.image_tokens == 7 * 10  # 90 x 120 lifted to 224 x 320 pixels
     assert "prompt tokens" in cli.stderr and f"{r.usage.prompt_tokens} prompt tokens" in cli.stderr
