@@ -41,7 +41,7 @@ def load_vision(args, model, tok, need: bool = False):
     path = find_mmproj(model_path, getattr(args, "mmproj", None))
     if path is None:
         if need:
-            raise ValueError(f"--image: {model_path.name} has no vision tower beside it (mmproj-{model_path.name}); "
+            raise ValueError(f"images: {model_path.name} has no vision tower beside it (mmproj-{model_path.name}); "
                              f"give --mmproj PATH (`strata convert HF_DIR OUT.gguf --mmproj` writes one)")
         return None
     vision = Vision.load(model, tok, path)

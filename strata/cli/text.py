@@ -37,9 +37,9 @@ def _print(text: str) -> None:
 def generate_cmd(args) -> int:
     from strata.vision.images import MARKER, flatten
     model, tok = load(args)
-    vision = load_vision(args, model, tok, need=bool(args.image))
+    vision = load_vision(args, model, tok, need=True) if args.image else None  # a tower only for images
     parts = [{"type": "image", "image": p} for p in args.image or []] + [{"type": "text", "text": args.prompt}]
-    messages, sources = flatten([{"role": "user", "content": parts}], where="--image")
+    messages, sources = flatten([{"role": "user", "content": parts}], where="--image", local=True)
     images = [vision.read(src) for src, _ in sources]  # an image is named by its path
     if not args.raw and tok.chat_template:
         prompt = tok.apply_chat_template(messages, enable_thinking=_think(args, tok))
@@ -61,10 +61,10 @@ def generate_cmd(args) -> int:
 def chat_cmd(args) -> int:
     """Interactive chat: one line per turn; /image PATH shows an image with the next turn,
     /reset clears the history, /exit or EOF quits."""
-    from strata.vision.images import flatten
+    from strata.vision.images import PartError, flatten
     from strata.vision.preprocess import ImageError
     model, tok = load(args)
-    vision = load_vision(args, model, tok)
+    vision = None  # loaded at the first /image
     history = [{"role": "system", "content": args.system}] if args.system else []
     pending: list = []   # this turn's image parts
     seen: dict = {}      # path -> its Image, read once
@@ -87,10 +87,9 @@ def chat_cmd(args) -> int:
         if line.startswith("/image"):
             path = line[len("/image"):].strip()
             try:
-                if vision is None:
-                    raise ImageError(f"/image: {args.model} has no vision tower: start with --mmproj PATH")
+                vision = vision or load_vision(args, model, tok, need=True)
                 seen[path] = seen.get(path) or vision.read(path)
-            except (ImageError, ValueError) as e:
+            except ValueError as e:
                 print(f"strata: {e}", file=sys.stderr)
                 continue
             pending.append({"type": "image", "image": path})
@@ -100,11 +99,16 @@ def chat_cmd(args) -> int:
             continue
         history.append({"role": "user", "content": pending + [{"type": "text", "text": line}] if pending else line})
         pending = []
-        messages, sources = flatten(history)
+        messages, sources = flatten(history, local=True)
         images = [seen[src] for src, _ in sources]
         ids = tok.encode(tok.apply_chat_template(messages, enable_thinking=think))
-        if images:
-            ids = vision.expand(ids, images)
+        try:
+            ids = vision.expand(ids, images) if images else ids
+        except (ImageError, PartError) as e:  # the line is refused; its images wait for the next
+            print(f"strata: {e}", file=sys.stderr)
+            content = history.pop()["content"]
+            pending = content[:-1] if isinstance(content, list) else []
+            continue
         res = generate(model, tok, ids, params, on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p,
                        vision=vision, images=images)
         print()
@@ -152,7 +156,12 @@ def serve_cmd(args) -> int:
     state = app.state.strata
     try:
         model, tok = load(args)
-        vision = load_vision(args, model, tok) if comm is None else None  # images: one process
+        vision = None
+        if comm is None:
+            vision = load_vision(args, model, tok)
+        elif args.mmproj:
+            logging.getLogger("strata.server").warning(
+                "--mmproj with --ep/--pp: the server takes images in one process only; it takes none now")
         if comm is not None:
             model = Leader(model, comm)
         state.engine = Engine(model, tok, slots=args.slots, queue_size=args.queue,

@@ -164,7 +164,7 @@ class Qwen4ExpState:
         self.hidden: torch.Tensor | None = None
         self.length = 0
         self.positions = Positions()
-        # an image's rows planned for the tokens to come: (token indices, rows (n, dim))
+        # the rows of planned images' tokens still to be fed: (token indices, rows (n, dim))
         self.media: tuple[torch.Tensor, torch.Tensor] | None = None
         self._model_ple = model.ple
         self._verify: _Verify | None = None
@@ -180,7 +180,8 @@ class Qwen4ExpState:
         c.mtp = self.mtp.copy() if self.mtp is not None else None
         c.hidden = self.hidden
         c.length = self.length
-        c.positions, c.media = self.positions.copy(), self.media
+        # a copy holds what was fed: the rest of a plan belongs to the request that made it
+        c.positions, c.media = self.positions.copy(self.length), None
         c._model_ple, c._verify = self._model_ple, None
         return c
 
@@ -416,23 +417,19 @@ class Qwen4Exp(torch.nn.Module):
         state.length = start + tokens.numel()
         return x
 
-    def add_images(self, state: Qwen4ExpState, tokens, images: list[tuple[torch.Tensor | None, tuple[int, int]]]
-                   ) -> None:
+    def add_images(self, state: Qwen4ExpState, tokens, images: list[tuple[torch.Tensor | None, tuple[int, int]]],
+                   pad: int) -> None:
         """Plan a sequence with images: `tokens` are its ids from the first (what `state`
         holds already and the prompt about to be fed, at once or in chunks), in which each
-        run of image tokens stands for the next of `images`: (its rows (n, dim) from
+        run of the placeholder `pad` stands for the next of `images`: (its rows (n, dim) from
         strata.models.vision, or None for an image `state` has taken in whole; its (h', w')
         grid of merged patches, h' * w' = n). The runs' embeddings become the images' rows,
         and every token takes its M-RoPE position (strata.nn.mrope), as transformers'
         Qwen4ExpModel does."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        image = self.cfg.image_token
-        if image is None:
-            raise ValueError(f"{self.gguf.path}: the file names no image token (qwen4exp.ple.image_token_id); "
-                             f"convert a checkpoint with a vision tower (its config's image_token_id)")
         if self.pipe is not None:
             raise ValueError("images with --pp: only the first stage would see them; run images in one process")
-        is_image = (tokens == image).tolist()
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        is_image = (tokens == pad).tolist()
         runs, i = [], 0
         while i < len(is_image):
             j = i
@@ -445,16 +442,19 @@ class Qwen4Exp(torch.nn.Module):
             raise ValueError(f"the prompt has runs of {sizes} image tokens for images of "
                              f"{[h * w for _, (h, w) in images]}: each image needs one run of exactly its tokens")
         grids = iter(grid for _, grid in images)
-        state.positions.plan(0, [(n, next(grids) if img else None) for n, img in runs])
-        index = torch.nonzero(tokens == image).flatten()
-        ahead = index >= state.length  # the image tokens still to be fed
-        if not bool(ahead.any()):
-            return
-        ends = torch.tensor(sizes).cumsum(0) - 1   # each image's last token, in `index`
-        if any(rows is None and int(index[end]) >= state.length for (rows, _), end in zip(images, ends)):
-            raise ValueError("an image the state has not taken in whole needs its rows")
-        rows = torch.cat([r if r is not None else torch.zeros(h * w, self.cfg.dim) for r, (h, w) in images])
-        state.media = (index[ahead], rows[ahead].to(self.device, torch.float32))
+        state.positions.plan([(n, next(grids) if img else None) for n, img in runs])
+        # the rows of the image tokens still to be fed, from the images they belong to
+        index, todo, rows, first = torch.nonzero(tokens == pad).flatten(), [], [], 0
+        for (r, _), n in zip(images, sizes):
+            last = int(index[first + n - 1])
+            if last >= state.length:
+                if r is None:
+                    raise ValueError("an image the state has not taken in whole needs its rows")
+                keep = index[first:first + n] >= state.length
+                todo.append(index[first:first + n][keep])
+                rows.append(r[keep.to(r.device)])
+            first += n
+        state.media = (torch.cat(todo), torch.cat(rows).to(self.device, torch.float32)) if todo else None
 
     def _with_media(self, x: torch.Tensor, state: Qwen4ExpState) -> torch.Tensor:
         """The token embeddings x (T, dim) of tokens state.length.., with the rows of planned

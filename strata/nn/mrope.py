@@ -21,13 +21,10 @@ class Positions:
         self.rows: torch.Tensor | None = None
         self.next = 0  # the next text token's position, where rows is held
 
-    def plan(self, start: int, runs: list[tuple[int, tuple[int, int] | None]]) -> None:
-        """Positions for the tokens about to be fed from index `start`: `runs` in order, each
+    def plan(self, runs: list[tuple[int, tuple[int, int] | None]]) -> None:
+        """Positions for a whole sequence, from its first token: `runs` in order, each
         (count, None) for text or (count, (h', w')) for an image's count = h' * w' tokens."""
-        self._cover(start)
-        self.rows = self.rows[:, :start]
-        self.next = int(self.rows.max()) + 1 if start else 0
-        parts, p = [self.rows], self.next
+        parts, p = [], 0
         for count, grid in runs:
             if grid is None:
                 parts.append((p + torch.arange(count)).expand(3, -1))
@@ -39,7 +36,7 @@ class Positions:
             rr, cc = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
             parts.append(torch.stack([torch.full((count,), p), p + rr.flatten(), p + cc.flatten()]))
             p += max(h, w)
-        self.rows, self.next = torch.cat(parts, dim=1), p
+        self.rows, self.next = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long), p
 
     def _cover(self, n: int) -> None:
         """Hold rows for the first n tokens, text positions for any not yet planned."""
@@ -51,11 +48,13 @@ class Positions:
             self.rows, self.next = torch.cat([self.rows, more], dim=1), self.next + n - have
 
     def of(self, start: int, count: int) -> torch.Tensor | None:
-        """(3, count) positions of tokens start.., or None while they are their indices."""
+        """(3, count) positions of tokens start.., or None while they are their indices.
+        Text alone, (count,): its three positions are one, and RoPE's 1-D rows are its."""
         if self.rows is None:
             return None
         self._cover(start + count)
-        return self.rows[:, start:start + count]
+        rows = self.rows[:, start:start + count]
+        return rows[0] if bool((rows == rows[0]).all()) else rows
 
     def at(self, index: torch.Tensor) -> torch.Tensor:
         """(3, len(index)) positions of tokens already covered (a block's first token), or the
@@ -69,7 +68,9 @@ class Positions:
             self.rows = self.rows[:, :n]
             self.next = int(self.rows.max()) + 1 if n else 0
 
-    def copy(self) -> "Positions":
+    def copy(self, n: int) -> "Positions":
+        """A copy of the first n tokens' positions."""
         c = Positions()
         c.rows, c.next = self.rows, self.next  # rows are replaced, never written in place
+        c.truncate(n)
         return c

@@ -81,7 +81,8 @@ class Rope(torch.nn.Module):
         pairs = torch.zeros(dim // 2, dtype=torch.long)
         if sections is not None:
             pairs[1:3 * sections[1]:3], pairs[2:3 * sections[2]:3] = 1, 2
-        self._axis = torch.cat([pairs, pairs])  # which of (t, h, w) turns each rotary column
+        # which of (t, h, w) turns each rotary column
+        self.register_buffer("_axis", torch.cat([pairs, pairs]), persistent=False)
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         if scaling is not None:
             inv_freq = scaling.inv_freq(inv_freq, dim, theta)
@@ -103,7 +104,7 @@ class Rope(torch.nn.Module):
         if pos.dim() == 2:  # (3, S) multimodal positions: each column from its axis's row
             if int(pos.max()) >= self.cos.shape[0]:
                 self._table(2 * int(pos.max()) + 1)
-            idx = pos.to(self.cos.device)[self._axis.to(self.cos.device)].T     # (S, dim)
+            idx = pos.to(self.cos.device)[self._axis].T     # (S, dim)
             cols = torch.arange(self.dim, device=self.cos.device)
             return self.cos[idx, cols].to(device), self.sin[idx, cols].to(device)
         key = (pos.device, tuple(pos.tolist())) if pos.device.type == "cpu" and pos.numel() <= 64 else None

@@ -50,6 +50,8 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
         cache = speculator.new_state(capacity) if speculator else model.new_cache(capacity)
     t0 = time.perf_counter()
     if images:
+        if cache.length:
+            raise ValueError("images take a sequence from its first token: give generate() a new cache")
         vision.prepare(cache, prompt_ids, list(images))
     for i in range(0, len(prompt_ids), ubatch):
         logits = model(prompt_ids[i:i + ubatch], cache, last_only=True)

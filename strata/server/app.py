@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata.runtime.sampling import SamplingParams
 from strata.server.engine import Engine, QueueFull, Request
-from strata.vision.images import flatten
+from strata.vision.images import PartError, flatten
 from strata.tokenizer import TokenizerInputError
 from strata.vision.preprocess import ImageError
 
@@ -152,6 +152,10 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
     @app.exception_handler(ImageError)
     async def _bad_image(_, e: ImageError):  # names the content part
         return error(str(e), "invalid_image")
+
+    @app.exception_handler(PartError)
+    async def _bad_part(_, e: PartError):  # names the content part
+        return error(str(e), "invalid_messages")
 
     @app.exception_handler(TokenizerInputError)
     async def _bad_text(_, e: TokenizerInputError):  # text the tokenizer cannot take (a lone surrogate)
@@ -330,10 +334,10 @@ def create_app(model_id: str, default_max_tokens: int = 512, api_key: str | None
                                "list of text and image_url parts", "invalid_messages")
         messages, sources = flatten(body.messages)
         if sources and e.vision is None:
-            raise ApiError(f"{sources[0][1]}: this server's model has no vision tower; start it with --mmproj PATH "
-                           f"to take images", "images_not_supported")
+            raise ApiError(f"{sources[0][1]}: this server takes no images: it loaded no vision tower (serve a model "
+                           f"with its mmproj file, --mmproj PATH, in one process)", "images_not_supported")
         # decoding and resizing is the request's own work, off the event loop
-        images = [await asyncio.to_thread(e.vision.read, src, label) for src, label in sources]
+        images = [await asyncio.to_thread(e.vision.read, src, label, False) for src, label in sources]
         kw = dict(body.chat_template_kwargs or {})
         think = kw.pop("enable_thinking", None)
         if think is not None and not isinstance(think, bool):

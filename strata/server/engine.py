@@ -166,7 +166,7 @@ class Engine:
             tracks = {"mtp": True} if self.spec else {}  # what the MTP head drafts from, too
             cache = self.model.new_cache(len(req.prompt) + req.params.max_tokens, **tracks)
         if req.images:
-            self.vision.prepare(cache, req.prompt, req.images, have=reused)
+            self.vision.prepare(cache, req.prompt, req.images)
         req.cached_tokens = reused
         slot.req, slot.cache = req, cache
         slot.sampler = Sampler(req.params)

@@ -10,7 +10,6 @@ content parts, which `flatten` turns into that text; `expand` then gives each im
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,10 +63,16 @@ class Vision:
         cfg = tower.cfg
         self.image_cfg = ImageConfig(patch_size=cfg.patch, merge_size=cfg.merge, temporal_patch_size=cfg.temporal,
                                      image_mean=cfg.image_mean, image_std=cfg.image_std)
-        self.pad = model.cfg.image_token
-        if self.pad is None or tokenizer.token_to_piece(self.pad) != IMAGE_PAD:
-            raise VisionError(f"{model.gguf.path}: its vocabulary has no {IMAGE_PAD} at the file's image "
-                              f"token id ({self.pad}); give a model converted with its vision tower")
+        # the file's id (written beside the PLE block), else the vocabulary's token of that name
+        pad = model.cfg.image_token
+        if pad is None:
+            ids = tokenizer.encode(IMAGE_PAD, add_bos=False)
+            pad = ids[0] if len(ids) == 1 else None
+        if pad is None or tokenizer.token_to_piece(pad) != IMAGE_PAD:
+            raise VisionError(f"{model.gguf.path}: its vocabulary has no {IMAGE_PAD}"
+                              f"{f' at the file image token id {pad}' if pad is not None else ''}; give a model "
+                              f"converted with its vision tower")
+        self.pad = pad
         if model.cfg.dim != cfg.out_dim:
             raise VisionError(f"{path}: the tower gives rows of {cfg.out_dim}, the model {model.gguf.path} "
                               f"takes {model.cfg.dim}: the two files are not of one checkpoint")
@@ -76,7 +81,9 @@ class Vision:
     def load(cls, model, tokenizer, path: str | os.PathLike) -> Vision:
         if not hasattr(model, "add_images"):
             raise VisionError(f"{model.gguf.path} ({model.gguf.arch}) takes no images; images need a "
-                              f"qwen4exp model in one process")
+                              f"qwen4exp model")
+        if getattr(model, "pipe", None) is not None:
+            raise VisionError("images with --pp: only the first stage would see them; run images without --pp")
         return cls(VisionTower.load(path, model.device), model, tokenizer, Path(path))
 
     def describe(self) -> str:
@@ -85,13 +92,12 @@ class Vision:
                 f"merged {c.merge}x{c.merge}; an image takes {self.image_cfg.min_pixels // (c.patch * c.merge) ** 2}"
                 f" to {self.image_cfg.max_pixels // (c.patch * c.merge) ** 2} tokens)")
 
-    def read(self, source, label: str | None = None) -> Image:
+    def read(self, source, label: str | None = None, local: bool = True) -> Image:
         """An image from a path, bytes or a `data:` URL (`label` names it in errors; a path
-        names itself)."""
-        if isinstance(source, str) and source.startswith("data:"):
-            source = decode_data_url(source, label)
-        elif isinstance(source, str) and "://" in source:
-            decode_data_url(source, label)  # refuses it, saying why
+        names itself). Without `local`, a string must be a `data:` URL (the server's case:
+        a client must not have it read the server's own files)."""
+        if isinstance(source, str) and (source.startswith("data:") or "://" in source or not local):
+            source = decode_data_url(source, label)  # refuses any other URL, saying why
         return Image(preprocess(source, self.image_cfg, label), label or str(source))
 
     def encode(self, image: Image) -> torch.Tensor:
@@ -117,29 +123,35 @@ class Vision:
         for i, t in enumerate(ids):
             if t == self.pad:
                 if not run:
-                    tag = -1 - int(hashlib.sha256(next(it).pixels.digest.encode()).hexdigest()[:15], 16)
+                    tag = -1 - int(next(it).pixels.digest[:15], 16)  # a sha256: any 60 bits of it
                 out[i], run = tag, True
             else:
                 run = False
         return out
 
-    def prepare(self, state, ids: list[int], images: list[Image], have: int = 0) -> None:
-        """Put `images` in `state` for the sequence `ids` (from its first token); images whose
-        tokens all lie in the first `have` the state holds are not run through the tower."""
-        spans, start = [], 0
+    def prepare(self, state, ids: list[int], images: list[Image]) -> None:
+        """Put `images` in `state` for the sequence `ids` (from its first token: what the
+        state holds, a conversation cache's prefix, and the rest); images whose tokens the
+        state holds already are not run through the tower again."""
+        ends, start = [], 0
         for image in images:
-            start = ids.index(self.pad, start)
-            spans.append(start + image.n_tokens)
-            start = spans[-1]
-        self.model.add_images(state, ids, [(self.encode(im) if end > have else None, im.grid)
-                                           for im, end in zip(images, spans)])
+            start = ids.index(self.pad, start) + image.n_tokens
+            ends.append(start)
+        self.model.add_images(state, ids, [(self.encode(im) if end > state.length else None, im.grid)
+                                           for im, end in zip(images, ends)], self.pad)
 
 
-def flatten(messages: list[dict[str, Any]], where: str = "messages") -> tuple[list[dict[str, Any]], list[tuple[Any, str]]]:
+class PartError(ValueError):
+    """A message content part of no kind Strata takes; the message names the part."""
+
+
+def flatten(messages: list[dict[str, Any]], where: str = "messages",
+            local: bool = False) -> tuple[list[dict[str, Any]], list[tuple[Any, str]]]:
     """Chat messages whose content may be a list of parts (OpenAI's: {"type": "text", "text"},
-    {"type": "image_url", "image_url": {"url"}}; or {"type": "image", "image": a path or bytes}) ->
-    the same messages with text content, each image part as MARKER, and the images'
-    sources in order with a label naming each part."""
+    {"type": "image_url", "image_url": {"url"}}; and with `local`, {"type": "image", "image":
+    a path or bytes}) -> the same messages with text content, each image part as MARKER,
+    and the images' sources in order with a label naming each part. The server leaves
+    `local` off: a client must not have it read the server's own files."""
     out, sources = [], []
     for i, m in enumerate(messages):
         content = m.get("content", "")
@@ -156,14 +168,14 @@ def flatten(messages: list[dict[str, Any]], where: str = "messages") -> tuple[li
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
                 if not isinstance(url, str):
-                    raise ImageError(f"{label}: an image_url part needs image_url.url, a data: URL")
+                    raise PartError(f"{label}: an image_url part needs image_url.url, a data: URL")
                 sources.append((url, label))
                 text.append(MARKER)
-            elif kind == "image" and isinstance(part.get("image"), (str, os.PathLike, bytes, bytearray)):
+            elif local and kind == "image" and isinstance(part.get("image"), (str, os.PathLike, bytes, bytearray)):
                 sources.append((part["image"], label))
                 text.append(MARKER)
             else:
-                raise ImageError(f"{label}: a content part must be {{'type': 'text', 'text': ...}} or "
+                raise PartError(f"{label}: a content part must be {{'type': 'text', 'text': ...}} or "
                                  f"{{'type': 'image_url', 'image_url': {{'url': 'data:image/...'}}}}, got "
                                  f"{str(part)[:80]}")
         out.append({**m, "content": "".join(text)})

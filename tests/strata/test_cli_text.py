@@ -40,7 +40,7 @@ def test_chat_keeps_the_conversation(smollm2_gguf):
 def test_a_missing_model_file_is_named(tmp_path):
     r = strata("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
     assert r.returncode == 2
-    assert "nope.gguf: neither a known model (smollm2, flash-tiny) nor an existing file" in r.stderr
+    assert "nope.gguf: neither a known model (smollm2, flash-tiny, flash-tiny-vision) nor an existing file" in r.stderr
 
 
 def test_a_bad_gguf_is_named(tmp_path):

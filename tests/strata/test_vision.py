@@ -69,7 +69,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _prompt(tok, vision, messages):
-    messages, sources = flatten(messages)
+    messages, sources = flatten(messages, local=True)
     images = [vision.read(src, label) for src, label in sources]
     return vision.expand(tok.encode(tok.apply_chat_template(messages)), images), images
 
@@ -161,7 +161,53 @@ def test_an_image_needs_its_place(tok, vision):
         vision.expand(tok.encode("no place for it"), [image])
     ids = vision.expand(tok.encode(MARKER + "x"), [image])
     with pytest.raises(ValueError, match="runs of"):
-        vision.model.add_images(vision.model.new_cache(), ids[:-3], [(None, image.grid)] * 2)
+        vision.model.add_images(vision.model.new_cache(), ids[:-3], [(None, image.grid)] * 2, vision.pad)
+
+
+def _engine(model, tok, vision, align: int = 64):
+    from strata.server.engine import Engine
+    return Engine(model, tok, slots=1, start_thread=False, vision=vision, align=align)
+
+
+def _answer(engine, tok, vision, messages):
+    from strata.runtime.sampling import SamplingParams
+    from strata.server.engine import Request
+    ids, images = _prompt(tok, vision, messages)
+    req = Request(ids, SamplingParams(temperature=0, max_tokens=4), emit=lambda ev: None, images=images,
+                  key=vision.key(ids, images) if images else None)
+    engine.submit(req)
+    engine.run(until_idle=True)
+    return req
+
+
+# a first turn long enough that the cache keeps a chunk past its image
+FIRST = TURNS[:2] + [{"role": "user", "content": [{"type": "image", "image": png(100, 260, 4)},
+                                                  {"type": "text", "text": "Look at it closely. " * 12}]}]
+NEXT = FIRST + [{"role": "assistant", "content": "A pattern."},
+                {"role": "user", "content": [{"type": "image", "image": png(64, 64, 3)},
+                                             {"type": "text", "text": "And this?"}]}]
+
+
+def test_a_later_turn_reuses_an_earlier_image_from_the_cache(model, tok, vision):
+    engine = _engine(model, tok, vision)
+    first = _answer(engine, tok, vision, FIRST)
+    second = _answer(engine, tok, vision, NEXT)
+    end_of_first_image = max(i for i, t in enumerate(first.prompt) if t == vision.pad) + 1
+    assert second.cached_tokens >= end_of_first_image   # the first image is not run again
+    alone = _answer(_engine(model, tok, vision), tok, vision, NEXT)
+    assert alone.cached_tokens == 0 and alone.tokens == second.tokens
+
+
+def test_text_after_an_image_request_takes_nothing_of_its_plan(model, tok, vision):
+    """A cached prefix cut before an earlier request's image holds none of its rows or
+    positions: a text-only prompt that shares the prefix answers as on a fresh engine."""
+    system = {"role": "system", "content": "You describe things. " * 40}
+    engine = _engine(model, tok, vision, align=128)
+    _answer(engine, tok, vision, [system] + ONE)
+    text = [system, {"role": "user", "content": "What is a picture?"}]
+    shared = _answer(engine, tok, vision, text)
+    assert shared.cached_tokens >= 128
+    assert shared.tokens == _answer(_engine(model, tok, vision, align=128), tok, vision, text).tokens
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -195,11 +241,14 @@ def test_chat_shows_an_image_with_the_next_line(described, tmp_path):
     a, gen = described
     chat = subprocess.run([sys.executable, "-m", "strata", "chat", "--model", "flash-tiny-vision", "--dtype", "f32",
                            "-t", "1", "--temperature", "0", "-n", "4"],
-                          input=f"/image {tmp_path / 'nothing.png'}\n/image {a}\nDescribe them.\n",
+                          input=f"/image {tmp_path / 'nothing.png'}\n/image {a}\nWhat is <|image_pad|>?\n"
+                                "Describe them.\n",
                           capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr
     assert "nothing.png: no such file" in chat.stderr      # said, and the chat goes on
     assert "70 image tokens, shown with your next line" in chat.stderr
+    assert "names 2 image(s)" in chat.stderr  # a line that names a place of its own is refused, and
+    # its image waits for the next
     assert chat.stdout.strip() == gen.stdout.strip() != ""
 
 
@@ -295,3 +344,14 @@ def test_a_bad_image_gets_400_naming_the_part(server, url, words):
     message = e.value.body["message"]
     assert "messages[0].content[1]" in message and words.lower() in message.lower(), message
     assert _ask(server, png(40, 40, 6), n=1).choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_server_reads_no_file_of_its_own(server, tmp_path):
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(png(40, 40, 7))
+    for part in ({"type": "image", "image": str(secret)}, {"type": "image_url", "image_url": {"url": str(secret)}},
+                 {"type": "image_url", "image_url": {"url": f"file://{secret}"}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.chat.completions.create(model="flash-tiny-vision", max_tokens=1,
+                                                  messages=[{"role": "user", "content": [part]}])
+        assert e.value.body["message"].startswith("messages[0].content[0]: "), e.value.body
