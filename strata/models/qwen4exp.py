@@ -429,14 +429,8 @@ class Qwen4Exp(torch.nn.Module):
         if self.pipe is not None:
             raise ValueError("images with --pp: only the first stage would see them; run images in one process")
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        is_image = (tokens == pad).tolist()
-        runs, i = [], 0
-        while i < len(is_image):
-            j = i
-            while j < len(is_image) and is_image[j] == is_image[i]:
-                j += 1
-            runs.append((j - i, is_image[i]))
-            i = j
+        kinds, counts = torch.unique_consecutive(tokens == pad, return_counts=True)
+        runs = list(zip(counts.tolist(), kinds.tolist()))  # (length, an image's) in order
         sizes = [n for n, img in runs if img]
         if sizes != [h * w for _, (h, w) in images]:
             raise ValueError(f"the prompt has runs of {sizes} image tokens for images of "

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.gguf import GGUFFile, open_gguf
+from strata.nn.rope import rotate
 
 PROJECTOR = "qwen3vl_merger"
 
@@ -134,7 +135,6 @@ class VisionTower(torch.nn.Module):
         return ang.cos(), ang.sin()
 
     def _block(self, x: torch.Tensor, i: int, cos, sin) -> torch.Tensor:
-        from strata.nn.rope import rotate
         N, H, D = x.shape[0], self.cfg.n_heads, self.head_dim
         qkv = self._linear(self._ln(x, f"v.blk.{i}.ln1"), f"v.blk.{i}.attn_qkv").reshape(N, 3, H, D)
         q, k, v = (t.transpose(0, 1) for t in qkv.unbind(1))            # (H, N, D)
