@@ -8,13 +8,17 @@ Three decisions, all here:
   kernel for CUDA tensors, and for CPU tensors only under the Triton interpreter
   (TRITON_INTERPRET=1, as the tests set it), which runs the kernel's code on the CPU,
   slowly, so that CI checks it; else the op's torch implementation;
-- the CPU path's: whether torch.compile may build its C++ loops (`cpu_compile`).
+- the CPU path's: whether torch.compile may build its C++ loops (`cpu_compile`), and
+  what this CPU's vector units do well (`cpu_bf16_native`, `cpu_int8_vectors`).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+
+from . import invariant
 
 
 def interpreter_on() -> bool:
@@ -77,3 +81,47 @@ def cpu_compile() -> bool:
     decode step, the int8-code matmul, the DeltaNet step, the dense experts' decode).
     STRATA_CPU_COMPILE=0 turns them all off (no C++ compiler, or to measure what they buy)."""
     return os.environ.get("STRATA_CPU_COMPILE", "1") not in ("", "0")
+
+
+# a GEMM of this many rows or more upcasts a bfloat16 weight to float32 where the CPU has no
+# bfloat16 dot product (see cpu_bf16_native); below it the bfloat16 GEMV reads half the bytes
+UPCAST_ROWS = 8
+
+
+def cpu_bf16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512_BF16 or AMX, as oneDNN
+    reports it). Without, torch's bfloat16 GEMM converts element by element: measured on a
+    2-core AVX2 EPYC, 128 x 576 x 1536 takes 12.7 ms in bfloat16 against 1.6 ms in float32
+    (1.9 ms with the weight upcast first), while one row is faster in bfloat16 (0.11 ms
+    against 0.12-0.20 ms): so a prefill upcasts the weight (`upcast`), a decode does not.
+    STRATA_CPU_BF16=0/1 overrides the detection."""
+    forced = os.environ.get("STRATA_CPU_BF16", "")
+    return forced != "0" if forced else _onednn_bf16()
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def upcast(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether x @ W.T, W held in `dtype`, should run in float32: a half-precision weight,
+    x on the CPU with UPCAST_ROWS rows or more, a CPU without bfloat16 dot products, and
+    batch-invariant mode off (its row tiles stay in the weight's dtype: upcast, flash-tiny's
+    prompt in chunks of 7 no longer gave the bits of chunks of 512, test_invariance.py)."""
+    return (dtype in (torch.bfloat16, torch.float16) and x.shape[0] >= UPCAST_ROWS
+            and x.device.type == "cpu" and not invariant.enabled() and not cpu_bf16_native())
+
+
+@functools.cache
+def cpu_int8_vectors() -> bool:
+    """Whether Inductor's C++ turns an int8 weight into floats at vector speed here: on
+    AVX-512 it loads 16 int8 lanes in one instruction, on AVX2 its 8-lane int8 load goes
+    through memcpy (ATen's Vectorized<int8_t>::loadu has no fast path for a count of 8).
+    Measured, SmolLM2's 49152 x 576 Q8_0 head as int8 codes: 1.4 ms on AVX-512, 22 ms on
+    AVX2 (where bfloat16 takes 3.5 ms). The int8-code matmul is chosen only where this
+    holds (strata.nn.linear)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")

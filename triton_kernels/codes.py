@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .backend import upcast
 from .compiled import Compiled
 
 # rows up to this go through the one-pass product, a row at a time; more rows dequantize
@@ -77,9 +78,10 @@ def codes_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offs
     codes in float32 for each row, so that a row's result does not depend on the rows
     beside it (a decode batched with others gives the bits it gives alone). More: the
     weight dequantized into `dtype` and torch's matmul, with x in `dtype` (the dense
-    path's numerics)."""
+    path's numerics; float32 where the CPU has no bfloat16 dot products, see
+    backend.upcast)."""
     if x.shape[0] > GEMV_ROWS:
-        return codes_matmul_torch(x, codes, scale, offset, dtype)
+        return codes_matmul_torch(x, codes, scale, offset, torch.float32 if upcast(x, dtype) else dtype)
     x = x.float().contiguous()
     if torch.compiler.is_compiling():  # inside a compiled step: traced inline
         return _product(x, codes, scale, offset)

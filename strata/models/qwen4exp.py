@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.gguf import GGUFFile
-from strata.models import summary
+from strata.models import qwen4exp_step, summary
 from strata.names import TOKEN_EMBD
 from strata.names.qwen4exp import mtp_sidecar
 from strata.nn import QuantLinear
@@ -130,9 +130,16 @@ class Layer(torch.nn.Module):
         `positions`: the sequence's M-RoPE positions (strata.nn.mrope)."""
         if self.ple is not None:
             x = self.ple(x, tokens, ple_state, ple_ids)
-        a, w = self.attn_hc.read(x)
-        x = HyperConnection.write(x, self.mixer(a, mixer_state) if self.recurrent
-                                  else self.mixer(a, mixer_state, start, positions), w)
+        # one token on the CPU: each half in one compiled call where it applies (qwen4exp_step)
+        y = qwen4exp_step.mixer_half(self, x, mixer_state)
+        if y is None:
+            a, w = self.attn_hc.read(x)
+            y = HyperConnection.write(x, self.mixer(a, mixer_state) if self.recurrent
+                                      else self.mixer(a, mixer_state, start, positions), w)
+        x = y
+        y = qwen4exp_step.ffn_half(self, x)
+        if y is not None:
+            return y
         m, w = self.ffn_hc.read(x)
         return HyperConnection.write(x, self.moe(m), w)
 

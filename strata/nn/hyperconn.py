@@ -30,24 +30,26 @@ class HyperConnection(torch.nn.Module):
         self.down, self.up = down, up
         self.injects = down.out_features > rank
 
-    def normed(self, x: torch.Tensor) -> torch.Tensor:
-        """Each stream RMS-normalised with its own weight: (T, S, H) float32."""
-        xs = x.float().reshape(-1, self.streams, self.width)
-        return F.rms_norm(xs, (self.width,), eps=self.eps) * self.norm
-
     def read(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input (T, H) and the streams' injection weights (T, S) (None for the
         final mixer)."""
-        xn = self.normed(x)
-        flat = xn.reshape(xn.shape[0], -1)
-        both = self.down(flat).float() / self.streams
-        mix = torch.sigmoid(self.up(F.silu(both[:, :self.rank])))
-        inp = (mix.reshape_as(xn) * xn).mean(dim=1)
-        if not self.injects:
-            return inp, None
-        return inp, 2 * torch.sigmoid(both[:, self.rank:])
+        return read(x, self.norm, self.down, self.up, self.streams, self.rank, self.eps, self.injects)
 
     @staticmethod
     def write(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x + out injected into every stream by its weight."""
         return x + (weights.unsqueeze(-1) * out.float().unsqueeze(1)).reshape(x.shape)
+
+
+def read(x: torch.Tensor, norm: torch.Tensor, down, up, streams: int, rank: int, eps: float,
+         injects: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """HyperConnection.read as a function of its weights: `norm` (S, H); `down` and `up`
+    callables giving float32 rows (the QuantLinear modules, or a compiled step's pure
+    matmuls, strata.runtime.cpu_step)."""
+    width = norm.shape[-1]
+    xn = F.rms_norm(x.float().reshape(-1, streams, width), (width,), eps=eps) * norm   # (T, S, H)
+    flat = xn.reshape(xn.shape[0], -1)
+    both = down(flat).float() / streams
+    mix = torch.sigmoid(up(F.silu(both[:, :rank])))
+    inp = (mix.reshape_as(xn) * xn).mean(dim=1)
+    return inp, (2 * torch.sigmoid(both[:, rank:]) if injects else None)

@@ -37,7 +37,7 @@ from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
 from triton_kernels import invariant
-from triton_kernels.backend import choose_kernels
+from triton_kernels.backend import choose_kernels, upcast
 from triton_kernels.compiled import Compiled
 from triton_kernels.moe import choose_path
 from triton_kernels.ops import impl
@@ -152,11 +152,16 @@ class ExpertStore(torch.nn.Module):
 
     # running
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def count(self, ids: torch.Tensor) -> torch.Tensor:
+        """Count a call routed to `ids` (T, k) (-1: held elsewhere); its ids flat, on the host."""
         flat = ids.reshape(-1).long().cpu()
-        kept = flat[flat >= 0]
-        self.hits += torch.bincount(kept, minlength=self.n_experts)
+        self.hits += torch.bincount(flat[flat >= 0], minlength=self.n_experts)
         self._counts["calls"] += 1
+        return flat
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        flat = self.count(ids)
+        kept = flat[flat >= 0]
         if self.spec.kind == "dense":
             return self._dense(x, weights, ids)
         needed = torch.unique(kept)  # sorted: the compact set keeps the experts' order
@@ -269,7 +274,6 @@ class ExpertStore(torch.nn.Module):
         skip = int((flat < 0).sum())  # slots held elsewhere (-1, --ep): sorted first, dropped
         order = order[skip:]
         counts = torch.bincount(flat[flat >= 0], minlength=self.n_experts).tolist()
-        xd = x.to(self.dtype)
         out = torch.zeros(T, self.hidden, dtype=torch.float32, device=x.device)
         w = weights.reshape(-1)
         at = 0
@@ -278,8 +282,13 @@ class ExpertStore(torch.nn.Module):
             slots = order[at:at + counts[e]]
             at += counts[e]
             rows = slots // k
-            g, u = invariant.linear(xd[rows], self.w13[e]).float().chunk(2, dim=-1)
-            y = invariant.linear((F.silu(g) * u).to(self.dtype), self.w2[e])
+            xe, w13, w2 = x[rows], self.w13[e], self.w2[e]
+            # an expert of many rows in float32 where the CPU has no bfloat16 dot products
+            # (backend.upcast)
+            if upcast(xe, w13.dtype):
+                w13, w2 = w13.float(), w2.float()
+            g, u = invariant.linear(xe.to(w13.dtype), w13).float().chunk(2, dim=-1)
+            y = invariant.linear((F.silu(g) * u).to(w2.dtype), w2)
             # a token meets each expert once, so rows are distinct: a plain indexed add
             # (index_add_ spins up threads for a few rows; this is 100x cheaper on a busy CPU)
             out[rows] += y.float() * w[slots, None]

@@ -59,6 +59,7 @@ def test_dense_budget_falls_back_to_per_call_dequantization():
 def test_large_int8_code_weights_are_held_as_codes(fmt, monkeypatch):
     import strata.nn.linear as linear
     monkeypatch.setattr(linear, "INT8_MIN_WEIGHTS", 64 * 256)
+    monkeypatch.setattr(linear, "cpu_int8_vectors", lambda: True)
     part = qt("w", fmt, 64, 256, 5)
     lin = QuantLinear(part, torch.bfloat16)
     assert lin.mode == "int8" and lin.codes.dtype == torch.int8
@@ -76,3 +77,56 @@ def test_large_int8_code_weights_are_held_as_codes(fmt, monkeypatch):
     assert QuantLinear(qt("v", fmt, 32, 256, 6), torch.bfloat16).mode == "dense"
     monkeypatch.setenv("STRATA_CPU_COMPILE", "0")
     assert QuantLinear(part, torch.bfloat16).mode == "dense"
+    # without AVX-512 the codes' compiled pass loads int8 through memcpy: dense is faster
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
+    monkeypatch.setattr(linear, "cpu_int8_vectors", lambda: False)
+    assert QuantLinear(part, torch.bfloat16).mode == "dense"
+
+
+@pytest.mark.parametrize("mode", ["dense", "stream"])
+def test_prefill_upcasts_bf16_weights_where_the_cpu_has_no_bf16_dot(mode, monkeypatch):
+    """Without bfloat16 dot products, 8 rows or more run in float32 with the bfloat16
+    weight upcast: x is not rounded to bfloat16, so the product is within float32's
+    gamma_K sum |x||w| of float64's on the held weight (bfloat16 when dense; the file's own,
+    dequantized into float32 for the call, when streamed). With them, or for fewer rows,
+    x is rounded to bfloat16 (about 2^-9 of each term)."""
+    part = qt("w", "Q8_0", 64, 256, 9)
+    budget = DenseBudget(mib=0) if mode == "stream" else None
+    lin = QuantLinear(part, torch.bfloat16, budget=budget)
+    assert lin.mode == mode
+    w = torch.from_numpy(part.numpy())
+    w = (w.to(torch.bfloat16) if mode == "dense" else w).double()
+    x = torch.randn(8, 256, dtype=torch.float64).float()
+    exact = x.double() @ w.T
+    k = 256
+    bound = k * 2.0 ** -24 / (1 - k * 2.0 ** -24) * (x.abs().double() @ w.abs().T)
+    monkeypatch.setenv("STRATA_CPU_BF16", "0")
+    assert ((lin(x).double() - exact).abs() <= bound).all()
+    monkeypatch.setenv("STRATA_CPU_BF16", "1")   # x in bfloat16: far outside float32's bound
+    assert ((lin(x).double() - exact).abs() > bound).any()
+    monkeypatch.setenv("STRATA_CPU_BF16", "0")   # one row (decode) stays in bfloat16
+    assert ((lin(x[:1]).double() - exact[:1]).abs() > bound[:1]).any()
+
+
+
+def test_a_large_dense_weights_one_row_product_is_one_compiled_loop(monkeypatch):
+    """One row through a large dense weight (a head) takes the compiled loop `_gemv`:
+    float32 sums of the held weight times x, x not rounded to bfloat16, so within float32's
+    gamma_K sum |x||w| of float64's product with the held weight."""
+    import strata.nn.linear as linear
+    import triton_kernels.compiled as compiled
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
+    monkeypatch.setattr(compiled, "broken", [])
+    monkeypatch.setattr(linear, "INT8_MIN_WEIGHTS", 64 * 256)
+    monkeypatch.setattr(linear, "cpu_int8_vectors", lambda: False)
+    calls = []
+    gemv = linear._GEMV
+    monkeypatch.setattr(linear, "_GEMV", lambda *a: calls.append(1) or gemv(*a))
+    part = qt("w", "Q8_0", 64, 256, 11)
+    lin = QuantLinear(part, torch.bfloat16)
+    assert lin.mode == "dense"
+    x = torch.randn(1, 256)
+    w = lin.weight.double()
+    k = 256
+    bound = k * 2.0 ** -24 / (1 - k * 2.0 ** -24) * (x.abs().double() @ w.abs().T)
+    assert ((lin(x).double() - x.double() @ w.T).abs() <= bound).all() and calls == [1]

@@ -1,0 +1,138 @@
+"""A Flash-Next layer's decode on the CPU, compiled: two calls of Inductor's C++ a layer.
+
+Eager, a flash-tiny decode step is some 3,800 small torch ops, about half its time in
+dispatch and Python (strata.runtime.cpu_step gives the same reasons for llama). Each layer
+here runs as two compiled calls for one token:
+
+    mixer half (DeltaNet layers): streams read, input projection, the DeltaNet step
+        (strata.nn.deltanet._decode, its recurrent state updated in place), output
+        projection, streams written;
+    FFN half: streams read, the MoE's fused projection, routing, the dense experts'
+        one pass (strata.storage.experts._few_tokens), the gated shared expert, streams
+        written.
+
+Attention layers keep their eager mixer (the cache grows, and QSA picks blocks past its
+budget), and so does the PLE block. The weights are the compiled functions' arguments, so
+one compile serves every layer of the same shapes and forms (QuantLinear.pure).
+
+The halves compute what the modules compute, the same functions on the same values, so
+they equal the eager step within float32's element-wise rounding (Inductor fuses the
+element-wise chains; tests/strata/test_cpu_compile.py holds logits and states within 1e-5).
+Taken where: one token on the CPU, compiles on, batch-invariant mode off, every matmul of
+the half with a pure form; the mixer half for a DeltaNet state outside a verify, the FFN
+half for experts held dense (not shared out under --ep). Elsewhere the modules run.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.nn import deltanet, hyperconn
+from strata.nn.hyperconn import HyperConnection
+from strata.storage.experts import _few_tokens
+from triton_kernels import compiled, invariant
+from triton_kernels.compiled import Compiled
+from triton_kernels.moe import route_torch
+
+
+def _call(pure):
+    """A QuantLinear's pure form (f, tensors) as a function of x."""
+    f, held = pure
+    return lambda t: f(t, *held)
+
+
+def _mixer_half(x, hc_norm, hc_down, hc_up, proj, out, window, rec, conv, dt_bias, a_coef, norm,
+                streams, rank, eps, splits, heads, ssm_eps):
+    """A DeltaNet layer's first half for one token: (the streams after it, the conv's window)."""
+    a, w = hyperconn.read(x, hc_norm, _call(hc_down), _call(hc_up), streams, rank, eps, True)
+    qkv, z, b, g = _call(proj)(a).float().split(splits, dim=-1)
+    o, window = deltanet._decode(qkv, z, b, g, window, rec, conv, dt_bias, a_coef, norm, heads, ssm_eps)
+    return HyperConnection.write(x, _call(out)(o), w), window
+
+
+def _ffn_half(x, hc_norm, hc_down, hc_up, proj, shared_down, w13, w2, streams, rank, eps, splits,
+              top_k, norm_topk):
+    """A layer's MoE half for one token: (the streams after it, the routed ids (1, k))."""
+    m, w = hyperconn.read(x, hc_norm, _call(hc_down), _call(hc_up), streams, rank, eps, True)
+    logits, g, u, gate = _call(proj)(m).float().split(splits, dim=-1)
+    weights, ids = route_torch(logits, top_k, norm_topk)
+    shared = _call(shared_down)(F.silu(g) * u).float()
+    y = _few_tokens(m.float(), weights, ids, w13, w2) + torch.sigmoid(gate) * shared
+    return HyperConnection.write(x, y, w), ids
+
+
+_MIXER = Compiled(_mixer_half, "the DeltaNet layer's decode step", recompiles=16, dynamic=False)
+_FFN = Compiled(_ffn_half, "the MoE layer's decode step", recompiles=16, dynamic=False)
+
+
+def _hc(hc: HyperConnection):
+    """A hyper-connection's arguments, or None where a matmul has no pure form."""
+    down, up = hc.down.pure(), hc.up.pure()
+    if down is None or up is None:
+        return None
+    return hc.norm, down, up
+
+
+class LayerStep:
+    """What one layer's compiled halves take, gathered once (None: that half runs eagerly)."""
+
+    def __init__(self, layer):
+        self.mixer = self.ffn = None
+        # what is swapped at run time: a new expert store or --ep share rebuilds this
+        self.store, self.share = layer.moe.experts, layer.moe.share
+        hc = _hc(layer.attn_hc)
+        m = layer.mixer
+        if layer.recurrent and hc is not None and m.proj.pure() is not None and m.out.pure() is not None:
+            Hk, Hv, dk, dv = m.k_heads, m.v_heads, m.dk, m.dv
+            self.mixer = (*hc, m.proj.pure(), m.out.pure(), m.conv, m.dt_bias, m.a_coef, m.norm,
+                          layer.attn_hc.streams, layer.attn_hc.rank, layer.attn_hc.eps,
+                          [2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], (Hk, Hv, dk, dv), m.eps)
+        hc, moe = _hc(layer.ffn_hc), layer.moe
+        store = moe.experts
+        if (hc is not None and moe.share is None and getattr(getattr(store, "spec", None), "kind", None) == "dense"
+                and moe.proj.pure() is not None and moe.shared_down.pure() is not None):
+            f = layer.ffn_hc
+            self.ffn = (*hc, moe.proj.pure(), moe.shared_down.pure(), store.w13, store.w2, f.streams,
+                        f.rank, f.eps, moe.splits, moe.top_k, moe.norm_topk)
+
+
+def _step(layer) -> LayerStep | None:
+    """The layer's LayerStep where a compiled half may run now, else None."""
+    if not compiled.available() or invariant.enabled():
+        return None
+    step = getattr(layer, "_cpu_step", None)
+    if step is None or step.store is not layer.moe.experts or step.share is not layer.moe.share:
+        step = layer._cpu_step = LayerStep(layer)
+    return step
+
+
+def mixer_half(layer, x: torch.Tensor, st) -> torch.Tensor | None:
+    """The streams after a DeltaNet layer's mixer for one token, compiled; None where the
+    eager modules run (the state untouched)."""
+    if x.shape[0] != 1 or x.device.type != "cpu" or not layer.recurrent or st.trail is not None:
+        return None
+    step = _step(layer)
+    if step is None or step.mixer is None:
+        return None
+    a = step.mixer
+    r = _MIXER(x, *a[:5], st.conv, st.rec, *a[5:])
+    if r is None:
+        return None
+    x, st.conv = r
+    return x
+
+
+def ffn_half(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """The streams after a layer's MoE for one token, compiled; None where the eager modules
+    run. The experts' counters count the call as the store's own forward does."""
+    if x.shape[0] != 1 or x.device.type != "cpu":
+        return None
+    step = _step(layer)
+    if step is None or step.ffn is None:
+        return None
+    r = _FFN(x, *step.ffn)
+    if r is None:
+        return None
+    x, ids = r
+    layer.moe.experts.count(ids)
+    return x
