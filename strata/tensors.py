@@ -1,12 +1,21 @@
 """Quantized tensors: raw GGUF blocks, their format and their logical shape."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import quant
+
+
+def host_tensor(a: np.ndarray) -> torch.Tensor:
+    """A contiguous torch view of blocks `a` (a copy only where `a` is strided). A file's
+    blocks are a read-only mapping, which torch warns about: nothing writes them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.ascontiguousarray(a))
 
 
 @dataclass
@@ -29,7 +38,7 @@ class QTensor:
 
     def blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The raw blocks as a uint8 torch tensor (rows, row_bytes); zero-copy on the CPU."""
-        t = torch.from_numpy(np.ascontiguousarray(self.data))
+        t = host_tensor(self.data)
         return t if str(device) == "cpu" else t.to(device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:

@@ -125,3 +125,13 @@ def cpu_int8_vectors() -> bool:
     AVX2 (where bfloat16 takes 3.5 ms). The int8-code matmul is chosen only where this
     holds (strata.nn.linear)."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def cpu_line() -> str:
+    """The plan's line on what this CPU's vector units decided (strata.load.plan)."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    bf16 = ("bfloat16 dot products: matmuls in bfloat16" if cpu_bf16_native() else
+            f"no bfloat16 dot products: matmuls of {UPCAST_ROWS} rows or more in float32")
+    codes = ("int8-code matmuls on" if cpu_int8_vectors() else
+             "int8-code matmuls off (Inductor loads int8 slowly without AVX-512): those weights dense")
+    return f"cpu: {isa}; {bf16}; {codes}"

@@ -22,7 +22,7 @@ from strata.names import qwen4exp as qn
 from strata.nn import kv
 from strata.nn.rope import RopeScaling
 from strata.storage.expert_tier import parse_tier
-from triton_kernels import invariant
+from triton_kernels import backend, invariant
 from triton_kernels.backend import choose_device, choose_kernels
 
 
@@ -119,6 +119,8 @@ class LoadPlan:
         out += [f"plan: {self.arch} on {self.device}, {self.kernels} kernels, "
                f"{str(self.dtype).replace('torch.', '')}, {self.threads} threads"
                + ("" if self.arch != qn.ARCH else f", {'QSA on' if o.qsa else 'QSA off (dense attention)'}")]
+        if torch.device(self.device).type == "cpu" and self.kernels == "torch":
+            out.append(backend.cpu_line())
         out.append(f"context: {self.context} tokens, {self.context_why}; KV cache {self.kv}"
                    f"{' (given)' if o.kv else ' (the default; --kv bf16|f16|int8 to shrink it)'}")
         if self.batch_invariant:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import quant
-from strata.tensors import QTensor
+from strata.tensors import QTensor, host_tensor
 from triton_kernels import invariant
 from triton_kernels.backend import choose_kernels, cpu_compile, cpu_int8_vectors, upcast
 from triton_kernels.codes import codes_matmul
@@ -139,7 +139,7 @@ class QuantLinear(torch.nn.Module):
         blocks = np.concatenate([_rows_of(p, r) for p, r in zip(parts, rows)])
         if kernels == "triton":
             self.mode = "triton"
-            self.blocks = torch.from_numpy(np.ascontiguousarray(blocks)).to(device)
+            self.blocks = host_tensor(blocks).to(device)
             self._qmatmul = impl("qmatmul", kernels)
             return
         if dtype == torch.bfloat16 and self.fmt.name in ("Q4_0", "Q4_1") and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
@@ -149,7 +149,7 @@ class QuantLinear(torch.nn.Module):
                 return
             except RuntimeError:  # a shape the packed kernel does not take: stay dense
                 pass
-        q = torch.from_numpy(np.ascontiguousarray(blocks))
+        q = host_tensor(blocks)
         large = self.out_features * self.in_features >= INT8_MIN_WEIGHTS
         # without compiles (STRATA_CPU_COMPILE=0) the codes' matmul decodes the weight every
         # call (30 ms for SmolLM2's head against 5 ms as bfloat16), and without AVX-512 its
@@ -174,7 +174,7 @@ class QuantLinear(torch.nn.Module):
         self.mode = "dense"
         ws = []
         for p, r in zip(parts, rows):
-            q = torch.from_numpy(np.ascontiguousarray(_rows_of(p, r)))
+            q = host_tensor(_rows_of(p, r))
             ws.append(dequantize_torch(q, p.fmt, dtype).view(p.shape[0], self.in_features))
         self.weight = torch.cat(ws)
         return True

@@ -79,3 +79,17 @@ def test_a_table_in_another_shard_is_found(tmp_path):
     assert plan.ple.mode == "mmap" and plan.ple.source.path == shard2 and "--ple-io mmap" in plan.ple.why
     direct = decide(g, Options(device="cpu", kernels="torch", ple_io="direct", ple_io_depth=2))
     assert (direct.ple.mode, direct.ple.depth, direct.ple.source.rows) == ("direct", 2, 40)
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_a_cpu_plan_says_what_the_cpus_vector_units_decided(flash_tiny_gguf, native, monkeypatch):
+    """One `cpu:` line: the ISA, whether matmuls of many rows run in float32 (no bfloat16 dot
+    products) and whether the int8-code matmuls are on (AVX-512)."""
+    from triton_kernels import backend
+    monkeypatch.setenv("STRATA_CPU_BF16", native)
+    lines = decide(flash_tiny_gguf, Options(dtype=torch.bfloat16, device="cpu", kernels="torch")).lines(drive=False)
+    cpu = [line for line in lines if line.startswith("cpu: ")]
+    assert len(cpu) == 1 and torch.backends.cpu.get_cpu_capability() in cpu[0]
+    rows = f"matmuls of {backend.UPCAST_ROWS} rows or more in float32"
+    assert (rows in cpu[0]) == (native == "0")
+    assert ("int8-code matmuls on" in cpu[0]) == backend.cpu_int8_vectors()
