@@ -128,9 +128,14 @@ class Layer(torch.nn.Module):
     def forward(self, x, tokens, mixer_state, ple_state, start, ple_ids=None, positions=None):
         """x (T, S*H) continuing at `start`; the states are this layer's, updated in place;
         `positions`: the sequence's M-RoPE positions (strata.nn.mrope)."""
+        # one token on the CPU: compiled calls where they apply (qwen4exp_step)
         if self.ple is not None:
-            x = self.ple(x, tokens, ple_state, ple_ids)
-        # one token on the CPU: each half in one compiled call where it applies (qwen4exp_step)
+            y = qwen4exp_step.ple_block(self, x, tokens, ple_state, ple_ids)
+            x = self.ple(x, tokens, ple_state, ple_ids) if y is None else y
+        if not self.recurrent:
+            y = qwen4exp_step.attention_layer(self, x, mixer_state, start, positions)
+            if y is not None:
+                return y
         y = qwen4exp_step.mixer_half(self, x, mixer_state)
         if y is None:
             a, w = self.attn_hc.read(x)

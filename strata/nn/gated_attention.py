@@ -32,7 +32,7 @@ from triton_kernels.qsa import select_blocks
 from . import kv
 from .linear import QuantLinear
 from .mrope import Positions
-from .rope import Rope
+from .rope import Rope, rotate
 
 
 class AttentionState:
@@ -164,6 +164,30 @@ def _heads_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
+def project(parts: torch.Tensor, splits, q_norm, k_norm, eps: float, n_heads: int, n_kv: int,
+            head_dim: int, rope_dim: int, cos: torch.Tensor, sin: torch.Tensor):
+    """The fused projection's rows (T, sum(splits)) as the attention's inputs: q (H, T, D)
+    and k (Hkv, T, D) normed per head and roped by `cos`/`sin` (Rope._rows), v (Hkv, T, D),
+    the indexer's queries (T, n_idx*d) and key (T, d) (None without an indexer), and the
+    output gate (T, H*D). A function of tensors: a compiled decode step traces it too
+    (strata.models.qwen4exp_step)."""
+    T = parts.shape[0]
+    H, Hkv, D = n_heads, n_kv, head_dim
+    parts = parts.split(splits, dim=-1)
+    qg = parts[0].reshape(T, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+    q = rotate(_heads_norm(q, q_norm, eps).transpose(0, 1), cos, sin, rope_dim)               # (H, T, D)
+    k = rotate(_heads_norm(parts[1].reshape(T, Hkv, D), k_norm, eps).transpose(0, 1), cos, sin, rope_dim)
+    v = parts[2].reshape(T, Hkv, D).transpose(0, 1)
+    idx_q, idx_k = (parts[3], parts[4]) if len(parts) > 3 else (None, None)
+    return q, k, v, idx_q, idx_k, gate
+
+
+def finish(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention's output (H, T, D) as rows (T, H*D), gated: the output projection's input."""
+    return out.transpose(0, 1).reshape(gate.shape) * torch.sigmoid(gate)
+
+
 class GatedAttention(torch.nn.Module):
     def __init__(self, proj: QuantLinear, o: QuantLinear, q_norm, k_norm, n_heads: int, n_kv_heads: int,
                  head_dim: int, rope: Rope, eps: float, idx_q_norm=None, idx_k_norm=None, n_idx: int = 0,
@@ -195,20 +219,29 @@ class GatedAttention(torch.nn.Module):
                 positions: Positions | None = None) -> torch.Tensor:
         """x (T, dim) at token indices start..; `positions`: the sequence's M-RoPE positions
         where they are not the indices (an image is in it)."""
-        T = x.shape[0]
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        dev = x.device
+        pos = self.positions(start, x.shape[0], positions)
+        cos, sin = self.rope._rows(pos, x.device)
+        q, k, v, idx_q, idx_k, gate = project(self.proj(x).float(), *self.project_args(), cos, sin)
+        return self.o(finish(self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate))
+
+    @staticmethod
+    def positions(start: int, T: int, positions: Positions | None = None) -> torch.Tensor:
+        """The rotary positions of T tokens at start..: (T,), or (3, T) where an image is in
+        the sequence (on the host: RoPE takes its rows from there)."""
         pos = positions.of(start, T) if positions is not None else None
-        if pos is None:
-            pos = torch.arange(start, start + T)  # on the host: RoPE takes its rows from there
-        parts = self.proj(x).float().split(self.splits, dim=-1)
-        qg = parts[0].reshape(T, H, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
-        q = self.rope(_heads_norm(q, self.q_norm, self.eps).transpose(0, 1), pos)     # (H, T, D)
-        k = parts[1].reshape(T, Hkv, D)
-        k = self.rope(_heads_norm(k, self.k_norm, self.eps).transpose(0, 1), pos)     # (Hkv, T, D)
-        v = parts[2].reshape(T, Hkv, D).transpose(0, 1)
-        st.append(k, v, parts[4] if self.n_idx else None)
+        return torch.arange(start, start + T) if pos is None else pos
+
+    def project_args(self) -> tuple:
+        """`project`'s arguments between the projection and RoPE's rows."""
+        return (self.splits, self.q_norm, self.k_norm, self.eps, self.n_heads, self.n_kv_heads,
+                self.head_dim, self.rope.dim)
+
+    def attend(self, q, k, v, idx_q, idx_k, st: AttentionState, start: int, pos: torch.Tensor,
+               positions: Positions | None = None) -> torch.Tensor:
+        """Append k, v (and the indexer's key) to the state and attend: (H, T, D)."""
+        T = q.shape[1]
+        dev = q.device
+        st.append(k, v, idx_k)
         end = start + T
         clock = self.clock
         t0 = _now(dev) if clock is not None else 0.0
@@ -216,7 +249,7 @@ class GatedAttention(torch.nn.Module):
         # mode, where a query's sums must run in one order whatever the chunk (SDPA's differ)
         sparse = end // self.ratio > self.budget // self.ratio or invariant.enabled()
         if self.qsa and not self.dense_only and sparse:
-            sel = self._select(parts[3], st, start, pos, positions)
+            sel = self._select(idx_q, st, start, pos, positions)
             t1 = _now(dev) if clock is not None else 0.0
             scales = st.kv_scales()
             out = impl("qsa_attention", self.kernels)(q, *st.kv_cache(), sel, start, self.ratio,
@@ -232,8 +265,7 @@ class GatedAttention(torch.nn.Module):
             t2 = _now(dev)
             clock["indexer"] = clock.get("indexer", 0.0) + (t1 - t0)
             clock["attention"] = clock.get("attention", 0.0) + (t2 - t1)
-        out = out.transpose(0, 1).reshape(T, H * D) * torch.sigmoid(gate)
-        return self.o(out)
+        return out
 
     def _blocks(self, st: AttentionState, positions: Positions | None) -> torch.Tensor:
         """The pooled keys of every complete block in `st`, pooling only the blocks that

@@ -65,20 +65,35 @@ class NgramPLE(torch.nn.Module):
                                     **self.hash_args)
         return ids
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xs = x.reshape(x.shape[0], self.streams, self.width)
-        return F.rms_norm(xs, (self.width,), eps=self.eps) * w.reshape(self.streams, self.width)
-
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, st: PLEState, ids=None) -> torch.Tensor:
         """The residual x (T, S*H) with the PLE block's output added."""
-        T = x.shape[0]
         e = self.table.gather(self.ids(tokens, st) if ids is None else ids)
-        key = self._norm(self.key(e).float(), self.norm_key)
-        value = self.value(e).float()
-        query = self._norm(x.float(), self.norm_query)
-        gate = (key * query).sum(dim=-1, keepdim=True) / self.width ** 0.5
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gv = invariant.pointwise(torch.sigmoid, gate) * value.unsqueeze(1)  # (T, S, H)
-        normed = self._norm(gv.reshape(T, -1), self.norm_conv).reshape(T, -1)
-        conv, st.conv = causal_conv(st.conv, normed, self.conv, self.dilation)
-        return x + gv.reshape(T, -1) + F.silu(conv)
+        x, st.conv = mix(x, e, self.key, self.value, *self.mix_args(), st.conv)
+        return x
+
+    def mix_args(self) -> tuple:
+        """`mix`'s arguments between the projections and the conv's window."""
+        return (self.norm_key, self.norm_query, self.norm_conv, self.conv, self.streams, self.width,
+                self.eps, self.dilation)
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, streams: int, width: int, eps: float) -> torch.Tensor:
+    xs = x.reshape(x.shape[0], streams, width)
+    return F.rms_norm(xs, (width,), eps=eps) * w.reshape(streams, width)
+
+
+def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, width: int, eps: float,
+        dilation: int, window):
+    """The block's output added to the residual x (T, S*H), from the gathered rows e: (x, the
+    conv's new window). `key` and `value` are callables giving float32 rows (the modules, or
+    a compiled step's pure matmuls, strata.models.qwen4exp_step)."""
+    T = x.shape[0]
+    k = _norm(key(e).float(), norm_key, streams, width, eps)
+    v = value(e).float()
+    query = _norm(x.float(), norm_query, streams, width, eps)
+    gate = (k * query).sum(dim=-1, keepdim=True) / width ** 0.5
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gv = invariant.pointwise(torch.sigmoid, gate) * v.unsqueeze(1)  # (T, S, H)
+    normed = _norm(gv.reshape(T, -1), norm_conv, streams, width, eps).reshape(T, -1)
+    out, window = causal_conv(window, normed, conv, dilation)
+    return x + gv.reshape(T, -1) + F.silu(out), window

@@ -102,7 +102,7 @@ def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
 
 @pytest.mark.parametrize("halves", [True, False])
 def test_flash_next_decode_compiled_equals_eager(halves, flash_tiny_gguf, monkeypatch):
-    """Flash-Next's decode takes each layer's two compiled halves (strata.models.qwen4exp_step);
+    """Flash-Next's decode takes each layer's compiled halves (strata.models.qwen4exp_step);
     without them (`halves` off: a layer whose matmuls have no pure form), the compiled DeltaNet
     step and the dense experts' one pass. Logits, the DeltaNet states and the experts'
     counters stay within 1e-5 of the eager path's (float32 both ways, Inductor's element-wise
@@ -114,13 +114,14 @@ def test_flash_next_decode_compiled_equals_eager(halves, flash_tiny_gguf, monkey
     if not halves:
         monkeypatch.setattr(step, "_step", lambda layer: None)
     calls = {}
-    for mod, name in ((step, "_MIXER"), (step, "_FFN"), (deltanet, "_STEP"), (experts, "_FEW_TOKENS")):
+    for mod, name in ((step, "_MIXER"), (step, "_FFN"), (step, "_ATTN_IN"), (step, "_ATTN_OUT"), (step, "_PLE"),
+                      (deltanet, "_STEP"), (experts, "_FEW_TOKENS")):
         def counted(*args, f=getattr(mod, name), name=name):
             calls[name] = calls.get(name, 0) + 1
             return f(*args)
         monkeypatch.setattr(mod, name, counted)
     model = load_model(flash_tiny_gguf, dtype=torch.float32)
-    prompt = list(range(1000, 1012))
+    prompt = list(range(1000, 1070))  # past the QSA budget (64): the sparse path decodes
     runs = {}
     for on in ("0", "1"):
         monkeypatch.setenv("STRATA_CPU_COMPILE", on)
@@ -131,10 +132,12 @@ def test_flash_next_decode_compiled_equals_eager(halves, flash_tiny_gguf, monkey
         logits = [model([t], state) for t in (5000, 6000, 7000)]
         hits = [l.moe.experts.hits - b for l, b in zip(model.layers, before)]
         runs[on] = logits, [x.rec.clone() for x in state.layers if hasattr(x, "rec")], hits
-    # three steps: 6 DeltaNet layers and 8 MoE layers each
-    n_rec = sum(model.cfg.recurrent)
-    want_calls = ({"_MIXER": 3 * n_rec, "_FFN": 3 * len(model.layers)} if halves else
-                  {"_STEP": 3 * n_rec, "_FEW_TOKENS": 3 * len(model.layers)})
+    # three steps: 6 DeltaNet layers (a mixer half, an MoE half), 2 attention layers (an
+    # input half; the output half runs their MoE) and the PLE block each
+    n_rec, n_attn = sum(model.cfg.recurrent), len(model.layers) - sum(model.cfg.recurrent)
+    want_calls = ({"_MIXER": 3 * n_rec, "_FFN": 3 * n_rec, "_ATTN_IN": 3 * n_attn, "_ATTN_OUT": 3 * n_attn,
+                   "_PLE": 3}
+                  if halves else {"_STEP": 3 * n_rec, "_FEW_TOKENS": 3 * len(model.layers)})
     assert calls == want_calls and compiled.broken == []
     (want, want_rec, want_hits), (got, got_rec, got_hits) = runs["0"], runs["1"]
     assert want_rec
