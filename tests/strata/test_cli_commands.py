@@ -260,8 +260,11 @@ def test_bench_model_table(smollm2_gguf):
                   rf"reads {NUM} MiB of weights: {NUM} GB/s, {NUM}% of the {NUM} GB/s a copy moves on cpu", r.out)
     assert m, r.out
     load_s, rss, step_mib, gbs, pct, copy = (positive(x) for x in m.groups())
-    # f32: weights under 2^20 dense float32, larger ones int8 codes (gate_up, the Q8_0 head): 296 MiB
-    assert 280 < step_mib < 320
+    # f32: weights under 2^20 dense float32, larger ones int8 codes where the CPU takes them
+    # (AVX-512: gate_up, the Q8_0 head): 296 MiB; elsewhere all dense float32: 134.5M weights, 513 MiB
+    from triton_kernels.backend import cpu_int8_vectors
+    lo, hi = (280, 320) if cpu_int8_vectors() else (500, 530)
+    assert lo < step_mib < hi
     assert rss > step_mib
 
 
