@@ -128,9 +128,9 @@ class LayerStep:
                         f.rank, f.eps, moe.splits, moe.top_k, moe.norm_topk)
 
 
-def _step(layer) -> LayerStep | None:
-    """The layer's LayerStep where a compiled half may run now, else None."""
-    if not compiled.available() or invariant.enabled():
+def _step(layer, x: torch.Tensor) -> LayerStep | None:
+    """The layer's LayerStep where a compiled call may run now (one token on the CPU), else None."""
+    if x.shape[0] != 1 or x.device.type != "cpu" or not compiled.available() or invariant.enabled():
         return None
     step = getattr(layer, "_cpu_step", None)
     if step is None or step.store is not layer.moe.experts or step.share is not layer.moe.share:
@@ -141,9 +141,9 @@ def _step(layer) -> LayerStep | None:
 def mixer_half(layer, x: torch.Tensor, st) -> torch.Tensor | None:
     """The streams after a DeltaNet layer's mixer for one token, compiled; None where the
     eager modules run (the state untouched)."""
-    if x.shape[0] != 1 or x.device.type != "cpu" or not layer.recurrent or st.trail is not None:
+    if not layer.recurrent or st.trail is not None:
         return None
-    step = _step(layer)
+    step = _step(layer, x)
     if step is None or step.mixer is None:
         return None
     a = step.mixer
@@ -157,9 +157,7 @@ def mixer_half(layer, x: torch.Tensor, st) -> torch.Tensor | None:
 def ffn_half(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The streams after a layer's MoE for one token, compiled; None where the eager modules
     run. The experts' counters count the call as the store's own forward does."""
-    if x.shape[0] != 1 or x.device.type != "cpu":
-        return None
-    step = _step(layer)
+    step = _step(layer, x)
     if step is None or step.ffn is None:
         return None
     r = _FFN(x, *step.ffn)
@@ -174,9 +172,9 @@ def attention_layer(layer, x: torch.Tensor, st, start: int, positions) -> torch.
     """The streams after an attention layer (its mixer and MoE) for one token: the input and
     the output halves compiled, the cache's append and the attention itself eager; None
     where the eager modules run (the state untouched)."""
-    if x.shape[0] != 1 or x.device.type != "cpu" or layer.recurrent:
+    if layer.recurrent:
         return None
-    step = _step(layer)
+    step = _step(layer, x)
     if step is None or step.attn is None or step.ffn is None:
         return None
     m = layer.mixer
@@ -201,9 +199,9 @@ def attention_layer(layer, x: torch.Tensor, st, start: int, positions) -> torch.
 def ple_block(layer, x: torch.Tensor, tokens: torch.Tensor, st, ids) -> torch.Tensor | None:
     """The residual after the layer's PLE block for one token: the table's rows gathered
     eagerly (the storage tier's read), the rest compiled; None where the module runs."""
-    if x.shape[0] != 1 or x.device.type != "cpu" or layer.ple is None:
+    if layer.ple is None:
         return None
-    step = _step(layer)
+    step = _step(layer, x)
     if step is None or step.ple is None:
         return None
     p = layer.ple

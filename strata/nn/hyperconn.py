@@ -45,11 +45,18 @@ def read(x: torch.Tensor, norm: torch.Tensor, down, up, streams: int, rank: int,
          injects: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HyperConnection.read as a function of its weights: `norm` (S, H); `down` and `up`
     callables giving float32 rows (the QuantLinear modules, or a compiled step's pure
-    matmuls, strata.runtime.cpu_step)."""
-    width = norm.shape[-1]
-    xn = F.rms_norm(x.float().reshape(-1, streams, width), (width,), eps=eps) * norm   # (T, S, H)
+    matmuls, strata.models.qwen4exp_step)."""
+    xn = stream_norm(x.float(), norm, streams, eps)                     # (T, S, H)
     flat = xn.reshape(xn.shape[0], -1)
     both = down(flat).float() / streams
     mix = torch.sigmoid(up(F.silu(both[:, :rank])))
     inp = (mix.reshape_as(xn) * xn).mean(dim=1)
     return inp, (2 * torch.sigmoid(both[:, rank:]) if injects else None)
+
+
+def stream_norm(x: torch.Tensor, w: torch.Tensor, streams: int, eps: float) -> torch.Tensor:
+    """Each of the S streams of x (T, S*H) RMS-normalised with its own weight (w: S*H
+    values): (T, S, H)."""
+    width = w.numel() // streams
+    xs = x.reshape(x.shape[0], streams, width)
+    return F.rms_norm(xs, (width,), eps=eps) * w.reshape(streams, width)

@@ -93,12 +93,20 @@ def _dense_mm(x, weight):
     """x @ weight.T as float32: in the weight's dtype, or in float32 where that is faster
     (triton_kernels.backend.upcast: prefill on a CPU without bfloat16 dot products). One
     row inside a compiled step (strata.runtime.cpu_step, strata.models.qwen4exp_step): the
-    product written as its sum, which Inductor fuses into one loop over the weight with
+    product written as its sum (`_gemv`), which Inductor fuses into one loop over the weight with
     float32 sums (x not rounded to the weight's dtype), 1.3-1.7x faster than the GEMV it
     calls otherwise (measured on 2 AVX2 cores, chains of ten 256 x 256 and 2048 x 256
     bfloat16 GEMVs in one graph)."""
     if x.shape[0] == 1 and torch.compiler.is_compiling():
         return _gemv(x, weight)
+    if (x.shape[0] == 1 and weight.numel() >= INT8_MIN_WEIGHTS and weight.device.type == "cpu"
+            and not invariant.enabled()):
+        # a large weight's one row outside a compiled step (a model's head): the same loop,
+        # compiled alone (2.3 ms against 3.4 for flash-tiny's 49152 x 256 bfloat16 head on 2
+        # AVX2 cores); None where compiles are off or failed
+        y = _GEMV(x, weight)
+        if y is not None:
+            return y
     if upcast(x, weight.dtype):
         return x.float() @ weight.float().T
     return (x.to(weight.dtype) @ weight.T).float()
@@ -184,13 +192,6 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.mode == "parts":
             return torch.cat([p(x) for p in self.parts], dim=-1)
-        if (self.mode == "dense" and x2.shape[0] == 1 and self.weight.device.type == "cpu"
-                and self.out_features * self.in_features >= INT8_MIN_WEIGHTS and not invariant.enabled()):
-            # one compiled loop over a large weight (_dense_mm's reasons): 2.3 ms against 3.4
-            # for flash-tiny's 49152 x 256 bfloat16 head on 2 AVX2 cores
-            y = _GEMV(x2, self.weight)
-            if y is not None:
-                return y.reshape(*lead, self.out_features)
         pure = self.pure()
         if pure is not None:  # int4, int8 codes, dense
             f, held = pure

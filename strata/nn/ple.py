@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from triton_kernels import invariant
 
 from .deltanet import causal_conv
+from .hyperconn import stream_norm
 from .linear import QuantLinear
 
 
@@ -77,23 +78,18 @@ class NgramPLE(torch.nn.Module):
                 self.eps, self.dilation)
 
 
-def _norm(x: torch.Tensor, w: torch.Tensor, streams: int, width: int, eps: float) -> torch.Tensor:
-    xs = x.reshape(x.shape[0], streams, width)
-    return F.rms_norm(xs, (width,), eps=eps) * w.reshape(streams, width)
-
-
 def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, width: int, eps: float,
         dilation: int, window):
     """The block's output added to the residual x (T, S*H), from the gathered rows e: (x, the
     conv's new window). `key` and `value` are callables giving float32 rows (the modules, or
     a compiled step's pure matmuls, strata.models.qwen4exp_step)."""
     T = x.shape[0]
-    k = _norm(key(e).float(), norm_key, streams, width, eps)
+    k = stream_norm(key(e).float(), norm_key, streams, eps)
     v = value(e).float()
-    query = _norm(x.float(), norm_query, streams, width, eps)
+    query = stream_norm(x.float(), norm_query, streams, eps)
     gate = (k * query).sum(dim=-1, keepdim=True) / width ** 0.5
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gv = invariant.pointwise(torch.sigmoid, gate) * v.unsqueeze(1)  # (T, S, H)
-    normed = _norm(gv.reshape(T, -1), norm_conv, streams, width, eps).reshape(T, -1)
+    normed = stream_norm(gv.reshape(T, -1), norm_conv, streams, eps).reshape(T, -1)
     out, window = causal_conv(window, normed, conv, dilation)
     return x + gv.reshape(T, -1) + F.silu(out), window

@@ -112,7 +112,7 @@ def test_flash_next_decode_compiled_equals_eager(halves, flash_tiny_gguf, monkey
     import strata.storage.experts as experts
     monkeypatch.setattr(compiled, "broken", [])
     if not halves:
-        monkeypatch.setattr(step, "_step", lambda layer: None)
+        monkeypatch.setattr(step, "_step", lambda layer, x: None)
     calls = {}
     for mod, name in ((step, "_MIXER"), (step, "_FFN"), (step, "_ATTN_IN"), (step, "_ATTN_OUT"), (step, "_PLE"),
                       (deltanet, "_STEP"), (experts, "_FEW_TOKENS")):
