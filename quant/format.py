@@ -123,3 +123,11 @@ def chunked(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], block_bytes: int
         parts = [fn(x[i:i + chunk], None if w is None else w[i:i + chunk]) for i in range(0, x.shape[0], chunk)]
         return np.concatenate(parts, axis=0) if parts else np.zeros((0, block_bytes), np.uint8)
     return quantize
+
+
+def digit_rows(text: tuple[str, ...]) -> np.ndarray:
+    """A table written as whitespace-separated entries of decimal digits, one digit a value
+    (the grid tables' level indices) -> (entries, digits) uint8, parsed at once."""
+    entries = "".join(text).split()
+    digits = np.frombuffer("".join(entries).encode("ascii"), dtype=np.uint8) - np.uint8(ord("0"))
+    return digits.reshape(len(entries), -1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, chunked, digit_rows, f32_to_fp16_bytes, fp16_to_f32
 from .iq1_tables import IQ1_GRID_LEVELS
 from .iq3 import nearest
 
@@ -26,7 +26,7 @@ QK_K = 256
 DELTA = np.float32(0.125)
 
 # (2048, 8) int8 values -1, 0, 1
-GRID = np.array([[int(c) - 1 for c in e] for e in "".join(IQ1_GRID_LEVELS).split()], dtype=np.int8)
+GRID = digit_rows(IQ1_GRID_LEVELS).astype(np.int8) - np.int8(1)
 _GRID_F32 = GRID.astype(np.float32)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, chunked, digit_rows, f32_to_fp16_bytes, fp16_to_f32
 from .iq2_tables import IQ2_S_GRID_LEVELS, IQ2_XS_GRID_LEVELS, IQ2_XXS_GRID_LEVELS
 from .iq3 import BITS, KSIGNS, KSIGNS_F32, nearest
 from .search.iq3 import signs_and_targets
@@ -29,8 +29,7 @@ LEVELS = np.array([8, 25, 43], dtype=np.uint8)
 
 
 def _grid(levels_text: tuple[str, ...]) -> np.ndarray:
-    idx = np.array([[int(c) for c in e] for e in "".join(levels_text).split()], dtype=np.uint8)
-    return LEVELS[idx]
+    return LEVELS[digit_rows(levels_text)]
 
 
 # (256, 8), (512, 8) and (1024, 8) grid magnitudes, as the bytes of llama.cpp's uint64 grids.

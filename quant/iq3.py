@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, chunked, digit_rows, f32_to_fp16_bytes, fp16_to_f32
 from .iq3_tables import IQ3_S_GRID_LEVELS, IQ3_XXS_GRID_LEVELS
 from .search import IQ3Options, grid_tables, iq3_search
 
@@ -28,8 +28,7 @@ S_LEVELS = np.array([1, 3, 5, 7, 9, 11, 13, 15], dtype=np.uint8)
 
 
 def _grid(levels_text: tuple[str, ...], levels: np.ndarray) -> np.ndarray:
-    idx = np.array([[int(c) for c in e] for e in "".join(levels_text).split()], dtype=np.uint8)
-    return levels[idx]
+    return levels[digit_rows(levels_text)]
 
 
 # (256, 4) and (512, 4) grid magnitudes, as the bytes llama.cpp's uint32 grids hold.
@@ -108,8 +107,15 @@ def nearest(t: np.ndarray, w: np.ndarray, scale: np.ndarray, grid: np.ndarray):
     return idx, err
 
 
-_XXS_TABLES = grid_tables(np.searchsorted(XXS_LEVELS, XXS_GRID), top=15.5)
-_S_TABLES = grid_tables(np.searchsorted(S_LEVELS, S_GRID))
+# The search's tables, built at the first quantization (half a second: not at import).
+def _xxs_tables():
+    return grid_tables(np.searchsorted(XXS_LEVELS, XXS_GRID), top=15.5)  # cached by grid_tables
+
+
+def _s_tables():
+    return grid_tables(np.searchsorted(S_LEVELS, S_GRID))
+
+
 XXS_OPTIONS = IQ3Options(n_scales=15, parity=True, fudge=1.0125, eps=1e-8,
                          d_factors=(0.98, 0.99, 1.0, 1.025, 1.04, 1.06))
 S_OPTIONS = IQ3Options(n_scales=9, fudge=1.033, d_factors=(1.0, 1.015, 1.05, 1.07))
@@ -118,7 +124,7 @@ _CHUNK = 1024  # blocks per step: bounds the search's temporaries to a few tens 
 
 def _xxs_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    d, s, idx, neg = iq3_search(x, w, _XXS_TABLES, XXS_OPTIONS)
+    d, s, idx, neg = iq3_search(x, w, _xxs_tables(), XXS_OPTIONS)
     bits = neg.reshape(n, 8, 4, 8)[..., :7].astype(np.uint32)          # 7 stored bits a group
     sidx = (bits << np.arange(7, dtype=np.uint32)).sum(-1)              # (n, 8, 4)
     words = (sidx << np.array([0, 7, 14, 21], dtype=np.uint32)).sum(-1) | (s.astype(np.uint32) << 28)
@@ -128,7 +134,7 @@ def _xxs_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def _s_quant(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    d, s, idx, neg = iq3_search(x, w, _S_TABLES, S_OPTIONS)
+    d, s, idx, neg = iq3_search(x, w, _s_tables(), S_OPTIONS)
     qh = np.packbits((idx >> 8).astype(np.uint8).reshape(n, 8, 8), axis=-1, bitorder="little")
     signs = np.packbits(neg.reshape(n, 32, 8), axis=-1, bitorder="little")
     scales = s[:, 0::2] | (s[:, 1::2] << 4)

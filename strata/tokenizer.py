@@ -17,6 +17,8 @@ import re
 from datetime import datetime
 from typing import Any, Iterable
 
+import numpy as np
+
 from strata.gguf.reader import GGUFError, GGUFFile
 
 
@@ -96,6 +98,38 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
+@functools.cache
+def _byte_lut() -> np.ndarray:
+    """Code point -> the byte it spells in a byte-level text (`_byte_decoder`), or as its own
+    UTF-8 where that is one byte (ASCII outside the alphabet); 256 for every other code point
+    (the last entry stands for all past the table)."""
+    dec = _byte_decoder()
+    lut = np.full(max(map(ord, dec)) + 2, 256, dtype=np.int16)
+    lut[:0x80] = np.arange(0x80)
+    for c, b in dec.items():
+        lut[ord(c)] = b
+    return lut
+
+
+def _byte_level_bytes(texts: list[str]) -> list[bytes]:
+    """The bytes each byte-level text spells: `_byte_decoder`'s byte for each character of
+    the alphabet, the UTF-8 of any other (as llama.cpp's token_to_piece), looked up for all
+    texts at once; a text with characters outside the alphabet is spelled out alone."""
+    lut = _byte_lut()
+    # surrogatepass: a lone surrogate (no UTF-8 form) is looked up as past the table, and
+    # the text holding it fails alone below as it always did
+    cps = np.frombuffer("".join(texts).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    spelt = lut[np.minimum(cps, len(lut) - 1)]
+    ends = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
+    flat = spelt.astype(np.uint8).tobytes()
+    cuts = [0, *ends.tolist()]
+    out = [flat[a:b] for a, b in zip(cuts, cuts[1:])]
+    dec = _byte_decoder()
+    for i in np.unique(np.searchsorted(ends, np.flatnonzero(spelt > 255), side="right")).tolist():
+        out[i] = b"".join(bytes([dec[c]]) if c in dec else c.encode() for c in texts[i])
+    return out
+
+
 class Tokenizer:
     def __init__(self, tokens: list[str], token_types: list[int], merges: list[str], *,
                  pre: str, bos_id: int | None, eos_id: int | None, add_bos: bool,
@@ -113,30 +147,31 @@ class Tokenizer:
             raise TokenizerError(f"{source}: tokenizer.ggml.token_type has {len(token_types)} "
                                  f"entries for {len(tokens)} tokens; the file is damaged")
         types = [int(t) for t in token_types]
-        for i, text in enumerate(tokens):
-            if text in EOG_TEXTS:
-                types[i] = CONTROL
+        eog = [i for i, text in enumerate(tokens) if text in EOG_TEXTS]
+        for i in eog:
+            types[i] = CONTROL
         self._types = types
         self.vocab_size = len(tokens)
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos
         self.chat_template = chat_template
-        eot = {i for i, text in enumerate(tokens) if text in EOG_TEXTS}
+        eot = set(eog)
         eot |= {i for i in (eos_id, eot_id) if i is not None}
         self.eot_ids = frozenset(eot)
 
         # The bytes each id stands for: byte-level texts for ordinary tokens, the text itself
         # (UTF-8) for control and user-defined ones, as llama.cpp's token_to_piece.
-        dec = _byte_decoder()
         self._pieces: list[bytes] = []
+        byte_level = [text for text, t in zip(tokens, types) if t not in (CONTROL, USER_DEFINED, UNKNOWN, UNUSED)]
+        spelt = iter(_byte_level_bytes(byte_level))
         for text, t in zip(tokens, types):
             if t in (CONTROL, USER_DEFINED, UNKNOWN):
                 self._pieces.append(text.encode())
             elif t == UNUSED:
                 self._pieces.append(b"")
             else:
-                self._pieces.append(b"".join(bytes([dec[c]]) if c in dec else c.encode() for c in text))
+                self._pieces.append(next(spelt))
 
         # Ids llama.cpp matches verbatim in text before BPE, longest text first; ties keep id
         # order. Control and unknown ones only with parse_special.
@@ -151,13 +186,17 @@ class Tokenizer:
         vocab = {text: i for i, text in enumerate(tokens)}
         self._unk = len(tokens)
         vocab[_UNK_TEXT] = self._unk
-        pairs = []
-        for m in merges:
-            # llama.cpp splits at the first space after the first character.
-            cut = m.find(" ", 1)
-            if cut < 0:
-                raise TokenizerError(f"{source}: tokenizer.ggml.merges entry {m!r} has no space")
-            pairs.append((m[:cut], m[cut + 1:]))
+        # llama.cpp splits at the first space after the first character: the first space,
+        # for a merge that does not start with one (all of them, in byte-level BPE); tuples
+        # made at once (a list each kept until the end makes the collector walk them all)
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        if not all(len(p) == 2 and p[0] for p in pairs):
+            pairs = []
+            for m in merges:
+                cut = m.find(" ", 1)
+                if cut < 0:
+                    raise TokenizerError(f"{source}: tokenizer.ggml.merges entry {m!r} has no space")
+                pairs.append((m[:cut], m[cut + 1:]))
         try:
             model = models.BPE(vocab=vocab, merges=pairs, unk_token=_UNK_TEXT)
         except Exception as e:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 
-from strata.cli.args import DTYPES
 from strata.cli.parser import build_parser
 
 # commands that load a model, and so take --device and --kernels
@@ -24,6 +23,7 @@ def _interpret(argv: list[str] | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from strata.cli.args import DTYPES
     from triton_kernels import configs
     from triton_kernels.backend import choose_device, interpreter_on
     if hasattr(args, "dtype"):  # one spelling on the command line, a torch dtype past here

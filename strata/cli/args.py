@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+DTYPE_NAMES = ("bf16", "f32")  # --dtype's spellings; DTYPES maps them to torch dtypes
 
-DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+
+def _dtypes() -> dict:
+    import torch
+    return {"bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def __getattr__(name: str):
+    # DTYPES at its first use: torch takes seconds to import, and `import strata.cli` (for
+    # --help, or a command that loads no model) does without it
+    if name == "DTYPES":
+        return _dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def formats(text: str) -> list[str]:
@@ -36,8 +47,9 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                         "the CPU runs the Triton interpreter: slow, for checking the GPU path)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="a token's result does not depend on the prompt's chunking or the requests "
-                        "batched beside it (fixed-shape matmuls; costs prefill speed: see the README). "
-                        "Default: on in serve, off elsewhere")
+                        "batched beside it (fixed-shape matmuls; costs prefill speed: docs/serving.md). "
+                        "Default: on in serve; elsewhere on in decode steps alone, so that greedy --spec "
+                        "gives --spec 0's tokens (--no-batch-invariant: nowhere)")
     p.add_argument("--vram-reserve-mib", type=int, default=1024,
                    help="VRAM a GPU keeps free (activations, KV growth, the CUDA context) when the "
                         "placement sizes the expert cache (default 1024)")
@@ -62,7 +74,7 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="smollm2",
                    help="a known model (smollm2: pulled on first use) or a .gguf path")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16",
                    help="compute dtype (bf16: fast; f32: exact weights)")
     add_device_args(p)
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: torch's)")
@@ -167,7 +179,7 @@ def load_options(args, **override):
     get = (lambda k, d=None: override.get(k, getattr(args, k, d)))
     dtype = get("dtype", "bf16")
     return Options(
-        dtype=DTYPES.get(dtype, dtype), device=get("device"), kernels=get("kernels"), threads=get("threads"),
+        dtype=_dtypes().get(dtype, dtype), device=get("device"), kernels=get("kernels"), threads=get("threads"),
         qsa=get("qsa", "on") != "off", experts=get("experts"), experts_dir=get("experts_dir"),
         experts_io=get("experts_io", "direct"), experts_io_depth=get("experts_io_depth", 16),
         ple_io=get("ple_io", "auto"), ple_file=get("ple_gguf"), ple_prefetch=not get("no_ple_prefetch", False),

@@ -1,6 +1,7 @@
 """GGUF reader and writer: round trips, and one clear GGUFError per kind of bad file."""
 from __future__ import annotations
 
+import re
 import struct
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 from gguf import GGUFValueType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 from strata.gguf import GGUFError, open_gguf, write_gguf
@@ -119,7 +121,7 @@ def _expected(v):
     return v
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(meta=st.dictionaries(_key, _value, max_size=6), specs=st.lists(_tensor, max_size=4))
 def test_property_round_trip_is_byte_exact(tmp_path_factory, meta, specs):
     tmp = tmp_path_factory.mktemp("prop")
@@ -304,6 +306,152 @@ def test_missing_key_and_tensor(tmp_path):
         g.tensor("blk.2.w")
     with pytest.raises(GGUFError, match=r"metadata key 'general.architecture' is missing"):
         g.metadata.pop("general.architecture") and g.arch
+
+
+# --- arrays: read in bulk, as gguf-py reads them one item at a time --------------------------
+
+def strings_file(path: Path, items: list[bytes], key: str = "test.strs") -> Path:
+    """A GGUF of no tensors whose metadata are the architecture and `key`, an array of
+    strings holding `items` as they are (any bytes: the writers take only str)."""
+    def string(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    buf = b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+    buf += string(b"general.architecture") + struct.pack("<I", T.STRING) + string(b"llama")
+    buf += string(key.encode()) + struct.pack("<IIQ", T.ARRAY, T.STRING, len(items))
+    buf += b"".join(string(b) for b in items)
+    path.write_bytes(buf + bytes(-len(buf) % 32))
+    return path
+
+
+def items_at(path: Path, key: str = "test.strs") -> int:
+    """Offset of the first item of the array `key` (after its item type and count)."""
+    return path.read_bytes().index(key.encode()) + len(key) + 4 + 4 + 8
+
+
+def gguf_py(path: Path, key: str = "test.strs"):
+    """gguf-py's own per-item parse of `key`: its value, or the UnicodeDecodeError it raises."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(path).fields[key].contents()
+    except UnicodeDecodeError as e:
+        return e
+
+
+AWKWARD = ["", "a", "", "ü", "日本語", "😀", "a b", " ", "\x00", "e\u0301", "\uffff", "\U0010ffff",
+           "Ġhello", "x" * 1000, "é" * 300, ""]
+
+
+def test_string_array_reads_as_gguf_py_reads_it(tmp_path):
+    path = strings_file(tmp_path / "s.gguf", [t.encode() for t in AWKWARD])
+    g = open_gguf(path)
+    assert g.metadata["test.strs"] == gguf_py(path) == AWKWARD
+    assert all(type(t) is str for t in g.metadata["test.strs"]) and g.metadata_types["test.strs"] == T.STRING
+    # the reader's field answers an index or a slice as gguf-py's does
+    from gguf import GGUFReader
+    ours, theirs = g._reader.fields["test.strs"], GGUFReader(path).fields["test.strs"]
+    assert ours.types == theirs.types == [T.ARRAY, T.STRING]
+    for i in (0, 3, 5, -1, -4):
+        assert ours.contents(i) == theirs.contents(i)
+    for sl in (slice(2, 9), slice(None, None, 3), slice(-5, None)):
+        assert ours.contents(sl) == theirs.contents(sl)
+    with pytest.raises(IndexError):
+        ours.contents(len(AWKWARD))
+
+
+def test_number_arrays_read_as_gguf_py_reads_them(tmp_path):
+    from gguf import GGUFReader
+
+    meta = {"m.ints": ([3, -1, 2**31 - 1], T.INT32), "m.u8": ([0, 255], T.UINT8), "m.f": [0.5, -2.0],
+            "m.f64": ([0.1, 1e300], T.FLOAT64), "m.b": [True, False, True], "m.big": [2**64 - 1, 0]}
+    path = write_gguf(tmp_path / "n.gguf", "llama", meta, [])
+    g, r = open_gguf(path), GGUFReader(path)
+    for key in meta:
+        want = r.fields[key].contents()
+        assert g.metadata[key] == want and [type(v) for v in g.metadata[key]] == [type(v) for v in want]
+        assert g._reader.fields[key].types == r.fields[key].types
+        assert g._reader.fields[key].contents(-1) == r.fields[key].contents(-1)
+
+
+@pytest.mark.parametrize("items", [
+    [b"ok", b"\xff", b"x"],  # not UTF-8 at all
+    [b"a\xc3", b"\xa9b"],  # a character cut across two strings: joined, they decode
+    [b"\xc3", b"\xa9"],
+    [b"", b"\x80"],  # a lone continuation byte
+    [b"\xed\xa0\x80"],  # a surrogate
+    [b"fine", b"\xf0\x9f\x98"],  # a character cut short at the end
+], ids=["ff", "split", "split-bare", "continuation", "surrogate", "short"])
+def test_string_array_not_utf8_fails_as_before(tmp_path, items):
+    path = strings_file(tmp_path / "u.gguf", items)
+    want = gguf_py(path)
+    assert isinstance(want, UnicodeDecodeError)
+    with pytest.raises(GGUFError) as got:
+        open_gguf(path)
+    assert str(got.value) == f"{path}: metadata key 'test.strs' holds a string that is not UTF-8: {want}"
+
+
+@settings(max_examples=examples(100))
+@given(items=st.lists(st.one_of(st.binary(max_size=6), _text.map(str.encode),
+                                st.sampled_from([b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b""])), max_size=12))
+def test_property_string_array_is_gguf_pys(tmp_path_factory, items):
+    path = strings_file(tmp_path_factory.mktemp("strs") / "p.gguf", items)
+    want = gguf_py(path)
+    if isinstance(want, UnicodeDecodeError):
+        with pytest.raises(GGUFError, match=f"holds a string that is not UTF-8: {re.escape(str(want))}$"):
+            open_gguf(path)
+    else:
+        assert open_gguf(path).metadata["test.strs"] == want == [b.decode() for b in items]
+
+
+TRUNCATED = (r"s\.gguf: truncated file: the metadata run past the end \(they need at least {} bytes, "
+             r"the file has {}\)")
+
+
+def test_truncated_string_array_names_the_string(tmp_path):
+    items = [b"x" * 40, b"", b"y" * 40, b"zzz"]
+    good = strings_file(tmp_path / "good.gguf", items)
+    first = items_at(good)
+    at, starts = first, []
+    for b in items:
+        starts.append(at)
+        at += 8 + len(b)
+    path = tmp_path / "s.gguf"
+    # inside the third string's text: that string, its length, named
+    cut = starts[2] + 8 + 10
+    path.write_bytes(good.read_bytes()[:cut])
+    with pytest.raises(GGUFError, match=TRUNCATED.format(starts[2] + 8 + 40, cut) +
+                       r": metadata key 'test\.strs', a string of 40 bytes; the file is cut short, "
+                       r"or that length is corrupt$"):
+        open_gguf(path)
+    # inside the fourth string's length
+    cut = starts[3] + 3
+    path.write_bytes(good.read_bytes()[:cut])
+    with pytest.raises(GGUFError, match=TRUNCATED.format(starts[3] + 8, cut) + r": metadata key 'test\.strs'$"):
+        open_gguf(path)
+    # before the least the count's strings take (8 bytes each)
+    cut = first + 20
+    path.write_bytes(good.read_bytes()[:cut])
+    with pytest.raises(GGUFError, match=TRUNCATED.format(first + 4 * 8, cut) +
+                       r": metadata key 'test\.strs', an array of 4 STRING items; the file is cut short, "
+                       r"or that count is corrupt$"):
+        open_gguf(path)
+
+
+@pytest.mark.parametrize("length", [41, 2**40, 2**64 - 1])
+def test_corrupt_string_length_names_the_string(tmp_path, length):
+    items = [b"x" * 40, b"", b"y" * 40, b"zzz"]
+    good = strings_file(tmp_path / "good.gguf", items)
+    at = items_at(good) + 8 + 40 + 8  # the third string's length
+    buf = bytearray(good.read_bytes())
+    buf[at:at + 8] = struct.pack("<Q", length)
+    path = tmp_path / "s.gguf"
+    path.write_bytes(bytes(buf))
+    if length == 41:  # it takes the next string's length with it: that one is cut
+        at, length = at + 8 + 41, int.from_bytes(buf[at + 8 + 41:at + 8 + 49], "little")
+    with pytest.raises(GGUFError, match=TRUNCATED.format(at + 8 + length, len(buf)) +
+                       rf": metadata key 'test\.strs', a string of {length} bytes; the file is cut short"):
+        open_gguf(path)
 
 
 # --- writer input errors -----------------------------------------------------------------

@@ -10,9 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from strata.gguf import open_gguf
 from strata.gguf.reader import GGUFError
 from strata.hub import pull_smollm2
-from strata.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from strata.tokenizer import (EOG_TEXTS, StreamDecoder, Tokenizer, TokenizerError, _byte_decoder,
+                              _byte_level_bytes)
 
 GOLDEN = json.loads((Path(__file__).parents[1] / "data" / "tokenizer_golden.json").read_text())
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<filename>", "<|im", "end|>"]
@@ -116,6 +118,44 @@ def test_stream_holds_back_partial_utf8(tok):
     stream = tok.stream()
     out = [stream.feed(i) for i in ids]
     assert out[-1] == "😀" and all(p in ("", "é") for p in out[:-1])
+
+
+# -- building -----------------------------------------------------------------------------------
+
+BYTE_DECODER = _byte_decoder()
+
+
+def spelt_one_by_one(text: str) -> bytes:
+    """The bytes of a byte-level token text, a character at a time (what the tokenizer's
+    bulk lookup, _byte_level_bytes, must give)."""
+    return b"".join(bytes([BYTE_DECODER[c]]) if c in BYTE_DECODER else c.encode() for c in text)
+
+
+def test_token_bytes_are_spelt_as_one_by_one(tok):
+    g = open_gguf(pull_smollm2(quiet=True))
+    texts, types = g.require("tokenizer.ggml.tokens"), g.require("tokenizer.ggml.token_type")
+    byte_level = [i for i, t in enumerate(types) if t in (1, 6) and texts[i] not in EOG_TEXTS]  # normal, byte
+    assert len(byte_level) > 49000
+    assert [tok.token_bytes(i) for i in byte_level] == [spelt_one_by_one(texts[i]) for i in byte_level]
+
+
+_byte_level_text = st.text(st.one_of(st.sampled_from(sorted(BYTE_DECODER)),
+                                     st.characters(blacklist_categories=("Cs",))), max_size=6)
+
+
+@given(st.lists(_byte_level_text, max_size=20))
+def test_byte_level_bytes_of_any_texts(texts):
+    assert _byte_level_bytes(texts) == [spelt_one_by_one(t) for t in texts]
+
+
+def test_merges_split_at_the_first_space_after_the_first_character():
+    # a merge starting with a space (no byte-level vocabulary has one) splits after it, as
+    # llama.cpp splits; one without a space is refused
+    kw = dict(pre="smollm", bos_id=None, eos_id=None, add_bos=False, chat_template=None)
+    t = Tokenizer(["a", "b", " ", "ab", " a", " ab"], [1] * 6, ["a b", "  a"], **kw)
+    assert t.encode("ab") == [3]
+    with pytest.raises(TokenizerError, match=r"tokenizer\.ggml\.merges entry 'ab' has no space"):
+        Tokenizer(["a", "b", "ab"], [1] * 3, ["a b", "ab"], **kw)
 
 
 # -- chat ---------------------------------------------------------------------------------------
