@@ -8,11 +8,12 @@ Three decisions, all here:
   kernel for CUDA tensors, and for CPU tensors only under the Triton interpreter
   (TRITON_INTERPRET=1, as the tests set it), which runs the kernel's code on the CPU,
   slowly, so that CI checks it; else the op's torch implementation;
-- the CPU path's: whether torch.compile may build its C++ loops (`cpu_compile`), and
+- the CPU path's: whether and when torch.compile builds its C++ loops (`cpu_compile_mode`), and
   what this CPU's vector units do well (`cpu_bf16_native`, `cpu_int8_vectors`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -76,11 +77,50 @@ def backend_name() -> str:
     return "hip" if torch.version.hip else "cuda"
 
 
+COMPILE_MODES = ("auto", "on", "off")
+
+
+def cpu_compile_mode() -> str:
+    """How the CPU path uses torch.compile (triton_kernels.compiled: the llama decode step,
+    a Flash-Next layer's halves, the int8-code matmul, the DeltaNet step, the dense
+    experts' decode, a head's one-row loop), from STRATA_CPU_COMPILE:
+
+      auto (default, or unset)  compiled only in the background: a command that decodes
+                long enough (`chat`, `serve`, a long `generate`) builds the compiled step on
+                a thread while it decodes eagerly, and switches when it is ready; every
+                other run stays eager and never imports Dynamo (seconds on 2 cores), so
+                no command is slower than with compiles off;
+      1 / on    compiled at the first call, in the caller's thread (`bench model`, which
+                wants the steady rate, and the tests of the compiled paths);
+      0 / off   never (no C++ compiler, or to measure what the compiles buy)."""
+    v = os.environ.get("STRATA_CPU_COMPILE", "auto").strip().lower()
+    if v in ("", "auto"):
+        return "on" if _steady else "auto"
+    if v in ("0", "off", "false", "no"):
+        return "off"
+    if v in ("1", "on", "true", "yes"):
+        return "on"
+    raise ValueError(f"STRATA_CPU_COMPILE={v!r}: expected auto, 1 (on) or 0 (off)")
+
+
+_steady = False
+
+
+@contextlib.contextmanager
+def compile_at_first_call():
+    """Inside, the default (auto) compiles at the first call, as `on` (`bench model`: its
+    warm-up takes the compiles, then the rates are the compiled steady state); 0 stays off."""
+    global _steady
+    before, _steady = _steady, True
+    try:
+        yield
+    finally:
+        _steady = before
+
+
 def cpu_compile() -> bool:
-    """Whether the CPU path compiles with torch.compile (triton_kernels.compiled: the llama
-    decode step, the int8-code matmul, the DeltaNet step, the dense experts' decode).
-    STRATA_CPU_COMPILE=0 turns them all off (no C++ compiler, or to measure what they buy)."""
-    return os.environ.get("STRATA_CPU_COMPILE", "1") not in ("", "0")
+    """Whether the CPU path may compile at all (STRATA_CPU_COMPILE is not 0)."""
+    return cpu_compile_mode() != "off"
 
 
 # a GEMM of this many rows or more upcasts a bfloat16 weight to float32 where the CPU has no

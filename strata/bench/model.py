@@ -17,6 +17,8 @@ checkpoint the GGUF was converted from (flash-tiny: the checkpoint beside it; el
 """
 from __future__ import annotations
 
+import functools
+
 import resource
 import statistics
 import time
@@ -66,8 +68,22 @@ def _need_llama_cpp() -> None:
                          "the README says, or drop --peer")
 
 
+def steady(fn):
+    """A bench's rates are the steady state: inside `fn` the CPU's compiles happen at their
+    first calls, the warm-up's, and weights are held as STRATA_CPU_COMPILE=1 holds them
+    (triton_kernels.backend.compile_at_first_call); STRATA_CPU_COMPILE=0 still measures
+    them off."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        from triton_kernels.backend import compile_at_first_call
+        with compile_at_first_call():
+            return fn(*args, **kwargs)
+    return run
+
+
 def _load_warm(path, args):
-    """(model, device, load seconds), the model run once (warm-up, and the kernels' compiles)."""
+    """(model, device, load seconds), the model run once (warm-up, and the kernels' compiles).
+    Called inside `steady` (the bench's functions are)."""
     from strata.load import load_model
     device = torch.device(getattr(args, "device", None) or "cpu")
     t = time.perf_counter()
@@ -75,6 +91,7 @@ def _load_warm(path, args):
     load_s = time.perf_counter() - t
     model(_tokens(16, model.cfg.vocab_size), model.new_cache())
     return model, device, load_s
+
 
 
 def _pp_tg(model, args, device, vocab: int) -> tuple[list[float], list[float]]:
@@ -100,6 +117,7 @@ def _pp_tg(model, args, device, vocab: int) -> tuple[list[float], list[float]]:
     return pp, tg
 
 
+@steady
 def bench_strata(path, args, extra=None) -> dict:
     """Strata's pp and tg; with --batch-invariant, also batch-invariant (the process-wide
     switch, flipped on the same loaded model), so that its cost is measured in one run.
@@ -345,6 +363,7 @@ def _progress(engine: str, d: int, r: dict) -> None:
           f"tg {_stats(r['tg'])[0]:.2f} tok/s", file=sys.stderr, flush=True)
 
 
+@steady
 def run_depths(args, path) -> int:
     """`strata bench model --depth ...`: each depth's fill, pp and tg, Strata then the peer."""
     model, device, load_s = _load_warm(path, args)

@@ -5,7 +5,9 @@ import sys
 
 from strata.cli.load import load, load_vision, say
 from strata.hub import resolve_model
+from triton_kernels import compiled
 from strata.runtime import SamplingParams, generate
+from strata.runtime.background import compile_in_background
 
 
 def pull(args) -> int:
@@ -48,11 +50,14 @@ def generate_cmd(args) -> int:
     ids = tok.encode(prompt)
     if images:
         ids = vision.expand(ids, images)
+    compile_in_background(model, args.n_predict)
     res = generate(model, tok, ids, sampling(args), on_text=_print, spec=args.spec, spec_min_p=args.spec_min_p,
                    vision=vision, images=images)
     print()
     say(f"{res.prompt_tokens} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
         f"{len(res.tokens)} generated at {res.decode_tok_s:.1f} tok/s ({res.finish_reason})")
+    if (line := compiled.ready_line()) is not None:  # the one-time cost, on its own line
+        say(line)
     if res.spec is not None:
         say(res.spec.summary())
     return 0
@@ -70,6 +75,7 @@ def chat_cmd(args) -> int:
     seen: dict = {}      # path -> its Image, read once
     think = _think(args, tok)
     params = sampling(args)
+    compile_in_background(model)  # built while the first line is typed; turns decode eagerly until then
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -172,6 +178,8 @@ def serve_cmd(args) -> int:
         state.load_error = str(e)
         http.join()
         return 1
+    if comm is None:
+        compile_in_background(model)  # with --no-batch-invariant: the server decodes eagerly until it is built
     logging.getLogger("strata.server").info("ready: %s, %d slots", path.name, args.slots)
     try:
         state.engine.run()

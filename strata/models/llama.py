@@ -98,6 +98,10 @@ class Llama(torch.nn.Module):
                 f"{summary.kv_summary(self)}; "
                 f"matmuls: {how}")
 
+    def warm_compile(self) -> None:
+        """Build the CPU's compiled decode step on a scratch cache (strata.runtime.background)."""
+        cpu_step.warm(self)
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.cfg
         return KVCache(c.n_layers, c.n_kv_heads, c.head_dim, device=self.device, capacity=capacity, kind=self.kv)

@@ -211,3 +211,19 @@ def ple_block(layer, x: torch.Tensor, tokens: torch.Tensor, st, ids) -> torch.Te
         r = ple.mix(x, e, p.key, p.value, *p.mix_args(), st.conv)
     x, st.conv = r
     return x
+
+
+def warm(model) -> None:
+    """Build the compiled halves on a scratch state (triton_kernels.compiled.background):
+    one token through the model compiles every kind of layer, the PLE block and the head.
+    Only where the scratch step shares nothing with the caller's steps but weights: one
+    process, every layer's experts held dense (a cache tier's slots would move), the PLE
+    table in memory (the page cache's hints and direct mode's reads ahead keep the caller's
+    state)."""
+    tables = [layer.ple.table for layer in model.layers if layer.ple is not None]
+    if (model.pipe is not None or any(layer.moe.share is not None for layer in model.layers)
+            or any(getattr(getattr(layer.moe.experts, "spec", None), "kind", None) != "dense"
+                   for layer in model.layers)
+            or any(getattr(getattr(t, "table", None), "mode", "ram") != "ram" for t in tables)):
+        return
+    model([0], model.new_cache(8), last_only=True)

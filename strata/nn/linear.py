@@ -30,7 +30,7 @@ import torch
 import quant
 from strata.tensors import QTensor, host_tensor
 from triton_kernels import invariant
-from triton_kernels.backend import choose_kernels, cpu_compile, cpu_int8_vectors, upcast
+from triton_kernels.backend import choose_kernels, cpu_compile_mode, cpu_int8_vectors, upcast
 from triton_kernels.codes import codes_matmul
 from triton_kernels.compiled import Compiled
 from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
@@ -159,10 +159,12 @@ class QuantLinear(torch.nn.Module):
                 pass
         q = host_tensor(blocks)
         large = self.out_features * self.in_features >= INT8_MIN_WEIGHTS
-        # without compiles (STRATA_CPU_COMPILE=0) the codes' matmul decodes the weight every
-        # call (30 ms for SmolLM2's head against 5 ms as bfloat16), and without AVX-512 its
-        # compiled pass is slower than bfloat16 (cpu_int8_vectors): held dense then
-        if (self.fmt.name in INT8_FORMATS and str(device) == "cpu" and large and cpu_compile()
+        # uncompiled, the codes' matmul decodes the weight every call (30 ms for SmolLM2's
+        # head against 5 ms as bfloat16), so codes only where every call compiles
+        # (STRATA_CPU_COMPILE=1: the default compiles in the background, and a run
+        # decodes eagerly until then); without AVX-512 the compiled pass is slower than
+        # bfloat16 (cpu_int8_vectors): held dense then
+        if (self.fmt.name in INT8_FORMATS and str(device) == "cpu" and large and cpu_compile_mode() == "on"
                 and cpu_int8_vectors()):
             held = int8_parts(q, self.fmt)
             if (budget or DenseBudget()).take(sum(t.nbytes for t in held if t is not None)):

@@ -10,12 +10,15 @@ cores with Inductor's disk cache cold, 1-3 s warm.
 
 The step computes what Llama.forward computes for one token, op for op (the same RMSNorm,
 RoPE, matmul calls and softmax), so its logits equal eager decode's except where Inductor
-fuses an element-wise chain (float32 either way). Off with STRATA_CPU_COMPILE=0; taken only
+fuses an element-wise chain (float32 either way). When it compiles is
+triton_kernels.compiled's choice (by default in the background: `warm`); taken only
 where every matmul has a compiled form (QuantLinear.pure), the KV cache stores floats and
 batch-invariant mode is off. A failing compile (no C++ compiler) warns once and decodes
 eagerly from then on (triton_kernels.compiled).
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -97,7 +100,28 @@ def decode(model, tok: int, cache) -> torch.Tensor | None:
     step does not apply or its compile failed (the caller decodes eagerly)."""
     if not CpuStep.usable(model, cache):
         return None
-    step = getattr(model, "_cpu_step", None)
-    if step is None:
-        step = model._cpu_step = CpuStep(model)
-    return step(tok, cache)
+    return _step(model)(tok, cache)
+
+
+_made = threading.Lock()
+
+
+def _step(model) -> CpuStep:
+    """The model's one CpuStep (its Compiled is what the background compile builds)."""
+    with _made:
+        if getattr(model, "_cpu_step", None) is None:
+            model._cpu_step = CpuStep(model)
+        return model._cpu_step
+
+
+def warm(model) -> None:
+    """Build the compiled step on a scratch cache (triton_kernels.compiled.background): three
+    tokens, so that the sequence's length is symbolic as a real decode's (the first step
+    compiles it fixed, the second symbolic), and the head's one-row loop with them."""
+    cache = model.new_cache(64)
+    if not CpuStep.usable(model, cache):
+        return
+    step = _step(model)
+    for _ in range(3):
+        if step(0, cache) is None:
+            return

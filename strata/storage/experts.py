@@ -36,7 +36,7 @@ from strata.storage.expert_sources import (
 from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
-from triton_kernels import invariant
+from triton_kernels import compiled, invariant
 from triton_kernels.backend import choose_kernels, upcast
 from triton_kernels.compiled import Compiled
 from triton_kernels.moe import choose_path
@@ -155,8 +155,9 @@ class ExpertStore(torch.nn.Module):
     def count(self, ids: torch.Tensor) -> torch.Tensor:
         """Count a call routed to `ids` (T, k) (-1: held elsewhere); its ids flat, on the host."""
         flat = ids.reshape(-1).long().cpu()
-        self.hits += torch.bincount(flat[flat >= 0], minlength=self.n_experts)
-        self._counts["calls"] += 1
+        if not compiled.warming():  # the background compile's scratch steps count nothing
+            self.hits += torch.bincount(flat[flat >= 0], minlength=self.n_experts)
+            self._counts["calls"] += 1
         return flat
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ import torch
 import quant
 from strata.storage import io
 from strata.storage.io import PAGE, gib
+from triton_kernels import compiled
 from strata.storage.ple_source import PleSource, find_ple
 
 MODES = ("ram", "mmap", "direct")
@@ -244,6 +245,8 @@ class PleTable:
         return out
 
     def _count(self, rows: int, pages: int, t: float) -> None:
+        if compiled.warming():  # the background compile's scratch step counts nothing
+            return
         c = self._counts
         c["gathers"] += 1
         c["rows"] += int(rows)

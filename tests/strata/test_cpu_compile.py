@@ -145,3 +145,93 @@ def test_flash_next_decode_compiled_equals_eager(halves, flash_tiny_gguf, monkey
         assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
     # three steps, top-k experts each, in every layer: counted alike
     assert all(torch.equal(g, w) and int(w.sum()) == 3 * model.cfg.top_k for g, w in zip(got_hits, want_hits))
+
+
+@pytest.fixture
+def auto(monkeypatch):
+    """The default compile mode (STRATA_CPU_COMPILE unset), no background compile started
+    yet, and plain decode steps (STRATA_BATCH_INVARIANT=0: the invariant ones are never
+    compiled)."""
+    from triton_kernels import invariant
+    monkeypatch.delenv("STRATA_CPU_COMPILE", raising=False)
+    monkeypatch.setattr(compiled, "broken", [])
+    compiled.reset()
+    with invariant.batch_invariant(False):
+        yield
+    compiled.reset()
+
+
+def test_invariant_decode_steps_start_no_background_compile(model, monkeypatch):
+    """By default decode steps are batch-invariant, and those never run compiled: nothing
+    to build, even for an open-ended run."""
+    from strata.runtime.background import compile_in_background
+    from triton_kernels import invariant
+    monkeypatch.delenv("STRATA_CPU_COMPILE", raising=False)
+    compiled.reset()
+    with invariant.batch_invariant(None):
+        assert compile_in_background(model) is None and compiled.ready_line() is None
+
+
+def test_by_default_a_short_run_compiles_nothing(model, auto, monkeypatch):
+    """auto: no compile in the caller's thread, and a budget under LONG_RUN starts none."""
+    from strata.runtime.background import LONG_RUN, compile_in_background
+    monkeypatch.setattr(model, "_cpu_step", None, raising=False)
+    assert compile_in_background(model, LONG_RUN - 1) is None
+    cache = model.new_cache(8)
+    model([1, 504, 3458], cache, last_only=True)
+    model([42], cache, last_only=True)
+    assert not compiled.available() and model._cpu_step is None and compiled.ready_line() is None
+
+
+def test_a_background_compile_takes_over_the_decode_when_ready(model_f32, auto, monkeypatch):
+    """The compile runs on its thread beside eager steps; once it is done the steps run
+    compiled, within the float32 bound of the eager ones (the module's docstring)."""
+    from strata.runtime.background import compile_in_background
+    monkeypatch.setattr(model_f32, "_cpu_step", None, raising=False)
+    prompt = [1, 504, 3458, 314, 2113]
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "0")
+    want, _ = _decode(model_f32, prompt, 4, False, monkeypatch)
+    monkeypatch.delenv("STRATA_CPU_COMPILE")
+    cache = model_f32.new_cache(8)
+    model_f32(prompt, cache, last_only=True)
+    thread = compile_in_background(model_f32)  # open-ended: a chat's, a server's
+    assert thread is not None and compile_in_background(model_f32) is None  # one a process
+    got, tok = [model_f32([42], cache, last_only=True)], None  # beside the compile: eager or compiled
+    thread.join()
+    assert compiled.available() and compiled.broken == [] and "ready" in compiled.ready_line()
+    calls = []
+    fn = model_f32._cpu_step.layer_fn
+    monkeypatch.setattr(fn, "compiled", lambda *a, f=fn.compiled: calls.append(1) or f(*a))
+    for _ in range(3):
+        tok = int(got[-1].argmax())
+        got.append(model_f32([tok], cache, last_only=True))
+    assert len(calls) == 3 * model_f32.cfg.n_layers  # the steps after it: compiled, a call a layer
+    for g, w in zip(got, want):
+        assert float((g - w).abs().max() / w.abs().max()) < 1e-5
+        assert int(g.argmax()) == int(w.argmax())
+
+
+def test_flash_next_background_compile_counts_nothing(flash_tiny_gguf, auto, monkeypatch):
+    """Flash-Next's halves built on a scratch state: the experts' and the PLE table's
+    counters see none of its steps, and the decode after it runs the halves."""
+    import strata.models.qwen4exp_step as step
+    from strata.runtime.background import compile_in_background
+    model = load_model(flash_tiny_gguf, dtype=torch.float32, ple_io="ram")
+    table = next(l.ple.table for l in model.layers if l.ple is not None)
+    assert "rows" in table.stats()  # a stored table, which counts its reads
+    before = ([l.moe.experts.hits.clone() for l in model.layers], dict(table.stats()))
+    thread = compile_in_background(model)
+    assert thread is not None
+    thread.join()
+    assert compiled.available() and compiled.broken == []
+    assert all(torch.equal(l.moe.experts.hits, h) for l, h in zip(model.layers, before[0]))
+    counts = ("gathers", "rows", "distinct_pages")  # (drive_bytes is the process's, compiles included)
+    assert {k: table.stats()[k] for k in counts} == {k: before[1][k] for k in counts}
+    calls = []
+    f = step._MIXER.compiled
+    monkeypatch.setattr(step._MIXER, "compiled", lambda *a: calls.append(1) or f(*a))
+    state = model.new_cache()
+    model([5, 6, 7], state)
+    model([8], state)
+    assert len(calls) == sum(model.cfg.recurrent)
+    assert table.stats()["rows"] > before[1]["rows"]  # the caller's steps count

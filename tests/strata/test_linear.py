@@ -60,6 +60,7 @@ def test_large_int8_code_weights_are_held_as_codes(fmt, monkeypatch):
     import strata.nn.linear as linear
     monkeypatch.setattr(linear, "INT8_MIN_WEIGHTS", 64 * 256)
     monkeypatch.setattr(linear, "cpu_int8_vectors", lambda: True)
+    monkeypatch.setenv("STRATA_CPU_COMPILE", "1")  # every compile at its first call
     part = qt("w", fmt, 64, 256, 5)
     lin = QuantLinear(part, torch.bfloat16)
     assert lin.mode == "int8" and lin.codes.dtype == torch.int8
@@ -73,10 +74,12 @@ def test_large_int8_code_weights_are_held_as_codes(fmt, monkeypatch):
     bound = gamma * (x.abs().double().numpy() @ np.abs(part.numpy()).astype(np.float64).T)
     assert (np.abs(lin(x).double().numpy() - ref) <= bound).all()
     # small weights stay dense (bfloat16's matmul is faster than the codes' pass there), and
-    # all do without compiles (the codes' eager matmul decodes the weight every call)
+    # all do without compiles at the first call (the codes' eager matmul decodes the weight
+    # every call, and by default the compiled pass comes later or never)
     assert QuantLinear(qt("v", fmt, 32, 256, 6), torch.bfloat16).mode == "dense"
-    monkeypatch.setenv("STRATA_CPU_COMPILE", "0")
-    assert QuantLinear(part, torch.bfloat16).mode == "dense"
+    for mode in ("0", "auto"):
+        monkeypatch.setenv("STRATA_CPU_COMPILE", mode)
+        assert QuantLinear(part, torch.bfloat16).mode == "dense"
     # without AVX-512 the codes' compiled pass loads int8 through memcpy: dense is faster
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
     monkeypatch.setattr(linear, "cpu_int8_vectors", lambda: False)
