@@ -12,8 +12,17 @@ a fixed-shape GEMM computes each row the same way wherever it sits in the tile
 (tests/triton_kernels/test_invariant.py checks both on the machine it runs on). On the GPU
 path triton_kernels.qmatmul and .moe take one kernel and one tile for any rows instead.
 
-On when `STRATA_BATCH_INVARIANT=1` or after `set_enabled(True)` (`--batch-invariant`,
-the server's default); the model's modules ask `enabled()` on every call. The other
+Where it is on (the model's modules ask `enabled()` on every call):
+- everywhere with `STRATA_BATCH_INVARIANT=1` or after `set_enabled(True)`
+  (`--batch-invariant`, the server's default);
+- by default, in decode steps alone: the runtime runs each one-token step and each
+  speculative verify `with decoding():`, so a verify's row computes as the one-token step
+  at its position would, and greedy `--spec N` gives `--spec 0`'s tokens in any dtype
+  (tests/strata/test_spec.py). Prefill keeps the plain GEMMs, which cost it least;
+- nowhere with `STRATA_BATCH_INVARIANT=0` or after `set_enabled(False)`
+  (`--no-batch-invariant`): a decode's plain steps (compiled on the CPU, where they may be:
+  triton_kernels.compiled), and greedy `--spec N` keeps `--spec 0`'s tokens only where a
+  row's rounding does not move with the batch (float32). The other
 order-dependent steps switch with it: strata.nn.deltanet runs its recurrence token by
 token (a chunk's WY form sums in another order than single steps), strata.nn.gated_
 attention attends through the sparse path also within the budget (the dense SDPA and the
@@ -39,27 +48,62 @@ BLOCKS = 64
 # round differently); 64 is two AVX-512 vectors of bfloat16, a multiple of every CPU's
 VEC = 64
 
-_enabled = os.environ.get("STRATA_BATCH_INVARIANT", "").lower() in ("1", "true", "yes", "on")
+def _from_env() -> bool | None:
+    v = os.environ.get("STRATA_BATCH_INVARIANT", "").strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+# True: everywhere; False: nowhere; None (the default): in decode steps (`decoding`)
+_setting: bool | None = _from_env()
+_decoding = False
 
 
 def enabled() -> bool:
-    return _enabled
+    """Whether the calls made now are batch-invariant."""
+    return _setting is True or (_setting is None and _decoding)
 
 
-def set_enabled(on: bool) -> None:
-    global _enabled
-    _enabled = bool(on)
+def decode_steps() -> bool:
+    """Whether decode steps run batch-invariant (everywhere, or by default)."""
+    return _setting is not False
+
+
+def setting() -> bool | None:
+    return _setting
+
+
+def set_enabled(on: bool | None) -> None:
+    """True: everywhere; False: nowhere; None: decode steps alone (the default)."""
+    global _setting
+    _setting = None if on is None else bool(on)
 
 
 @contextmanager
-def batch_invariant(on: bool = True):
-    """`with batch_invariant():` the model's calls inside are batch-invariant."""
-    before = _enabled
+def batch_invariant(on: bool | None = True):
+    """`with batch_invariant():` the model's calls inside are batch-invariant (`on` as
+    `set_enabled` takes it)."""
+    before = _setting
     set_enabled(on)
     try:
         yield
     finally:
         set_enabled(before)
+
+
+@contextmanager
+def decoding():
+    """A decode step: a one-token step, a server's batched step, a speculative verify or
+    draft; batch-invariant unless the process turned it off."""
+    global _decoding
+    before, _decoding = _decoding, True
+    try:
+        yield
+    finally:
+        _decoding = before
 
 
 def rows(f, x: torch.Tensor, key=None) -> torch.Tensor:
@@ -103,7 +147,7 @@ def pointwise(f, x: torch.Tensor) -> torch.Tensor:
     """f(x) for an elementwise f (sigmoid, softplus, exp) on a narrow tensor, (T, a few):
     when enabled, through a flat buffer padded to a multiple of VEC, so that every element
     runs f's vector code whatever T (see VEC). Wide rows (a multiple of VEC) need none."""
-    if not _enabled:
+    if not enabled():
         return f(x)
     flat = x.reshape(-1).contiguous()  # (T, 1) column views reshape to strided rows
     n = flat.numel()
@@ -122,7 +166,7 @@ def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T: `mm` when enabled, the plain product otherwise (a GEMM whose M follows the
     batch, as an expert's token count does)."""
-    return mm(x, w) if _enabled else x @ w.T
+    return mm(x, w) if enabled() else x @ w.T
 
 
 def scores(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

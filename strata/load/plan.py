@@ -49,8 +49,9 @@ class Options:
     yarn_orig_ctx: int | None = None  # the trained context; None: the file's
     max_context: int | None = None  # tokens a sequence may hold; None: the trained (x the scale)
     kv: str | None = None  # the KV cache's storage (strata.nn.kv); None: f32
-    # batch-invariant numerics (triton_kernels.invariant) for the whole process; None:
-    # leave the process's setting (STRATA_BATCH_INVARIANT, off by default) as it is
+    # batch-invariant numerics (triton_kernels.invariant) for the whole process: True
+    # everywhere, False nowhere; None: leave the process's setting (STRATA_BATCH_INVARIANT;
+    # by default decode steps alone) as it is
     batch_invariant: bool | None = None
 
 
@@ -103,9 +104,10 @@ class LoadPlan:
     layout: object | None = None  # strata.dist.Layout: this rank's layers and experts; None: one process
 
     @property
-    def batch_invariant(self) -> bool:
+    def batch_invariant(self) -> bool | None:
+        """True: everywhere; False: nowhere; None: decode steps alone (triton_kernels.invariant)."""
         b = self.options.batch_invariant
-        return invariant.enabled() if b is None else b
+        return invariant.setting() if b is None else b
 
     @property
     def arch(self) -> str:
@@ -127,6 +129,10 @@ class LoadPlan:
             out.append("numerics: batch-invariant: a token's result does not depend on the prompt's chunks "
                        "or the requests batched beside it (fixed-shape matmuls, DeltaNet token by token, "
                        "QSA's sparse path at every length; --no-batch-invariant for speed)")
+        elif self.batch_invariant is None:
+            out.append("numerics: decode steps batch-invariant (a speculative verify's rows compute as "
+                       "one-token steps: greedy --spec N gives --spec 0's tokens); prefill plain; "
+                       "--batch-invariant for both, --no-batch-invariant for neither")
         if self.layout is not None:
             out.append(f"parallel: {self.layout.describe(*_counts(self.gguf))}, pid {os.getpid()}")
         if self.placement is not None:

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from triton_kernels import invariant
+
 from .sampling import Sampler, SamplingParams
 from .spec import SpecStats, Speculator
 from . import timing
@@ -79,13 +81,14 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
     # every token chosen is fed but the last, which the next step feeds
     while chosen and all(emit(t) for t in chosen):
         ts = time.perf_counter()
-        if speculator:
-            chosen = speculator.step(cache, out[-1], limit=params.max_tokens - len(out) - 1)
-            ms = 1e3 * (time.perf_counter() - ts)
-        else:
-            logits = model([out[-1]], cache, last_only=True)
-            ms = 1e3 * (time.perf_counter() - ts)
-            chosen = [sampler(logits[-1])]
+        with invariant.decoding():  # a verify's rows compute as these steps (triton_kernels.invariant)
+            if speculator:
+                chosen = speculator.step(cache, out[-1], limit=params.max_tokens - len(out) - 1)
+                ms = 1e3 * (time.perf_counter() - ts)
+            else:
+                logits = model([out[-1]], cache, last_only=True)
+                ms = 1e3 * (time.perf_counter() - ts)
+                chosen = [sampler(logits[-1])]
         if timer:
             line = timer.line(len(chosen), ms)
             print(f"strata: {speculator.line() + '; ' if speculator else ''}{line}", file=sys.stderr)

@@ -29,6 +29,7 @@ from strata.runtime.prefix_cache import PrefixCache
 from strata.runtime.sampling import Sampler, SamplingParams
 from strata.runtime.spec import Speculator, check as check_spec
 from strata.runtime.text import TextOut
+from triton_kernels import invariant
 
 log = logging.getLogger("strata.server")
 
@@ -203,7 +204,19 @@ class Engine:
             if all(self._take(slot, tok) for tok in chosen):
                 going.append(slot)
         t1 = time.perf_counter()
-        if going and self.spec:  # one slot at a time: each verifies its own drafts
+        with invariant.decoding():  # as generate's steps (triton_kernels.invariant)
+            self._decode(going)
+        t2 = time.perf_counter()
+        self.stats["generated_tokens"] += sum(len(s.chosen) for s in going) if self.spec else len(going)
+        self.stats["decode_seconds"] += t2 - t0
+        if self.timing:
+            log.info("%s", self.timer.line(len(going), 1e3 * (t2 - t0), sampling=1e3 * (t1 - t0),
+                                           compute=1e3 * (t2 - t1)))
+
+    def _decode(self, going: list[Slot]) -> None:
+        """A step of the slots still going: each verifies its own drafts, one slot at a
+        time, or one batched forward of their next tokens."""
+        if going and self.spec:
             for s in going:
                 r = s.req
                 room = min(r.params.max_tokens - len(r.tokens), self.ctx_size - len(r.prompt) - len(r.tokens))
@@ -214,12 +227,6 @@ class Engine:
             logits = self.model.forward_batch([([s.req.tokens[-1]], s.cache) for s in going])
             for s, lg in zip(going, logits):
                 s.logits = lg[-1]
-        t2 = time.perf_counter()
-        self.stats["generated_tokens"] += sum(len(s.chosen) for s in going) if self.spec else len(going)
-        self.stats["decode_seconds"] += t2 - t0
-        if self.timing:
-            log.info("%s", self.timer.line(len(going), 1e3 * (t2 - t0), sampling=1e3 * (t1 - t0),
-                                           compute=1e3 * (t2 - t1)))
 
     def _take(self, slot: Slot, tok: int) -> bool:
         """The next token of a slot's answer; False once the answer is finished."""
