@@ -20,13 +20,25 @@ settings.register_profile("strata", max_examples=200, deadline=None,
 # (filter_too_much: drawing many fp16 scales at once rejects often; it costs time, not rigour)
 settings.register_profile("strata-ci", parent=settings.get_profile("strata"), derandomize=True,
                           database=None, print_blob=True)
-settings.load_profile("strata-ci" if os.environ.get("CI", "").lower() in ("1", "true", "yes") else "strata")
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+settings.load_profile("strata-ci" if CI else "strata")
 
 # Each xdist worker computes on one thread: two workers already fill the two cores, and
 # torch's OpenMP teams spinning against each other made small ops 100-1000x slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch  # noqa: E402
     torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    """`-m "not slow"` is the quick tier (tests/tiers.py): the properties draw a few examples
+    each, whether from the profile or from their own @settings(max_examples=examples(n))."""
+    if "not slow" in (config.getoption("markexpr") or ""):
+        from tests import tiers
+        tiers.quick = True
+        settings.register_profile("strata-quick", parent=settings.get_profile(settings._current_profile),
+                                  max_examples=tiers.QUICK)
+        settings.load_profile("strata-quick")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,9 @@ def test_there_are_notebooks():
     assert NOTEBOOKS
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+# 02 measures whole models (about 100 s even on its slice): the full suite's
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.name.startswith("02") else p
+                                  for p in NOTEBOOKS], ids=lambda p: p.name)
 def test_notebook_runs(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     # the kernel inherits TRITON_INTERPRET=1 from tests/conftest.py, and STRATA_NB_SLICE=1: the

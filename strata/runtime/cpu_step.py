@@ -52,6 +52,13 @@ def _layer(x, pos, end, keys, vals, cos, sin, attn_norm, ffn_norm, eps, qkv, wo,
     return x + down[0](F.silu(gate) * up, *down[1])
 
 
+# one layer a call: one compile of about 10 s cold on 2 cores (six layers a call took 23 s,
+# all 30 took 125 s, for no speed measurable above this machine's noise); the cache's
+# capacity (keys, vals: dimension 1) symbolic from the first compile. One for every model:
+# Dynamo counts a function's compiles against its limit whichever wrapper made them
+_LAYER = Compiled(_layer, "the compiled decode step", symbolic={3: 1, 4: 1}, recompiles=16)
+
+
 class CpuStep:
     """The compiled decode step of one Llama model (strata.models.llama)."""
 
@@ -61,10 +68,7 @@ class CpuStep:
         self.shape = (c.n_heads, c.n_kv_heads, c.head_dim, model.blocks[0].attn.rope.dim, c.ffn_dim)
         self.layers = [(b.attn_norm.weight, b.ffn_norm.weight, b.attn_norm.eps, b.attn.qkv.pure(),
                         b.attn.wo.pure(), b.gate_up.pure(), b.down.pure()) for b in model.blocks]
-        # one layer a call: one compile of about 10 s cold on 2 cores (six layers a call
-        # took 23 s, all 30 took 125 s, for no speed measurable above this machine's noise);
-        # the cache's capacity (keys, vals: dimension 1) symbolic from the first compile
-        self.layer_fn = Compiled(_layer, "the compiled decode step", symbolic={3: 1, 4: 1})
+        self.layer_fn = _LAYER
 
     @staticmethod
     def usable(model, cache) -> bool:
@@ -115,13 +119,16 @@ def _step(model) -> CpuStep:
 
 
 def warm(model) -> None:
-    """Build the compiled step on a scratch cache (triton_kernels.compiled.background): three
+    """Build the compiled step on a scratch cache (triton_kernels.compiled.background): a few
     tokens, so that the sequence's length is symbolic as a real decode's (the first step
-    compiles it fixed, the second symbolic), and the head's one-row loop with them."""
+    compiles it fixed, the next ones symbolic, against the cache's capacity), and the head's
+    one-row loop with them. The cache is made as generate's is (outside inference mode:
+    Dynamo guards on that too), the steps run in inference mode as Llama.forward's do."""
     cache = model.new_cache(64)
     if not CpuStep.usable(model, cache):
         return
     step = _step(model)
-    for _ in range(3):
-        if step(0, cache) is None:
-            return
+    with torch.inference_mode():  # as Llama.forward's steps: the guards then hold for them
+        for _ in range(4):
+            if step(0, cache) is None:
+                return

@@ -53,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
+from tests.tiers import examples
 
 import quant
 from quant import iq3
@@ -276,7 +277,7 @@ def test_grid_round_trip_within_nearest_entry_bound(name):
     fmt = quant.get(name)
 
     @given(weights(256, max_blocks=2, bound=1e3))
-    @settings(max_examples=50)
+    @settings(max_examples=examples(50))
     @example(np.zeros((1, 256), np.float32))
     @example(np.full((1, 256), -0.5, np.float32))
     @example(np.r_[np.full(255, 1e-3), 40.0].astype(np.float32)[None])

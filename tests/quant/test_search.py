@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 from quant import iq3
@@ -81,7 +82,7 @@ def _pack(name, d, s, idx, neg):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 6), use_imp=st.booleans(),
        scale=st.sampled_from([1e-6, 1e-2, 1.0, 1e3]))
 def test_output_decodes_to_finite_weights_of_the_right_signs(name, seed, n, use_imp, scale):

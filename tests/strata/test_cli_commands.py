@@ -97,6 +97,7 @@ def test_synth_prints_the_cached_flash_tiny(flash_tiny_gguf):
 
 # --- perplexity: saved log-probs, then the KL divergence from them -----------------------
 
+@pytest.mark.slow
 def test_perplexity_saves_log_probs_and_the_kld_from_them_is_zero(text, tmp_path):
     from strata.perplexity import SavedLogits
     saved = tmp_path / "base.npz"
@@ -184,6 +185,7 @@ def test_quantize_with_the_imatrix_writes_llama_cpp_s_mix(quantized, smollm2_ggu
     assert np.array_equal(np.asarray(got.data).reshape(want.shape), want)
 
 
+@pytest.mark.slow
 def test_the_quantized_model_generates(quantized):
     path, _ = quantized
     r = cli("generate", "-m", path, "What is the capital of France?", "-n", 8, "--temperature", 0, *FAST)
@@ -245,6 +247,7 @@ def test_generate_reads_the_experts_from_the_pack(packed, flash_tiny_gguf):
 
 # --- bench model, serve, kernels, ple ------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_model_table(smollm2_gguf):
     r = cli("bench", "model", "-m", "smollm2", "-p", 8, "-n", 4, "-r", 1, *FAST)
     assert r.rc == 0, r.err
@@ -279,6 +282,7 @@ def test_bench_model_batch_invariant_rows(smollm2_gguf):
         assert plain["vs_plain"] is None and inv["vs_plain"] == pytest.approx(inv["tok_s"] / plain["tok_s"])
 
 
+@pytest.mark.slow
 def test_bench_serve_json():
     r = cli("bench", "serve", "-m", "smollm2", "--slots", "1,2", "--requests", 2, "-n", 2, *FAST, "--json",
             "--batch-invariant")

@@ -77,7 +77,7 @@ def _assert_matches_golden(path: Path, outtype: str) -> None:
 
 
 # bf16 is compared in test_cli_convert_shows_progress
-@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("outtype", ["f32"] + [pytest.param(t, marks=pytest.mark.slow) for t in ("f16", "q8_0")])
 def test_conversion_equals_llama_cpp(converted, outtype):
     _assert_matches_golden(converted(outtype), outtype)
 

@@ -36,7 +36,7 @@ def one_process(flash_tiny_gguf):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("ep,pp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("ep,pp", [(2, 1)] + [pytest.param(*s, marks=pytest.mark.slow) for s in ((1, 2), (2, 2))])
 def test_ranks_give_the_one_process_logits(ep, pp, one_process, tmp_path):
     out = tmp_path / "rank0.npz"
     r = _torchrun(ep * pp, str(HERE / "dist_run.py"), str(out), str(ep), str(pp))
@@ -52,6 +52,7 @@ def test_ranks_give_the_one_process_logits(ep, pp, one_process, tmp_path):
     assert got["tokens"].tolist() == one_process["tokens"].tolist()
 
 
+@pytest.mark.slow
 def test_generate_cli_ep2_pp2_gives_the_one_process_text(flash_tiny_gguf):
     from strata.load import load_model
     from strata.runtime import SamplingParams, generate
@@ -75,6 +76,7 @@ def test_generate_cli_ep2_pp2_gives_the_one_process_text(flash_tiny_gguf):
     assert "parallel: rank 1" not in r.stderr
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_the_run_naming_it(flash_tiny_gguf, tmp_path):
     log = tmp_path / "out.txt"
     # no compiles: rank 1 dies 3 s after loading, when rank 0 must already be decoding (a
@@ -113,6 +115,7 @@ def test_a_rank_that_dies_ends_the_run_naming_it(flash_tiny_gguf, tmp_path):
     assert re.search(r"strata: rank 0: rank 1 (is gone|did not answer)", text), text[-3000:]
 
 
+@pytest.mark.slow
 def test_bench_model_ep2_reports_bytes_sent_beside_one_process(flash_tiny_gguf):
     r = _torchrun(2, "-m", "strata", "bench", "model", "-m", str(flash_tiny_gguf.path), "--ep", "2", "-t", "1",
                   "-p", "16", "-n", "4", "-r", "1", "--dtype", "f32", "--json")
@@ -152,6 +155,7 @@ def test_layout_splits_layers_and_experts():
         Layout(pp=2, rank=0, split=(9,)).layers(8)
 
 
+@pytest.mark.slow
 def test_serve_ep2_pp2_answers_as_one_process(flash_tiny_gguf):
     import concurrent.futures as cf
     import socket
@@ -222,6 +226,7 @@ def test_plan_across_ranks_for_the_real_shapes(capsys):
     assert "stage 3 (ranks 6-7): layers 38-47" in out and "logits broadcast" in out
 
 
+@pytest.mark.slow
 def test_serve_fails_the_requests_in_flight_and_answers_503_naming_the_lost_rank(flash_tiny_gguf, tmp_path):
     import socket
     import threading
@@ -274,6 +279,7 @@ def test_serve_fails_the_requests_in_flight_and_answers_503_naming_the_lost_rank
             os.killpg(p.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_perplexity_pp2_gives_the_one_process_ppl(flash_tiny_gguf, tmp_path):
     from strata.cli import main
     text = tmp_path / "text.txt"

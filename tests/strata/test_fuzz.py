@@ -14,6 +14,7 @@ import pytest
 from gguf import GGUFValueType as T
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 from strata.gguf import GGUFError, open_gguf, write_gguf
@@ -218,7 +219,7 @@ def test_base_file_reads(fuzz_dir):
     assert LAYOUT.end < len(BASE) and len(LAYOUT.arrays) == 5 and len(LAYOUT.dims) == len(TENSORS)
 
 
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 @given(mutations=st.lists(_mutation, min_size=1, max_size=4))
 # what it found: an empty array of an unknown item type (ValueError from GGUFValueType), a
 # zero-weight tensor with a 2**62 dimension (numpy's "array is too big" from .numpy())
@@ -271,7 +272,7 @@ _piece = st.one_of(
 _any_text = st.lists(_piece, max_size=8).map("".join)
 
 
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 @given(text=_any_text, parse_special=st.booleans())
 def test_encode_any_text_and_decode_it_back(tok, untokenized, text, parse_special):
     ids = tok.encode(text, add_bos=False, parse_special=parse_special)
@@ -288,7 +289,7 @@ _decoded_bytes = st.tuples(st.binary(max_size=64),
                            st.sampled_from(["replace", "surrogateescape", "ignore", "backslashreplace"]))
 
 
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 @example(text="a\ud800b")  # what it found: `tokenizers` raised a TypeError about its input type
 @given(text=st.one_of(_decoded_bytes.map(lambda b: b[0].decode("utf-8", errors=b[1])), _surrogate_text))
 def test_encode_text_from_any_bytes(tok, untokenized, text):
@@ -308,7 +309,7 @@ _token_id = st.one_of(st.integers(0, 49151), st.integers(0, 16), st.integers(-2*
                       st.sampled_from([-1, 49152, 2**63]))
 
 
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 @given(ids=st.one_of(st.lists(_token_id, max_size=40), _any_text.map(lambda t: ("text", t))),
        skip_special=st.booleans())
 def test_decode_and_stream_any_ids(tok, ids, skip_special):

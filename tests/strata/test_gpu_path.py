@@ -125,6 +125,7 @@ def _compiles(calls: list[dict], kernels: tuple[str, ...]) -> None:
     assert not spills, spills
 
 
+@pytest.mark.slow
 def test_flash_tiny_with_triton_kernels_gives_the_torch_logits(tiny_mixed):
     # 18 prompt tokens: the GEMM and the MoE's tl.dot kernels; decode: the int8 ones
     prompt = [1, 5, 77, 2, 900, 31, 4000, 12, 7, 2, 88, 1500, 3, 19, 600, 42, 9, 250]
@@ -137,6 +138,7 @@ def test_flash_tiny_with_triton_kernels_gives_the_torch_logits(tiny_mixed):
                       "_down_kernel", "_route_kernel", "_ngram_ids_kernel", "_gemv_kernel", "_gemm_kernel"))
 
 
+@pytest.mark.slow
 def test_smollm2_with_triton_kernels_gives_the_torch_logits(smol_two_layers):
     rels, calls = _agree(smol_two_layers, [1, 504, 3458, 314], steps=1)
     print("SmolLM2 bound ratios", rels)
@@ -169,7 +171,8 @@ def moe_batches(tiny_mixed):
     return out
 
 
-@pytest.mark.parametrize("tier", ["host", "cache:16:host", "cache:5:file", "file", "packed"])
+@pytest.mark.parametrize("tier", ["host"] + [pytest.param(t, marks=pytest.mark.slow)
+                                             for t in ("cache:16:host", "cache:5:file", "file", "packed")])
 def test_every_expert_tier_runs_the_moe_kernels(tiny_mixed, moe_batches, tmp_path_factory, tier):
     """Per tier, the store with the MoE kernels equals the resident store bit for bit (the
     same bytes meet the same kernel blocks, also when a cache runs a batch in groups),
@@ -185,7 +188,7 @@ def test_every_expert_tier_runs_the_moe_kernels(tiny_mixed, moe_batches, tmp_pat
         assert store.stats()["misses"] > 0
 
 
-@pytest.mark.parametrize("mode", ["ram", "mmap", "direct"])
+@pytest.mark.parametrize("mode", ["ram"] + [pytest.param(m, marks=pytest.mark.slow) for m in ("mmap", "direct")])
 def test_every_ple_mode_gathers_with_the_kernel(mode):
     from strata.storage.ple_gather import InMemoryTable, StoredTable
     from strata.storage.ple import PleTable

@@ -34,6 +34,7 @@ def _prefill(model, ids, chunk):
     return logits[-1], cache
 
 
+@pytest.mark.slow
 def test_any_prefill_chunking_gives_the_same_logits_and_tokens(tiny_bf16):
     model, tok = tiny_bf16
     ids = _prompt()

@@ -12,13 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tests.tiers import examples
 
 from strata.load import load_model
 from strata.nn import kv
 from strata.nn.attention import KVCache
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(rows=st.integers(1, 9), dim=st.sampled_from([1, 8, 64, 256]), log_scale=st.floats(-20, 20),
        zero_row=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_int8_rows_come_back_within_half_a_step(rows, dim, log_scale, zero_row, seed):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 from strata.gguf.writer import write_gguf
@@ -114,7 +115,7 @@ ids_strategy = st.lists(st.one_of(st.sampled_from([0, ROWS - 1]), st.integers(0,
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", FORMATS)
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(ids=ids_strategy)
 def test_format_round_trip(table, name, mode, ids):
     """read_row, gather and gather_batch return the stored rows; dequantized, they equal

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 from strata.nn import QuantLinear, Rope
@@ -93,7 +94,7 @@ def test_reserve_allocates_the_context_once(attn):
     assert state.kv_cache()[0] is k  # never grown: no copy of the cache on the way
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(n=st.integers(1, 90), cuts=st.lists(st.integers(1, 89), max_size=6), seed=st.integers(0, 2**16))
 @example(n=70, cuts=[15, 16, 17, 18, 19, 20], seed=0)  # token by token across the budget (16 tokens)
 def test_any_split_into_chunks_equals_one_pass(attn, n, cuts, seed):

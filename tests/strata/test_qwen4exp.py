@@ -125,6 +125,7 @@ def _iq3_experts_file(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_iq3_xxs_experts_equal_transformers_on_dequantized_experts(tiny, prompt, tmp_path_factory):
     path = _iq3_experts_file(tiny, tmp_path_factory.mktemp("iq3") / "tiny-iq3.gguf")
     m = load_model(path, dtype=torch.float32)

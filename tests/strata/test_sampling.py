@@ -2,6 +2,7 @@
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tests.tiers import examples
 
 from strata.runtime import SamplingParams, Sampler, generate
 
@@ -19,7 +20,7 @@ def test_top_k_one_is_argmax(logits, temp):
     assert logits[s(logits)] == logits.max()
 
 
-@settings(max_examples=50)
+@settings(max_examples=examples(50))
 @given(logits_st, st.floats(0.05, 0.9), st.integers(0, 2**31))
 def test_min_p_never_draws_below_its_floor(logits, min_p, seed):
     s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=min_p, seed=seed))
@@ -28,7 +29,7 @@ def test_min_p_never_draws_below_its_floor(logits, min_p, seed):
         assert probs[s(logits)] >= min_p * probs.max() * (1 - 1e-6)
 
 
-@settings(max_examples=50)
+@settings(max_examples=examples(50))
 @given(logits_st, st.floats(0.05, 0.99), st.integers(0, 2**31))
 def test_top_p_draws_from_the_smallest_prefix_reaching_p(logits, top_p, seed):
     s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=top_p, min_p=0.0, seed=seed))

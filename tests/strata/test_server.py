@@ -20,6 +20,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 
 def _free_port() -> int:
@@ -135,6 +136,7 @@ def test_bad_requests_get_400_and_the_server_goes_on(server, body, words):
     assert chat(server, max_tokens=4).choices[0].message.content
 
 
+@pytest.mark.slow
 def test_batching_does_not_change_greedy_output(server):
     alone = chat(server).choices[0].message.content
     others = [[{"role": "user", "content": f"Write a sentence about the number {i}."}] for i in range(3)]
@@ -150,6 +152,7 @@ OWLS = ("Owls hunt at night over fields and woods, turning their heads to listen
         "Tell me one more fact about owls.")
 
 
+@pytest.mark.slow
 def test_conversation_cache_reuses_the_shared_prefix(server, smollm2_gguf):
     from strata.server.engine import PREFILL_CHUNK
     turn1 = chat(server, [{"role": "user", "content": OWLS}])
@@ -171,6 +174,7 @@ def test_conversation_cache_reuses_the_shared_prefix(server, smollm2_gguf):
         cold.stop()
 
 
+@pytest.mark.slow
 def test_load_64_requests_16_clients_no_mixups_no_leaks(server):
     prompts = [f"Count upward starting from {i}:" for i in range(16)]
     ask = lambda p: server.client.completions.create(model="smollm2", prompt=p, temperature=0,  # noqa: E731
@@ -241,6 +245,7 @@ def test_a_full_queue_answers_503_with_retry_after(guarded):
     assert busy[0].json()["error"]["code"] == "queue_full"
 
 
+@pytest.mark.slow
 def test_sampling_parameters_take_effect(server):
     def ask(top_k=None, min_p=None, **kw):  # llama-server's top_k and min_p go as extra fields
         extra = {k: v for k, v in (("top_k", top_k), ("min_p", min_p)) if v is not None}
@@ -286,9 +291,10 @@ def _bodies(draw):
     return json.dumps(body).encode()
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(500), deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]),
        body=_bodies())
+@pytest.mark.slow
 def test_fuzzed_bodies_get_4xx_with_an_error_and_the_next_request_is_served(server, path, body):
     r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
     if r.status_code != 200:
@@ -307,6 +313,7 @@ def test_fuzzed_bodies_get_4xx_with_an_error_and_the_next_request_is_served(serv
 _fuzzed = [0]
 
 
+@pytest.mark.slow
 def test_the_same_answer_whatever_the_cache_and_the_company():
     """bf16, the conversation cache on (the defaults): 8 prompts asked alone, then again
     among 64 requests from 16 clients on 4 slots: every answer is the same, token for

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 from strata.gguf import open_gguf, write_gguf
 from strata.tokenizer import PRE_TOKENIZERS, Tokenizer, TokenizerError
@@ -84,7 +85,7 @@ def test_the_two_pre_tokenizers_differ_on_combining_marks(vocab_dir):
     assert load(vocab_dir, "qwen2").encode(text) != load(vocab_dir, "qwen35").encode(text)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(text=st.text(max_size=80))
 def test_round_trip_any_text(qwen, text):
     _, tok = qwen

@@ -132,7 +132,8 @@ TURNS = [{"role": "user", "content": "Hello, I will show you something."},
          {"role": "user", "content": "Thank you; describe it once more in other words, please."}]
 
 
-@pytest.mark.parametrize("messages", [ONE, TWO, TURNS], ids=["one-image", "two-images", "between-turns"])
+@pytest.mark.parametrize("messages", [ONE] + [pytest.param(m, marks=pytest.mark.slow) for m in (TWO, TURNS)],
+                         ids=["one-image", "two-images", "between-turns"])
 def test_logits_equal_transformers(model, tok, vision, hf, messages):
     ids, images = _prompt(tok, vision, messages)
     assert sum(t == model.cfg.image_token for t in ids) == sum(im.n_tokens for im in images)
@@ -188,6 +189,7 @@ NEXT = FIRST + [{"role": "assistant", "content": "A pattern."},
                                              {"type": "text", "text": "And this?"}]}]
 
 
+@pytest.mark.slow
 def test_a_later_turn_reuses_an_earlier_image_from_the_cache(model, tok, vision):
     engine = _engine(model, tok, vision)
     first = _answer(engine, tok, vision, FIRST)
@@ -198,6 +200,7 @@ def test_a_later_turn_reuses_an_earlier_image_from_the_cache(model, tok, vision)
     assert alone.cached_tokens == 0 and alone.tokens == second.tokens
 
 
+@pytest.mark.slow
 def test_text_after_an_image_request_takes_nothing_of_its_plan(model, tok, vision):
     """A cached prefix cut before an earlier request's image holds none of its rows or
     positions: a text-only prompt that shares the prefix answers as on a fresh engine."""

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tests.tiers import examples
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
@@ -75,13 +76,13 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 # -- equal to transformers ------------------------------------------------------------------------
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(images(), st.sampled_from(CONFIGS))
 def test_pil_image_equals_transformers(im, cfg):
     assert_equals_hf(preprocess(im, cfg), hf(cfg)(im, return_tensors="np"))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(images(), st.sampled_from(CONFIGS))
 def test_file_bytes_equal_transformers_given_the_data_url(im, cfg):
     # transformers loads a data URL or a path with load_image (EXIF transpose, convert("RGB"))

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from hypothesis import example, given, settings, strategies as st
+from tests.tiers import examples
 
 from triton_kernels.asm import asm_for, dp4a, pack16, prmt
 from triton_kernels.backend import interpreter_on
@@ -191,7 +192,7 @@ def triples(draw):
 @given(triples())
 @example((i32([-2 ** 31 + 0x00808080, 0x7F7F7F7F, -1]), i32([-2 ** 31 + 0x00808080, 0x7F7F7F7F, -1]),
           i32([2 ** 31 - 1, 2 ** 31 - 1, -2 ** 31])))  # wraps both ways
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 def test_dp4a_twin(abc):
     a, b, c = abc
     assert np.array_equal(run_dp4a(a, b, c), dp4a_model(a, b, c))
@@ -220,7 +221,7 @@ def test_dp4a_twin_every_byte_pair_in_every_lane():
     st.lists(st.integers(0, 0xFFFF), min_size=n, max_size=n),
     st.lists(st.integers(0, 0xFFFF), min_size=n, max_size=n))))
 @example(([0, 0xFFFF, 0x8000, 0x7FFF], [0xFFFF, 0, 0x7FFF, 0x8000]))
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 def test_pack16_twin(lohi):
     lo, hi = np.array(lohi[0], np.uint16), np.array(lohi[1], np.uint16)
     assert np.array_equal(run_pack16(lo, hi), pack16_model(lo, hi))
@@ -232,7 +233,7 @@ def selectors(n: int):
 
 
 @given(st.integers(1, 40).flatmap(lambda n: st.tuples(words(n), words(n), selectors(n))))
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 def test_prmt_twin(abs_):
     a, b, sel = (np.array(v, np.int32) for v in abs_)
     assert np.array_equal(run_prmt(a, b, sel), prmt_model(a, b, sel))
@@ -252,7 +253,7 @@ def test_prmt_twin_every_selector():
 @given(st.integers(1, 40).flatmap(lambda n: st.tuples(words(n), words(n))),
        st.one_of(st.sampled_from([0x6420, 0x7531, 0x3210, 0x7654, 0x32103210]),
                  st.integers(0, 0x7FFFFFFF).map(lambda s: s & ~0x8888)))
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 def test_prmt_twin_constant_selector(ab, sel):
     a, b = (np.array(v, np.int32) for v in ab)
     assert np.array_equal(run_prmt(a, b, sel), prmt_model(a, b, sel))

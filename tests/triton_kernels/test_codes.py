@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 import triton_kernels.codes as codes_mod
@@ -36,7 +37,7 @@ def compiled_broken():
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_parts_rebuild_the_reference_weights_bit_for_bit(fmt):
     @given(blocks(fmt, max_blocks=4), st.integers(1, 2))
-    @settings(max_examples=40)
+    @settings(max_examples=examples(40))
     def prop(raw, rows):
         raw = raw[:raw.shape[0] // rows * rows]
         if raw.shape[0] == 0:

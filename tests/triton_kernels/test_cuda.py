@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tests.tiers import examples
 
 import quant
 from tests.blocks import blocks, same_bits
@@ -31,7 +32,7 @@ U = 2.0 ** -24
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_dequant_on_the_gpu_is_bit_exact(fmt, dtype):
     @given(blocks(fmt, max_blocks=64))
-    @settings(max_examples=50)
+    @settings(max_examples=examples(50))
     def prop(raw):
         want = torch.from_numpy(fmt.dequantize(raw)).to(dtype)
         got = dequantize(torch.from_numpy(raw).cuda(), fmt, dtype).cpu()
@@ -42,7 +43,7 @@ def test_dequant_on_the_gpu_is_bit_exact(fmt, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_quantize_x_on_the_gpu_equals_the_torch_twin(dtype):
     @given(m=st.integers(1, 8), g=st.integers(1, 64), seed=st.integers(0, 2 ** 32 - 1))
-    @settings(max_examples=50)
+    @settings(max_examples=examples(50))
     def prop(m, g, seed):
         x = gemv_x(np.random.default_rng(seed), m, 32 * g).to(dtype)
         a, b = quantize_x(x.cuda()), quantize_x_torch(x)
@@ -56,7 +57,7 @@ def test_gemv_dp4a_on_the_gpu_within_the_bound(fmt):
     @given(n=st.integers(1, 300), nb=st.integers(1, 24), m=st.integers(1, 4),
            tiles=st.sampled_from([None, (4, 32), (16, 8)]), seed=st.integers(0, 2 ** 32 - 1),
            data=st.data())
-    @settings(max_examples=30)
+    @settings(max_examples=examples(30))
     def prop(n, nb, m, tiles, seed, data):
         K = nb * fmt.block_elems
         q = data.draw(weights(fmt, n, nb))
@@ -73,7 +74,7 @@ def test_gemv_dp4a_on_the_gpu_within_the_bound(fmt):
 def test_float_paths_on_the_gpu_within_the_bf16_bound(fmt, path):
     @given(m=st.integers(1, 40), n=st.integers(1, 200), nb=st.integers(1, 8),
            seed=st.integers(0, 2 ** 32 - 1), data=st.data())
-    @settings(max_examples=10)
+    @settings(max_examples=examples(10))
     def prop(m, n, nb, seed, data):
         K = nb * fmt.block_elems
         q = data.draw(weights(fmt, n, nb))
@@ -92,7 +93,7 @@ def test_moe_dp4a_on_the_gpu(fmts):
     from tests.triton_kernels.test_moe import assert_close, dp4a_reference, make, routing_weights
 
     @given(E=st.integers(1, 16), T=st.integers(1, 4), seed=st.integers(0, 2 ** 32 - 1), data=st.data())
-    @settings(max_examples=10)
+    @settings(max_examples=examples(10))
     def prop(E, T, seed, data):
         H, I = 512, 256 if fmts[0].block_elems == 256 else 96
         k = data.draw(st.integers(1, E))
@@ -118,7 +119,7 @@ def test_batch_invariant_rows_on_the_gpu(fmt):
     from triton_kernels import invariant
 
     @given(m=st.integers(1, 40), cut=st.integers(0, 39), seed=st.integers(0, 2 ** 16))
-    @settings(max_examples=20, deadline=None)
+    @settings(max_examples=examples(20), deadline=None)
     def prop(m, cut, seed):
         rng = np.random.default_rng(seed)
         K, N = 4 * 256, 96

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
+from tests.tiers import examples
 
 import quant
 from tests.blocks import blocks, exhaustive_blocks, has_scales, same_bits, special_f16, with_scale
@@ -13,9 +14,9 @@ FORMATS = list(quant.FORMATS.values())
 # A property's cost is one interpreted launch an example, whatever its size: 50 examples of
 # up to 12 blocks check as many random blocks (about 325) as 200 examples of up to 3 did,
 # in a quarter of the launches
-settings_blocks = settings(max_examples=50)
+settings_blocks = settings(max_examples=examples(50))
 # output dtypes and 2-D layouts reuse the decode path checked above
-settings_small = settings(max_examples=25)
+settings_small = settings(max_examples=examples(25))
 
 
 def test_the_interpreter_is_on():

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 import triton_kernels.dequant as dq
@@ -27,7 +28,7 @@ def test_chunks_and_a_ragged_tail_equal_reference(fmt, dtype, monkeypatch):
     monkeypatch.setattr(dq, "_CHUNK_VALUES", 2 * fmt.block_elems)
 
     @given(blocks(fmt, min_blocks=5, max_blocks=5))
-    @settings(max_examples=10)
+    @settings(max_examples=examples(10))
     def prop(raw):
         want = torch.from_numpy(fmt.dequantize(raw)).to(dtype).float().numpy()
         got = dequantize_torch(torch.from_numpy(raw), fmt, dtype, compiled=False)
@@ -90,7 +91,7 @@ def test_compiled_equals_reference(name, dtype):
     fmt = quant.get(name)
 
     @given(blocks(fmt, min_blocks=2, max_blocks=40), st.booleans())
-    @settings(max_examples=30)
+    @settings(max_examples=examples(30))
     def prop(raw, two_d):
         q = torch.from_numpy(raw)
         want = torch.from_numpy(fmt.dequantize(raw)).to(dtype).float().numpy()

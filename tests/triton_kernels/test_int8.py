@@ -66,6 +66,7 @@ import pytest
 import torch
 import triton
 from hypothesis import Phase, given, settings, strategies as st
+from tests.tiers import examples
 
 import quant
 from tests.triton_kernels.test_qmatmul import weights
@@ -160,7 +161,7 @@ def xhat64(x8: Q8X) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_quantize_x_kernel_equals_torch_bit_for_bit(dtype):
     @given(activations(dtype))
-    @settings(max_examples=30)
+    @settings(max_examples=examples(30))
     def prop(x):
         M, K = x.shape
         got, want = quantize_x(x), quantize_x_torch(x)
@@ -181,7 +182,7 @@ def _round_away_f32(v: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_quantization_error_codes_and_sums(dtype):
     @given(activations(dtype))
-    @settings(max_examples=30)
+    @settings(max_examples=examples(30))
     def prop(x):
         M, K = x.shape
         x8 = quantize_x(x)
@@ -336,7 +337,7 @@ def test_gemv_dp4a_agrees_with_the_reference(fmt, tiles):
     block_n, block_u = tiles
 
     @given(nb=st.integers(1, 3), seed=st.integers(0, 2 ** 32 - 1), data=st.data())
-    @settings(max_examples=3, phases=NO_SHRINK)
+    @settings(max_examples=examples(3), phases=NO_SHRINK)
     def prop(nb, seed, data):
         K = nb * fmt.block_elems
         steps = triton.cdiv(K // unit_weights, block_u)
@@ -356,7 +357,7 @@ def test_gemv_dp4a_agrees_with_the_reference(fmt, tiles):
 def test_gemv_dp4a_torch_agrees_with_the_reference(fmt):
     @given(m=st.integers(1, 3), n=st.integers(1, 40), nb=st.integers(1, 3),
            seed=st.integers(0, 2 ** 32 - 1), data=st.data())
-    @settings(max_examples=25)
+    @settings(max_examples=examples(25))
     def prop(m, n, nb, seed, data):
         K = nb * fmt.block_elems
         q = data.draw(weights(fmt, n, nb))

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 from triton_kernels import invariant
 from triton_kernels.qsa import qsa_scores_torch
@@ -16,7 +17,7 @@ from triton_kernels.qsa import qsa_scores_torch
 SHAPES = [(576, 1536), (1536, 576), (256, 4120), (1536, 256), (36, 1024)]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 # one the plain GEMM fails here: row 127 of 128 differs from the same row alone
 @example(shape=(1536, 256), m=128, cut=127, dtype=torch.bfloat16, seed=0)
 @given(shape=st.sampled_from(SHAPES), m=st.integers(1, 160), cut=st.integers(0, 159),
@@ -37,7 +38,7 @@ def test_mm_row_is_the_same_in_any_batch(shape, m, cut, dtype, seed):
     assert (whole.double() - ref).abs().max().item() <= tol
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(T=st.integers(1, 40), nb=st.integers(1, 150), cut=st.integers(0, 39), bcut=st.integers(1, 150),
        seed=st.integers(0, 2**16))
 def test_scores_are_the_same_for_any_queries_and_blocks(T, nb, cut, bcut, seed):
@@ -56,7 +57,7 @@ def test_scores_are_the_same_for_any_queries_and_blocks(T, nb, cut, bcut, seed):
     assert torch.allclose(fixed, plain, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(T=st.integers(1, 600), width=st.sampled_from([1, 4, 8, 36]), cut=st.integers(0, 599),
        f=st.sampled_from([torch.sigmoid, torch.nn.functional.softplus, torch.exp]), seed=st.integers(0, 2**16))
 def test_pointwise_element_is_the_same_for_any_rows(T, width, cut, f, seed):
@@ -84,7 +85,7 @@ def test_the_switch_is_scoped():
     assert invariant.enabled() == before
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(fmt=st.sampled_from(["Q4_1", "Q4_0", "Q8_0"]), shape=st.sampled_from([(576, 1536), (1536, 576), (256, 512)]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), m=st.integers(1, 24), cut=st.integers(0, 23),
        seed=st.integers(0, 2**16))
@@ -149,9 +150,10 @@ def test_the_gpu_kernels_take_one_path_and_tile_for_any_rows():
     assert seen == [(64 * 2, 2), (64 * 2, 2)]
 
 
-@settings(max_examples=6, deadline=None)  # the interpreter runs a program a row
+@settings(max_examples=examples(6), deadline=None)  # the interpreter runs a program a row
 @given(fmt=st.sampled_from(["Q4_0", "Q8_0", "IQ4_NL"]), m=st.integers(1, 24), cut=st.integers(0, 23),
        seed=st.integers(0, 2**16))
+@pytest.mark.slow
 def test_the_dp4a_path_gives_a_row_the_same_bits_in_any_batch(fmt, m, cut, seed):
     """What the GPU path runs batch-invariant for these formats, here under the interpreter
     (its integer dots are exact, and each program sums one row in the kernel's order): a row

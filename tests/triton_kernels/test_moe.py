@@ -46,6 +46,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 from tests.blocks import has_scales
@@ -210,6 +211,8 @@ def routings(draw, E: int, max_t: int):
 # examples of each property a format (a fresh draw each run outside CI, whose profile is
 # derandomised)
 EXAMPLES = 25
+# the quick tier's dp4a formats (every one, and the mixes, in the full suite)
+QUICK_DP4A = ("Q4_0", "IQ3_XXS")
 
 
 def test_the_interpreter_is_on():
@@ -225,7 +228,7 @@ def test_kernel_and_torch_agree_with_the_reference(fmt):
 
     @given(E=st.integers(1, 2 if big else 4), H=H_st, I=I_st, dtype=st.sampled_from(DTYPES),
            tiles=st.sampled_from(tile_choices(fmt)), seed=st.integers(0, 2 ** 32 - 1), data=st.data())
-    @settings(max_examples=EXAMPLES)
+    @settings(max_examples=examples(EXAMPLES))
     def prop(E, H, I, dtype, tiles, seed, data):
         ids = data.draw(routings(E, 3 if big else 6))
         fmts = (fmt, fmt, fmt)
@@ -383,7 +386,7 @@ def logit_rows(draw):
 
 
 @given(logits=logit_rows(), k_frac=st.floats(0, 1), norm=st.booleans())
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 def test_route_matches_transformers_router(logits, k_frac, norm):
     T, E = logits.shape
     # k up to the real model's 10 (the kernel unrolls its k steps: the interpreter pays
@@ -445,7 +448,7 @@ def test_route_bad_input():
 
 @given(E=st.integers(1, 12), T=st.integers(0, 20), k=st.integers(1, 4),
        block_m=st.sampled_from([1, 2, 4, 16, 64]), data=st.data())
-@settings(max_examples=100)
+@settings(max_examples=examples(100))
 def test_align_groups_every_slot_once_in_blocks_of_one_expert(E, T, k, block_m, data):
     ids = torch.tensor(data.draw(st.lists(st.lists(st.integers(-1, E - 1), min_size=k, max_size=k),
                                           min_size=T, max_size=T)), dtype=torch.int32).reshape(T, k)
@@ -529,8 +532,10 @@ def dp4a_reference(x, wg, wu, wd, fmts, ids, weights):
     return reference((y1, None, e1), weights)
 
 
-@pytest.mark.parametrize("fmts", [(f, f, f) for f in DP4A_FORMATS] + [
-    tuple(quant.get(n) for n in names) for names in MIXES], ids=lambda fs: "-".join(f.name for f in fs))
+@pytest.mark.parametrize("fmts", [(f, f, f) if f.name in QUICK_DP4A else pytest.param((f, f, f), marks=pytest.mark.slow)
+                                  for f in DP4A_FORMATS] + [
+    pytest.param(tuple(quant.get(n) for n in names), marks=pytest.mark.slow) for names in MIXES],
+    ids=lambda fs: "-".join(f.name for f in fs))
 def test_dp4a_path_agrees_with_the_rounded_reference(fmts):
     big = max(f.block_elems for f in fmts) == 256
 
@@ -543,7 +548,7 @@ def test_dp4a_path_agrees_with_the_rounded_reference(fmts):
            dtype=st.sampled_from(DTYPES),
            tiles=st.sampled_from([(256, 512)] if big else [None, (128, 64)]),
            seed=st.integers(0, 2 ** 32 - 1), data=st.data())
-    @settings(max_examples=EXAMPLES)
+    @settings(max_examples=examples(EXAMPLES))
     def prop(E, H, I, T, dtype, tiles, seed, data):
         k = data.draw(st.integers(1, E))
         rows = [data.draw(st.permutations(range(E)))[:k] for _ in range(T)]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 from transformers import DynamicCache, Qwen4ExpTextConfig
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
@@ -114,7 +115,7 @@ def test_ids_equal_transformers_for_any_stream_and_split(s):
     eos = s.eos
 
     @given(split_stream(s))
-    @settings(max_examples=100)
+    @settings(max_examples=examples(100))
     @example((torch.tensor([eos]), [(0, 1)]))
     @example((torch.tensor([eos, eos, 5, eos, eos, 7, 8, 9, eos]), [(0, 1), (1, 2), (2, 6), (6, 7), (7, 9)]))
     @example((torch.tensor([5, 6, 7, 8, 9, eos]), [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)]))
@@ -203,7 +204,7 @@ def reference(raw, ids, fmt, scale):
 @pytest.mark.parametrize("fmt", PLE_FORMATS, ids=lambda f: f.name)
 def test_gather_equals_reference(fmt):
     @given(gather_case(fmt))
-    @settings(max_examples=60)
+    @settings(max_examples=examples(60))
     def prop(case):
         raw, ids, scale = case
         want = reference(raw, ids, fmt, scale)
@@ -217,7 +218,7 @@ def test_gather_equals_reference(fmt):
 @pytest.mark.parametrize("fmt", PLE_FORMATS, ids=lambda f: f.name)
 def test_half_outputs_round_the_float32_result(fmt, dtype):
     @given(gather_case(fmt))
-    @settings(max_examples=15)
+    @settings(max_examples=examples(15))
     def prop(case):
         raw, ids, scale = case
         want = torch.from_numpy(reference(raw, ids, fmt, scale)).to(dtype).float().numpy()

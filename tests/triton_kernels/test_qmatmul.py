@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from tests.tiers import examples
 
 import quant
 from tests.blocks import blocks, has_scales
@@ -67,8 +68,8 @@ def tiles(fmt) -> list:
     return [None, (16, 16, 128 if fmt.block_elems == 256 else 16)]
 
 
-def examples(fmt) -> int:
-    return 6 if fmt.block_elems == 256 else 12
+def per_format(fmt) -> int:
+    return examples(6 if fmt.block_elems == 256 else 12)
 
 
 def reference(x: torch.Tensor, q: np.ndarray, fmt):
@@ -120,7 +121,7 @@ def test_both_kernels_and_torch_agree_with_the_reference(fmt):
            half=st.booleans(), gemv_tiles=st.sampled_from(tiles(fmt)),
            gemm_tiles=st.sampled_from(tiles(fmt)), seed=st.integers(0, 2 ** 32 - 1),
            data=st.data())
-    @settings(max_examples=examples(fmt))
+    @settings(max_examples=per_format(fmt))
     def prop(m, n, nb, half, gemv_tiles, gemm_tiles, seed, data):
         q = data.draw(weights(fmt, n, nb))
         K = nb * fmt.block_elems

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.tiers import examples
 
 from triton_kernels.backend import interpreter_on
 from triton_kernels.qsa import (
@@ -61,7 +62,7 @@ def scores_reference(q, blocks, start, ratio):
     return out
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(n_idx=st.integers(1, 5), d=st.sampled_from([16, 24, 32]), T=st.integers(1, 9),
        start=st.integers(0, 60), ratio=st.integers(1, 5), seed=st.integers(0, 2**16),
        zeros=st.booleans())
@@ -87,7 +88,7 @@ def test_scores_equal_the_per_query_loop(n_idx, d, T, start, ratio, seed, zeros)
 
 # --- selection -----------------------------------------------------------------------------
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(T=st.integers(1, 12), start=st.integers(0, 120), ratio=st.integers(1, 5), keep=st.integers(1, 8),
        seed=st.integers(0, 2**16), levels=st.integers(1, 4))
 @example(T=1, start=4095, ratio=4, keep=16, seed=1, levels=1)  # all scores equal: ties everywhere
@@ -138,7 +139,7 @@ def attention_bound(q, k, v, sel, ratio):
     return 2 * float(v.float().abs().max()) * (math.expm1(2 * e) + gamma(S + 2))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3), (6, 2)]), D=st.sampled_from([16, 24, 32]),
        T=st.integers(1, 6), start=st.integers(0, 70), ratio=st.integers(1, 5), keep=st.integers(1, 5),
        extra=st.integers(0, 9), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -172,7 +173,7 @@ def test_a_lost_block_is_seen():
     assert float(diff.max()) > 1e3 * attention_bound(q, k, v, sel, 4)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(heads=st.sampled_from([(2, 1), (4, 2)]), D=st.sampled_from([16, 32]), T=st.integers(1, 4),
        start=st.integers(0, 40), ratio=st.integers(1, 4), keep=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_an_int8_cache_attends_as_its_decoded_rows(heads, D, T, start, ratio, keep, seed):
