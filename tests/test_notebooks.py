@@ -12,8 +12,9 @@ def test_there_are_notebooks():
     assert NOTEBOOKS
 
 
-# 02 measures whole models (about 100 s even on its slice): the full suite's
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.name.startswith("02") else p
+# 02 measures whole models (about 100 s even on its slice): the full suite's, and 01 with it
+# (the quick tier runs 03, the kernels' notebook)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if not p.name.startswith("03") else p
                                   for p in NOTEBOOKS], ids=lambda p: p.name)
 def test_notebook_runs(path, monkeypatch):
     nb = nbformat.read(path, as_version=4)

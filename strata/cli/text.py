@@ -55,8 +55,11 @@ def generate_cmd(args) -> int:
                    vision=vision, images=images)
     print()
     say(f"{res.prompt_tokens} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
-        f"{len(res.tokens)} generated at {res.decode_tok_s:.1f} tok/s ({res.finish_reason})")
-    if (line := compiled.ready_line()) is not None:  # the one-time cost, on its own line
+        f"{len(res.tokens)} generated at {res.steady_tok_s:.1f} tok/s ({res.finish_reason})")
+    if res.first_step_s:  # one-time costs, on their own lines
+        say(f"the first decode step took {1e3 * res.first_step_s:.0f} ms (its one-time costs: the "
+            f"batch-invariant probes, first allocations); the rate above is the steps after it")
+    if (line := compiled.ready_line()) is not None:
         say(line)
     if res.spec is not None:
         say(res.spec.summary())

@@ -25,6 +25,8 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     spec: SpecStats | None = None  # speculative decoding's counters, where it ran
+    first_step_s: float = 0.0      # the first decode step, which pays one-time costs
+    first_step_tokens: int = 0     # the tokens it chose
 
     @property
     def prefill_tok_s(self) -> float:
@@ -33,6 +35,15 @@ class GenerationResult:
     @property
     def decode_tok_s(self) -> float:
         return len(self.tokens) / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def steady_tok_s(self) -> float:
+        """The decode's rate past its first step (the first token comes from the prefill,
+        and the first step pays one-time costs: batch-invariant probes, first allocations);
+        the whole decode's rate where there is no second step."""
+        steps_s = self.decode_s - self.first_step_s
+        later = len(self.tokens) - 1 - self.first_step_tokens
+        return later / steps_s if later > 0 and steps_s > 0 else self.decode_tok_s
 
 
 def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
@@ -78,6 +89,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
         return len(out) < params.max_tokens
 
     chosen = [sampler(logits[-1])] if params.max_tokens > 0 else []
+    first = None  # the first decode step's seconds and tokens
     # every token chosen is fed but the last, which the next step feeds
     while chosen and all(emit(t) for t in chosen):
         ts = time.perf_counter()
@@ -89,6 +101,8 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
                 logits = model([out[-1]], cache, last_only=True)
                 ms = 1e3 * (time.perf_counter() - ts)
                 chosen = [sampler(logits[-1])]
+        if first is None:
+            first = (ms / 1e3, len(chosen))
         if timer:
             line = timer.line(len(chosen), ms)
             print(f"strata: {speculator.line() + '; ' if speculator else ''}{line}", file=sys.stderr)
@@ -98,4 +112,4 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
         on_text(piece)
     t2 = time.perf_counter()
     return GenerationResult(out, text.text, reason, len(prompt_ids), t1 - t0, t2 - t1,
-                            speculator.stats if speculator else None)
+                            speculator.stats if speculator else None, *(first or (0.0, 0)))

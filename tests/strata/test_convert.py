@@ -201,6 +201,7 @@ def test_no_mtp_block_no_sidecar(hf_dir, tmp_path):
     assert conv.mtp == [] and len(conv.main) == len(GOLDEN["outtypes"]["f32"]["tensors"])
 
 
+@pytest.mark.slow
 def test_cli_convert_shows_progress(hf_dir, tmp_path, capsys):
     out = tmp_path / "cli.gguf"
     assert cli(["convert", str(hf_dir), str(out), "--outtype", "bf16"]) == 0

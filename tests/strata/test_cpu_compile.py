@@ -42,7 +42,7 @@ def _decode(model, prompt, steps, compiled, monkeypatch):
     return out, cache
 
 
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("dtype", ["f32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_compiled_step_equals_eager_decode(dtype, request, monkeypatch):
     model = request.getfixturevalue("model_f32" if dtype == "f32" else "model")
     bound = 1e-5 if dtype == "f32" else 2.0 ** -5
@@ -100,7 +100,7 @@ def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("halves", [True, False])
+@pytest.mark.parametrize("halves", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_flash_next_decode_compiled_equals_eager(halves, flash_tiny_gguf, monkeypatch):
     """Flash-Next's decode takes each layer's compiled halves (strata.models.qwen4exp_step);
     without them (`halves` off: a layer whose matmuls have no pure form), the compiled DeltaNet
@@ -188,6 +188,7 @@ def test_a_background_compile_takes_over_the_decode_when_ready(model_f32, auto, 
     compiled, within the float32 bound of the eager ones (the module's docstring)."""
     from strata.runtime.background import compile_in_background
     monkeypatch.setattr(model_f32, "_cpu_step", None, raising=False)
+    torch._dynamo.reset()  # as a new process: no compile of the tests before (they count too)
     prompt = [1, 504, 3458, 314, 2113]
     monkeypatch.setenv("STRATA_CPU_COMPILE", "0")
     want, _ = _decode(model_f32, prompt, 4, False, monkeypatch)
@@ -214,6 +215,7 @@ def test_a_background_compile_takes_over_the_decode_when_ready(model_f32, auto, 
         assert int(g.argmax()) == int(w.argmax())
 
 
+@pytest.mark.slow
 def test_flash_next_background_compile_counts_nothing(flash_tiny_gguf, auto, monkeypatch):
     """Flash-Next's halves built on a scratch state: the experts' and the PLE table's
     counters see none of its steps, and the decode after it runs the halves."""

@@ -44,7 +44,7 @@ def dev_llama(p) -> np.ndarray:
     return np.abs(centered(np.array(p["top_logits"])) - centered(np.array(p["hf_at_top_ids"])))
 
 
-@pytest.fixture(scope="module", params=[pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16],
+@pytest.fixture(scope="module", params=[pytest.param(torch.float32, marks=pytest.mark.slow), pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
                 ids=["f32", "bf16"])
 def run(request, smollm2_gguf, smollm2_bf16):
     """(dtype, logits per prompt, greedy continuation per prompt)."""

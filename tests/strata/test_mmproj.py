@@ -103,6 +103,7 @@ def test_cli_convert_mmproj(hf_dir, tmp_path, capsys):
     assert text.metadata["qwen4exp.ple.image_token_id"] == 5
 
 
+@pytest.mark.slow
 def test_error_no_vision_tower(tmp_path, smollm2_gguf):
     src = build_qwen4exp_checkpoint(tmp_path / "text-only", seed=0, tokenizer_gguf=smollm2_gguf.path, mtp=False)
     with pytest.raises(ConvertError, match=r"text-only: the checkpoint has no vision tower \(no vision_config"):

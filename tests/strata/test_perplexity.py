@@ -244,6 +244,7 @@ def test_kld_of_a_requantized_ffn_down_is_llama_perplexitys(q_model, smollm2_chu
     assert abs(r.same_top_p * 100 - k["Same top p"][0]) <= SAME_TOP_TOKENS / r.count * 100 + 1e-3
 
 
+@pytest.mark.slow
 def test_kld_of_bf16_from_f32_is_positive_and_top_k_bounds_it_from_below(smollm2_bf16, smollm2_f32, tokens,
                                                                           tmp_path):
     exact = kl_divergence(smollm2_bf16, tokens, smollm2_f32, KLD_CTX, N_CHUNKS)

@@ -111,6 +111,7 @@ def smollm2_quantized(smollm2_gguf, tmp_path_factory):
     return out, lines
 
 
+@pytest.mark.slow
 def test_smollm2_requantized_lines_and_types(smollm2_quantized):
     out, lines = smollm2_quantized
     tensor_lines = [l for l in lines if l.startswith("[")]
@@ -124,6 +125,7 @@ def test_smollm2_requantized_lines_and_types(smollm2_quantized):
     assert g.get("general.file_type") == 23
 
 
+@pytest.mark.slow
 def test_smollm2_requantized_generates_in_strata(smollm2_quantized):
     from strata.load import load_model
     from strata.runtime import SamplingParams, generate
@@ -135,6 +137,7 @@ def test_smollm2_requantized_generates_in_strata(smollm2_quantized):
     assert "Paris" in tok.decode(res.tokens)
 
 
+@pytest.mark.slow
 def test_smollm2_requantized_generates_in_llama_cpp(smollm2_quantized):
     # CI checks the same file without llama.cpp: every tensor's type is llama-quantize's
     # (test_mix_is_llama_quantizes), and the file generates "Paris" in Strata

@@ -248,6 +248,7 @@ def test_same_tokens_whatever_the_ple_io_mode(tiny, prompt, model):
         model.ple.table = held
 
 
+@pytest.mark.slow
 def test_same_tokens_whatever_the_expert_tier(tiny, prompt, model):
     from strata.storage.experts import ExpertStore
     g = open_gguf(tiny)

@@ -63,6 +63,7 @@ def test_yarn_equals_transformers_past_the_original_context(yarn, prompt):
     assert _rel(torch.cat(outs), ref[:80]) < REL
 
 
+@pytest.mark.slow
 def test_linear_scaling_equals_transformers(tiny, prompt, yarn):
     m = load_model(tiny, dtype=torch.float32, rope_scaling="linear", rope_scale=SCALE)
     out = m(prompt, m.new_cache())

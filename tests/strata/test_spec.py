@@ -63,6 +63,7 @@ def plain(tiny, prompts):
     return [generate(model, tok, p, GREEDY).tokens for p in prompts]
 
 
+@pytest.mark.slow
 def test_greedy_spec_4_is_spec_0_in_generate(tiny, prompts, plain):
     model, tok = tiny
     runs = [generate(model, tok, p, GREEDY, spec=4) for p in prompts]
@@ -94,6 +95,7 @@ def _oracle(want: list[int], prompt_len: int, vocab: int):
     return drafter
 
 
+@pytest.mark.slow
 def test_any_accepted_prefix_keeps_the_greedy_answer(tiny, prompts, plain):
     """Drafts accepted 0 to 4 at a time: the state rolled back to each kept prefix (DeltaNet
     states, conv windows, attention, PLE, the MTP keys) continues as --spec 0 does."""

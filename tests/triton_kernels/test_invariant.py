@@ -4,7 +4,7 @@ runs on (the property the module rests on: a fixed-shape GEMM computes every row
 import math
 
 import numpy as np
-
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st

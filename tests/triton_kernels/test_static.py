@@ -77,6 +77,7 @@ def dequant_and_gather_within_the_h200_budget(fmt, by):
         assert row.pred_bw["H200"] == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
 def test_qsa_kernels_compile_without_spills(target):
     """The QSA kernels (triton_kernels.qsa) at Flash-Next's shapes, keys in float32,
