@@ -36,7 +36,7 @@ def pytest_configure(config):
     if "not slow" in (config.getoption("markexpr") or ""):
         from tests import tiers
         tiers.quick = True
-        settings.register_profile("strata-quick", parent=settings.get_profile(settings._current_profile),
+        settings.register_profile("strata-quick", parent=settings.get_profile("strata-ci" if CI else "strata"),
                                   max_examples=tiers.QUICK)
         settings.load_profile("strata-quick")
 

@@ -118,11 +118,6 @@ def compile_at_first_call():
         _steady = before
 
 
-def cpu_compile() -> bool:
-    """Whether the CPU path may compile at all (STRATA_CPU_COMPILE is not 0)."""
-    return cpu_compile_mode() != "off"
-
-
 # a GEMM of this many rows or more upcasts a bfloat16 weight to float32 where the CPU has no
 # bfloat16 dot product (see cpu_bf16_native); below it the bfloat16 GEMV reads half the bytes
 UPCAST_ROWS = 8

@@ -6,10 +6,12 @@
 When (triton_kernels.backend.cpu_compile_mode, STRATA_CPU_COMPILE):
 - `on`: every Compiled compiles at its first call, in the caller's thread;
 - `auto` (the default): nothing compiles in the caller's thread. A command that decodes
-  long enough calls `background(warm)`: a daemon thread runs `warm` (the model's step on a
-  scratch state, strata.runtime.cpu_step.warm and strata.models.qwen4exp_step.warm), which
-  compiles every piece while the caller decodes eagerly, and the caller's calls take the
-  compiled pieces once all are built. Dynamo and Inductor cost seconds to import and tens of
+  long enough with plain decode steps (strata.runtime.background; batch-invariant steps,
+  by default those of a model with a draft head, are never compiled) calls
+  `background(warm)`: a daemon thread runs `warm` (the model's step on a scratch state,
+  strata.runtime.cpu_step.warm and strata.models.qwen4exp_step.warm), which compiles every
+  piece while the caller decodes eagerly, and the caller's calls take the compiled pieces
+  once all are built. Dynamo and Inductor cost seconds to import and tens of
   seconds to compile on 2 cores (the Inductor cache makes a later process's compile
   cheaper, not free), which a short command never earns back: it stays eager;
 - `off`: never.
@@ -57,10 +59,10 @@ def warming() -> bool:
     return getattr(_local, "warming", False)
 
 
-def background(warm: Callable[[], None], what: str) -> threading.Thread | None:
+def background(warm: Callable[[], bool], what: str) -> threading.Thread | None:
     """Auto mode: run `warm` on a daemon thread with compiles on in that thread only; once it
-    returns, `available()` is true everywhere. None where nothing starts: compiles on (they
-    happen at the first call), off, failed, or already started."""
+    returns True (it built the step), `available()` is true everywhere. None where nothing
+    starts: compiles on (they happen at the first call), off, failed, or already started."""
     if cpu_compile_mode() != "auto" or broken:
         return None
     with _lock:
@@ -71,11 +73,11 @@ def background(warm: Callable[[], None], what: str) -> threading.Thread | None:
     def run():
         _local.warming = True
         try:
-            warm()
+            built = warm()
         except Exception as e:  # noqa: BLE001 - a compile's failure: eager from now on, as Compiled does
             _fail(what, e, stacklevel=2)
             return
-        if not broken:
+        if built and not broken:  # else nothing was built, and the caller stays eager
             _took.append(time.perf_counter() - _started[0])
             _ready.set()
 
@@ -117,11 +119,12 @@ class Compiled:
     def __call__(self, *args):
         if not available():
             return None
-        with _lock:  # the background compile and the caller may come here at once
-            if self.compiled is None:
-                cfg = torch._dynamo.config
-                cfg.recompile_limit = max(cfg.recompile_limit, self.recompiles)
-                self.compiled = torch.compile(self.fn, fullgraph=True, **self.options)
+        if self.compiled is None:
+            with _lock:  # the background compile and the caller may come here at once
+                if self.compiled is None:
+                    cfg = torch._dynamo.config
+                    cfg.recompile_limit = max(cfg.recompile_limit, self.recompiles)
+                    self.compiled = torch.compile(self.fn, fullgraph=True, **self.options)
         for i, dim in self.symbolic.items():
             if args[i] is not None:
                 torch._dynamo.maybe_mark_dynamic(args[i], dim)

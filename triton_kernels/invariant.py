@@ -15,10 +15,11 @@ path triton_kernels.qmatmul and .moe take one kernel and one tile for any rows i
 Where it is on (the model's modules ask `enabled()` on every call):
 - everywhere with `STRATA_BATCH_INVARIANT=1` or after `set_enabled(True)`
   (`--batch-invariant`, the server's default);
-- by default, in decode steps alone: the runtime runs each one-token step and each
-  speculative verify `with decoding():`, so a verify's row computes as the one-token step
-  at its position would, and greedy `--spec N` gives `--spec 0`'s tokens in any dtype
-  (tests/strata/test_spec.py). Prefill keeps the plain GEMMs, which cost it least;
+- by default, in the decode steps of a model that can speculate (an MTP head) alone: the
+  runtime runs each of its one-token steps and speculative verifies `with decoding():`,
+  so a verify's row computes as the one-token step at its position would, and greedy
+  `--spec N` gives `--spec 0`'s tokens in any dtype (tests/strata/test_spec.py). Prefill
+  keeps the plain GEMMs, which cost it least, and so does a model without a draft head;
 - nowhere with `STRATA_BATCH_INVARIANT=0` or after `set_enabled(False)`
   (`--no-batch-invariant`): a decode's plain steps (compiled on the CPU, where they may be:
   triton_kernels.compiled), and greedy `--spec N` keeps `--spec 0`'s tokens only where a
@@ -33,6 +34,7 @@ decay a head) through the same vector code for any number of tokens.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -57,14 +59,15 @@ def _from_env() -> bool | None:
     return None
 
 
-# True: everywhere; False: nowhere; None (the default): in decode steps (`decoding`)
+# True: everywhere; False: nowhere; None (the default): in decode steps (`decoding`), on
+# the thread that runs them
 _setting: bool | None = _from_env()
-_decoding = False
+_local = threading.local()
 
 
 def enabled() -> bool:
-    """Whether the calls made now are batch-invariant."""
-    return _setting is True or (_setting is None and _decoding)
+    """Whether the calls made now (on this thread) are batch-invariant."""
+    return _setting is True or (_setting is None and getattr(_local, "decoding", False))
 
 
 def decode_steps() -> bool:
@@ -95,15 +98,16 @@ def batch_invariant(on: bool | None = True):
 
 
 @contextmanager
-def decoding():
-    """A decode step: a one-token step, a server's batched step, a speculative verify or
-    draft; batch-invariant unless the process turned it off."""
-    global _decoding
-    before, _decoding = _decoding, True
+def decoding(on: bool = True):
+    """A decode step (a one-token step, a server's batched step, a speculative verify or
+    draft) of a model that can speculate (`on`: the runtime passes whether it has a draft
+    head); batch-invariant unless the process set it off."""
+    before = getattr(_local, "decoding", False)
+    _local.decoding = bool(on)
     try:
         yield
     finally:
-        _decoding = before
+        _local.decoding = before
 
 
 def rows(f, x: torch.Tensor, key=None) -> torch.Tensor:

@@ -138,8 +138,9 @@ def bench_strata(path, args, extra=None) -> dict:
     spec = None
     if getattr(args, "spec", 0):  # strata.bench.spec: the verify against a one-token step
         from strata.bench import spec as spec_bench
-        spec = spec_bench.measure(model, args.spec, _tokens(args.n_prompt, vocab, 200),
-                                  _tokens(args.n_gen, vocab, 300), lambda: _sync(device))
+        with invariant.decoding():  # the numerics a speculative decode runs (triton_kernels.invariant)
+            spec = spec_bench.measure(model, args.spec, _tokens(args.n_prompt, vocab, 200),
+                                      _tokens(args.n_gen, vocab, 300), lambda: _sync(device))
     profile = None
     if getattr(args, "profile", False):  # strata.bench.profile: the top ops of a decode step
         from strata.bench import profile as profile_bench

@@ -25,7 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from strata.cli.args import DTYPES
     from triton_kernels import configs
-    from triton_kernels.backend import choose_device, interpreter_on
+    from triton_kernels.backend import choose_device, cpu_compile_mode, interpreter_on
+    try:
+        cpu_compile_mode()  # a misspelt STRATA_CPU_COMPILE is named now, not in the first step
+    except ValueError as e:
+        print(f"strata: {e}", file=sys.stderr)
+        return 2
     if hasattr(args, "dtype"):  # one spelling on the command line, a torch dtype past here
         args.dtype = DTYPES[args.dtype]
     if args.command in _LOADS or (args.command == "bench" and args.what == "model"):

@@ -129,10 +129,10 @@ class LoadPlan:
             out.append("numerics: batch-invariant: a token's result does not depend on the prompt's chunks "
                        "or the requests batched beside it (fixed-shape matmuls, DeltaNet token by token, "
                        "QSA's sparse path at every length; --no-batch-invariant for speed)")
-        elif self.batch_invariant is None:
-            out.append("numerics: decode steps batch-invariant (a speculative verify's rows compute as "
-                       "one-token steps: greedy --spec N gives --spec 0's tokens); prefill plain; "
-                       "--batch-invariant for both, --no-batch-invariant for neither")
+        elif self.batch_invariant is None and self.arch == qn.ARCH:
+            out.append("numerics: decode steps batch-invariant where an MTP head can speculate (a verify's "
+                       "rows compute as one-token steps: greedy --spec N gives --spec 0's tokens); prefill "
+                       "plain; --batch-invariant for both, --no-batch-invariant for neither")
         if self.layout is not None:
             out.append(f"parallel: {self.layout.describe(*_counts(self.gguf))}, pid {os.getpid()}")
         if self.placement is not None:

@@ -98,9 +98,9 @@ class Llama(torch.nn.Module):
                 f"{summary.kv_summary(self)}; "
                 f"matmuls: {how}")
 
-    def warm_compile(self) -> None:
+    def warm_compile(self) -> bool:
         """Build the CPU's compiled decode step on a scratch cache (strata.runtime.background)."""
-        cpu_step.warm(self)
+        return cpu_step.warm(self)
 
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.cfg

@@ -358,9 +358,9 @@ class Qwen4Exp(torch.nn.Module):
 
     # -- running ---------------------------------------------------------------------------------
 
-    def warm_compile(self) -> None:
+    def warm_compile(self) -> bool:
         """Build the CPU's compiled decode halves on a scratch state (strata.runtime.background)."""
-        qwen4exp_step.warm(self)
+        return qwen4exp_step.warm(self)
 
     def new_cache(self, capacity: int = 256, mtp: bool = False) -> Qwen4ExpState:
         """A state for one sequence; `mtp`: one that also tracks what the MTP head drafts from."""

@@ -213,7 +213,7 @@ def ple_block(layer, x: torch.Tensor, tokens: torch.Tensor, st, ids) -> torch.Te
     return x
 
 
-def warm(model) -> None:
+def warm(model) -> bool:
     """Build the compiled halves on a scratch state (triton_kernels.compiled.background):
     one token through the model compiles every kind of layer, the PLE block and the head.
     Only where the scratch step shares nothing with the caller's steps but weights: one
@@ -225,5 +225,6 @@ def warm(model) -> None:
             or any(getattr(getattr(layer.moe.experts, "spec", None), "kind", None) != "dense"
                    for layer in model.layers)
             or any(getattr(getattr(t, "table", None), "mode", "ram") != "ram" for t in tables)):
-        return
+        return False
     model([0], model.new_cache(8), last_only=True)
+    return bool(getattr(model.layers[0], "_cpu_step", None))  # a layer took its compiled halves

@@ -6,8 +6,9 @@ its compile back only past several hundred tokens, which a short `generate` or a
 does not reach. So by default (STRATA_CPU_COMPILE=auto) a run compiles on a thread beside
 its eager decode only where the process will decode long with plain steps: a chat session
 (it compiles while the first line is typed), a server, a `generate` of LONG_RUN tokens or
-more, each with decode steps not batch-invariant (--no-batch-invariant,
-STRATA_BATCH_INVARIANT=0: by default they are, and batch-invariant steps run eagerly).
+more, each of a model whose decode steps are not batch-invariant (by default those of a
+model with an MTP head are, so that greedy --spec keeps --spec 0's tokens, and those run
+eagerly; --no-batch-invariant turns that off).
 """
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ LONG_RUN = 1024
 
 def compile_in_background(model, tokens: int | None = None):
     """Start `model`'s compiled CPU decode on a thread, where it can pay: on the CPU, in one
-    process, decode steps not batch-invariant (the compiled steps are plain:
-    STRATA_BATCH_INVARIANT=0, --no-batch-invariant), and `tokens` (a run's budget; None:
-    open-ended, a chat or a server) of at least LONG_RUN. Returns the thread, or None."""
+    process, decode steps not batch-invariant (the compiled steps are plain: a model without
+    a draft head, or STRATA_BATCH_INVARIANT=0 / --no-batch-invariant), and `tokens` (a run's
+    budget; None: open-ended, a chat or a server) of at least LONG_RUN. Returns the thread,
+    or None."""
     from strata import dist
     warm = getattr(model, "warm_compile", None)
-    if (warm is None or model.device.type != "cpu" or dist.comm() is not None or invariant.decode_steps()
+    invariant_steps = invariant.setting() is True or (invariant.decode_steps() and getattr(model, "mtp", None) is not None)
+    if (warm is None or model.device.type != "cpu" or dist.comm() is not None or invariant_steps
             or (tokens is not None and tokens < LONG_RUN)):
         return None
     return compiled.background(warm, f"the compiled decode of {type(model).__name__}")

@@ -11,7 +11,8 @@ cores with Inductor's disk cache cold, 1-3 s warm.
 The step computes what Llama.forward computes for one token, op for op (the same RMSNorm,
 RoPE, matmul calls and softmax), so its logits equal eager decode's except where Inductor
 fuses an element-wise chain (float32 either way). When it compiles is
-triton_kernels.compiled's choice (by default in the background: `warm`); taken only
+triton_kernels.compiled's choice (by default only in the background, `warm`, and only for
+a run whose decode steps are plain); taken only
 where every matmul has a compiled form (QuantLinear.pure), the KV cache stores floats and
 batch-invariant mode is off. A failing compile (no C++ compiler) warns once and decodes
 eagerly from then on (triton_kernels.compiled).
@@ -118,7 +119,7 @@ def _step(model) -> CpuStep:
         return model._cpu_step
 
 
-def warm(model) -> None:
+def warm(model) -> bool:
     """Build the compiled step on a scratch cache (triton_kernels.compiled.background): a few
     tokens, so that the sequence's length is symbolic as a real decode's (the first step
     compiles it fixed, the next ones symbolic, against the cache's capacity), and the head's
@@ -126,9 +127,10 @@ def warm(model) -> None:
     Dynamo guards on that too), the steps run in inference mode as Llama.forward's do."""
     cache = model.new_cache(64)
     if not CpuStep.usable(model, cache):
-        return
+        return False
     step = _step(model)
     with torch.inference_mode():  # as Llama.forward's steps: the guards then hold for them
         for _ in range(4):
             if step(0, cache) is None:
-                return
+                return False
+    return True

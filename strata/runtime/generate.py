@@ -90,10 +90,11 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
 
     chosen = [sampler(logits[-1])] if params.max_tokens > 0 else []
     first = None  # the first decode step's seconds and tokens
+    drafts = getattr(model, "mtp", None) is not None  # a model that can speculate
     # every token chosen is fed but the last, which the next step feeds
     while chosen and all(emit(t) for t in chosen):
         ts = time.perf_counter()
-        with invariant.decoding():  # a verify's rows compute as these steps (triton_kernels.invariant)
+        with invariant.decoding(drafts):  # a verify's rows compute as these steps (triton_kernels.invariant)
             if speculator:
                 chosen = speculator.step(cache, out[-1], limit=params.max_tokens - len(out) - 1)
                 ms = 1e3 * (time.perf_counter() - ts)

@@ -204,7 +204,7 @@ class Engine:
             if all(self._take(slot, tok) for tok in chosen):
                 going.append(slot)
         t1 = time.perf_counter()
-        with invariant.decoding():  # as generate's steps (triton_kernels.invariant)
+        with invariant.decoding(getattr(self.model, "mtp", None) is not None):  # as generate's steps
             self._decode(going)
         t2 = time.perf_counter()
         self.stats["generated_tokens"] += sum(len(s.chosen) for s in going) if self.spec else len(going)

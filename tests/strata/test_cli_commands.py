@@ -282,6 +282,15 @@ def test_bench_model_batch_invariant_rows(smollm2_gguf):
         assert plain["vs_plain"] is None and inv["vs_plain"] == pytest.approx(inv["tok_s"] / plain["tok_s"])
 
 
+def test_bench_serve_one_slot_one_request():
+    """The quick tier's `bench serve`: one slot, one request of one token, its row."""
+    r = cli("bench", "serve", "-m", "smollm2", "--slots", "1", "--requests", 1, "-n", 1, *FAST, "--json")
+    assert r.rc == 0, r.err
+    rows = json.loads(r.out)["rows"]
+    assert [(x["slots"], x["numerics"], x["requests"], x["generated"]) for x in rows] == [(1, "plain", 1, 1)]
+    assert rows[0]["tok_s"] == pytest.approx(rows[0]["generated"] / rows[0]["wall_s"])
+
+
 @pytest.mark.slow
 def test_bench_serve_json():
     r = cli("bench", "serve", "-m", "smollm2", "--slots", "1,2", "--requests", 2, "-n", 2, *FAST, "--json",

@@ -67,7 +67,7 @@ def test_serve_is_batch_invariant_by_default_and_the_plan_says_so(flash_tiny_ggu
     p = build_parser()
     assert p.parse_args(["serve"]).batch_invariant is True
     assert p.parse_args(["serve", "--no-batch-invariant"]).batch_invariant is False
-    assert p.parse_args(["generate", "hi"]).batch_invariant is None  # the process's setting: off
+    assert p.parse_args(["generate", "hi"]).batch_invariant is None  # the process's: decode steps alone
     on = decide(flash_tiny_gguf, load_options(p.parse_args(["serve"])))
     off = decide(flash_tiny_gguf, load_options(p.parse_args(["serve", "--no-batch-invariant"])))
     assert any(line.startswith("numerics: batch-invariant") for line in on.lines())

@@ -252,7 +252,7 @@ def test_a_verify_row_is_the_one_token_step_at_its_position_bit_for_bit(tiny_bf1
     base = model.new_cache(mtp=True)
     model(p, base)  # the prompt: plain numerics, as generate's prefill
     one = base.copy()
-    with invariant.decoding():
+    with invariant.batch_invariant(None), invariant.decoding():  # the default
         steps = torch.cat([model([t], one) for t in extra])
         verify = model.verify(extra, base.copy())
     assert torch.equal(steps, verify)

@@ -85,6 +85,26 @@ def test_the_switch_is_scoped():
     assert invariant.enabled() == before
 
 
+def test_by_default_a_speculating_models_decode_steps_alone_are_invariant():
+    """The three settings against decode steps (`decoding(on)`: on for a model with a draft
+    head), on this thread and not on another."""
+    import threading
+    want = {True: (True, True, True), False: (False, False, False), None: (False, True, False)}
+    for setting, (outside, speculating, plain) in want.items():
+        with invariant.batch_invariant(setting):
+            assert invariant.enabled() is outside and invariant.decode_steps() is (setting is not False)
+            with invariant.decoding():
+                assert invariant.enabled() is speculating
+                other = []
+                t = threading.Thread(target=lambda: other.append(invariant.enabled()))
+                t.start()
+                t.join()
+                assert other == [outside]  # another thread's calls are not this step's
+                with invariant.decoding(False):
+                    assert invariant.enabled() is plain
+            assert invariant.enabled() is outside
+
+
 @settings(max_examples=examples(25), deadline=None)
 @given(fmt=st.sampled_from(["Q4_1", "Q4_0", "Q8_0"]), shape=st.sampled_from([(576, 1536), (1536, 576), (256, 512)]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), m=st.integers(1, 24), cut=st.integers(0, 23),
