@@ -4,6 +4,12 @@ import os
 # anything imports triton. STRATA_TEST_DEVICE=cuda (scripts/gpu_check.sh) leaves it off, so
 # that the tests marked `cuda` run the compiled kernels on the GPU.
 ON_DEVICE = os.environ.get("STRATA_TEST_DEVICE") == "cuda"
+
+# No background compile in a test worker (a chat or a server started in-process would leave
+# its compile thread running into later tests, and make them take the compiled steps): a
+# short run compiles nothing by default anyway. The tests of the compiled paths and of the
+# background compile set STRATA_CPU_COMPILE themselves (tests/strata/test_cpu_compile.py).
+os.environ.setdefault("STRATA_CPU_COMPILE", "0")
 if not ON_DEVICE:
     os.environ["TRITON_INTERPRET"] = "1"
     from tests.triton_interpreter import install  # noqa: E402

@@ -53,6 +53,7 @@ def yarn(tiny):
     return load_model(tiny, dtype=torch.float32, rope_scaling="yarn", rope_scale=SCALE, yarn_orig_ctx=ORIG)
 
 
+@pytest.mark.slow
 def test_yarn_equals_transformers_past_the_original_context(yarn, prompt):
     assert prompt.numel() > ORIG
     ref = _reference(prompt, "yarn")
