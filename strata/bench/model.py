@@ -93,7 +93,6 @@ def _load_warm(path, args):
     return model, device, load_s
 
 
-
 def _pp_tg(model, args, device, vocab: int) -> tuple[list[float], list[float]]:
     """pp and tg tok/s, args.repeats runs each."""
     pp, tg = [], []

@@ -5,9 +5,9 @@ import sys
 
 from strata.cli.load import load, load_vision, say
 from strata.hub import resolve_model
-from triton_kernels import compiled
 from strata.runtime import SamplingParams, generate
 from strata.runtime.background import compile_in_background
+from triton_kernels import compiled
 
 
 def pull(args) -> int:

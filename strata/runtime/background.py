@@ -12,6 +12,7 @@ eagerly; --no-batch-invariant turns that off).
 """
 from __future__ import annotations
 
+from strata.runtime.spec import can_draft
 from triton_kernels import compiled, invariant
 
 # a generate's token budget from which its compile may pay (about a minute of eager decode
@@ -27,7 +28,7 @@ def compile_in_background(model, tokens: int | None = None):
     or None."""
     from strata import dist
     warm = getattr(model, "warm_compile", None)
-    invariant_steps = invariant.setting() is True or (invariant.decode_steps() and getattr(model, "mtp", None) is not None)
+    invariant_steps = invariant.setting() is True or (invariant.decode_steps() and can_draft(model))
     if (warm is None or model.device.type != "cpu" or dist.comm() is not None or invariant_steps
             or (tokens is not None and tokens < LONG_RUN)):
         return None

@@ -10,7 +10,7 @@ from typing import Callable
 from triton_kernels import invariant
 
 from .sampling import Sampler, SamplingParams
-from .spec import SpecStats, Speculator
+from .spec import SpecStats, Speculator, can_draft
 from . import timing
 from .text import TextOut
 from .timing import StepTimer
@@ -90,7 +90,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
 
     chosen = [sampler(logits[-1])] if params.max_tokens > 0 else []
     first = None  # the first decode step's seconds and tokens
-    drafts = getattr(model, "mtp", None) is not None  # a model that can speculate
+    drafts = can_draft(model)  # its decode steps batch-invariant by default (triton_kernels.invariant)
     # every token chosen is fed but the last, which the next step feeds
     while chosen and all(emit(t) for t in chosen):
         ts = time.perf_counter()

@@ -30,11 +30,16 @@ import torch
 from .sampling import Sampler
 
 
+def can_draft(model) -> bool:
+    """Whether `model` has a draft head (an MTP head) to speculate with."""
+    return getattr(model, "mtp", None) is not None
+
+
 def check(model, n: int) -> None:
     """Speculative decoding of up to `n` drafts needs a model with an MTP head."""
     if n < 0:
         raise ValueError(f"--spec {n}: the number of drafts must be >= 0")
-    if n and getattr(model, "mtp", None) is None:
+    if n and not can_draft(model):
         arch = getattr(getattr(model, "gguf", None), "arch", type(model).__name__)
         where = getattr(getattr(model, "gguf", None), "path", "this model")
         raise ValueError(f"--spec {n}: {where} ({arch}) has no MTP head to draft with; drop --spec "

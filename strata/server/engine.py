@@ -27,7 +27,7 @@ from strata.dist import RankLost
 from strata.runtime import timing
 from strata.runtime.prefix_cache import PrefixCache
 from strata.runtime.sampling import Sampler, SamplingParams
-from strata.runtime.spec import Speculator, check as check_spec
+from strata.runtime.spec import Speculator, can_draft, check as check_spec
 from strata.runtime.text import TextOut
 from triton_kernels import invariant
 
@@ -204,7 +204,7 @@ class Engine:
             if all(self._take(slot, tok) for tok in chosen):
                 going.append(slot)
         t1 = time.perf_counter()
-        with invariant.decoding(getattr(self.model, "mtp", None) is not None):  # as generate's steps
+        with invariant.decoding(can_draft(self.model)):  # as generate's steps
             self._decode(going)
         t2 = time.perf_counter()
         self.stats["generated_tokens"] += sum(len(s.chosen) for s in going) if self.spec else len(going)

@@ -43,8 +43,8 @@ import torch
 import quant
 from strata.storage import io
 from strata.storage.io import PAGE, gib
-from triton_kernels import compiled
 from strata.storage.ple_source import PleSource, find_ple
+from triton_kernels import compiled
 
 MODES = ("ram", "mmap", "direct")
 # when mmap mode leaves a hint out (see PleTable.prefetch): steps of up to SMALL_STEP rows
