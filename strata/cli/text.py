@@ -57,8 +57,9 @@ def generate_cmd(args) -> int:
     say(f"{res.prompt_tokens} prompt tokens at {res.prefill_tok_s:.1f} tok/s, "
         f"{len(res.tokens)} generated at {res.steady_tok_s:.1f} tok/s ({res.finish_reason})")
     if res.first_step_s:  # one-time costs, on their own lines
-        say(f"the first decode step took {1e3 * res.first_step_s:.0f} ms (its one-time costs: the "
-            f"batch-invariant probes, first allocations); the rate above is the steps after it")
+        say(f"the first decode step took {1e3 * res.first_step_s:.0f} ms (its one-time costs: first "
+            f"calls and allocations, batch-invariant probes where the steps are); the rate above is "
+            f"the steps after it")
     if (line := compiled.ready_line()) is not None:
         say(line)
     if res.spec is not None:
