@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 import quant
+from triton_kernels.backend import to_device
 
 
 def host_tensor(a: np.ndarray) -> torch.Tensor:
@@ -16,6 +17,22 @@ def host_tensor(a: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def module_to(module: torch.nn.Module, device) -> torch.nn.Module:
+    """`module.to(device)` for parameters and buffers, through `to_device` (the one door
+    from the host to a device, which a fake-CUDA trace replaces: strata.runtime.trace)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return module.to(device)
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and p.device != device:
+                m._parameters[name] = torch.nn.Parameter(to_device(p.data, device), requires_grad=False)
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device:
+                m._buffers[name] = to_device(b, device)
+    return module
 
 
 @dataclass
@@ -39,7 +56,7 @@ class QTensor:
     def blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The raw blocks as a uint8 torch tensor (rows, row_bytes); zero-copy on the CPU."""
         t = host_tensor(self.data)
-        return t if str(device) == "cpu" else t.to(device)
+        return t if str(device) == "cpu" else to_device(t, device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
         """Dequantized in `dtype` on `device`, by the device's default kernels (Triton on a

@@ -1,6 +1,6 @@
 """Where a kernel runs: the one place that decides.
 
-Three decisions, all here:
+Three decisions, all here, and the one door from the host to a device (`to_device`):
 - a model's: `choose_kernels(kernels, device)` gives "triton" or "torch" for the whole
   model (default: triton on a GPU, torch on the CPU); every module records it at load and
   takes its ops through `triton_kernels.ops.impl`, so nothing re-derives it;
@@ -26,11 +26,43 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """A fake tensor (torch.compile's trace, strata.runtime.trace): a shape with no values."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+    return fake(t)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreter_on()
 
 
 KERNELS = ("triton", "torch")
+
+# set by strata.runtime.trace while it runs a model on fake CUDA tensors: an object with
+# `copy(t, device)` (a fake allocation: a CPU-only torch refuses `t.to("cuda")` before any
+# dispatch mode sees it, so every copy from the host to a device goes through `to_device`)
+# and `name` (the GPU it stands for, whose tuned tables the launchers read)
+_fake = None
+
+
+def constant(cache: dict, key, make, device) -> torch.Tensor:
+    """A launcher's table on `device`, made once (`make()` on the host) and kept in `cache`
+    under `key`; under a fake device made afresh each time and never kept (a fake tensor
+    belongs to its trace)."""
+    if _fake is not None and torch.device(device).type != "cpu":
+        return to_device(make(), device)
+    if key not in cache:
+        cache[key] = to_device(make(), device)
+    return cache[key]
+
+
+def to_device(t: torch.Tensor, device, non_blocking: bool = False) -> torch.Tensor:
+    """`t` on `device` (itself where it lies there already): the loader's and the steps'
+    host-to-device copies all pass here."""
+    device = torch.device(device)
+    if _fake is not None and device.type != "cpu" and t.device.type == "cpu":
+        return _fake.copy(t, device)
+    return t.to(device, non_blocking=non_blocking)
 
 
 def choose_device(device: str | None) -> str:
@@ -41,7 +73,7 @@ def choose_device(device: str | None) -> str:
         dev = torch.device(device)
     except RuntimeError:
         raise ValueError(f"--device {device!r}: expected cpu or cuda[:N]") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type == "cuda" and not torch.cuda.is_available() and _fake is None:
         raise ValueError(f"--device {device}: torch sees no GPU here (torch {torch.__version__}, "
                          f"CUDA build {torch.version.cuda or 'none'}); use --device cpu")
     if dev.type not in ("cpu", "cuda"):
@@ -69,7 +101,7 @@ def device_name(device: torch.device) -> str | None:
     """The GPU's name (triton_kernels.configs keys its tuned tables by it); None on the CPU."""
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_name(device)
+    return _fake.name if _fake is not None else torch.cuda.get_device_name(device)
 
 
 def backend_name() -> str:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 import quant
 
+from . import backend
 from .asm import asm_for
 from .backend import use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
@@ -191,10 +192,7 @@ class _Tables:
 
     @classmethod
     def get(cls, name: str, device: torch.device) -> torch.Tensor:
-        key = (name, str(device))
-        if key not in cls._cache:
-            cls._cache[key] = _build_table(name).to(device)
-        return cls._cache[key]
+        return backend.constant(cls._cache, (name, str(device)), lambda: _build_table(name), device)
 
 
 def _signed_grid_words(grid) -> torch.Tensor:

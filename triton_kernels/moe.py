@@ -73,7 +73,7 @@ import quant
 
 from . import configs, invariant
 from .asm import asm_for
-from .backend import backend_name, device_name, use_triton
+from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
 from .int8 import dot_units, quantize_x
@@ -196,7 +196,9 @@ def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
     length = n + min(num_experts, n) * (block_m - 1)
     # dropped slots take the key num_experts: they sort after every expert's group
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # counted into a fixed size: bincount's size is the largest id's, which CUDA reads back
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).index_add_(
+        0, key, torch.ones_like(key))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)                           # end of each expert's padded group
     order = torch.argsort(key, stable=True)           # slots by expert, ascending within one
@@ -453,7 +455,7 @@ def _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids):
                          f"x's device {x.device}")
     # a CPU check costs nothing; on CUDA it would wait for the router, and the alignment
     # drops out-of-range ids there anyway
-    if not ids.is_cuda and ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= E):
+    if not ids.is_cuda and ids.numel() and not is_fake(ids) and (int(ids.min()) < -1 or int(ids.max()) >= E):
         raise ValueError(f"moe: ids must lie in [0, {E}) (or be -1 for an expert held elsewhere), "
                          f"got {int(ids.min())}..{int(ids.max())}")
     return T, H, I, E, ids.shape[1]

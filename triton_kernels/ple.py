@@ -41,7 +41,7 @@ import quant
 
 from . import configs
 from .asm import asm_for
-from .backend import use_triton
+from .backend import is_fake, use_triton
 from .decode import decoder, launch_args, unit, unit_table
 from .decode import table as decode_table
 from .decode.common import round_to_bf16_bits
@@ -173,7 +173,7 @@ def _hash_args(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos
         raise ValueError(f"ngram_ids: head_vocab_sizes has {sizes.numel()} entries and head_offsets "
                          f"{offsets.numel()}; with {context + 1} multipliers and heads_per_ngram="
                          f"{heads_per_ngram} both need {n_heads}")
-    if not sizes.is_cuda and bool((sizes <= 0).any()):
+    if not sizes.is_cuda and not is_fake(sizes) and bool((sizes <= 0).any()):
         raise ValueError(f"ngram_ids: head_vocab_sizes must be positive, got {sizes.tolist()}")
     if history is None:  # the sequence starts here
         history = torch.full((context,), eos_id, dtype=torch.int64, device=dev)
@@ -295,7 +295,10 @@ def _gather_args(table, ids, fmt, out_dtype):
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"ple_gather: out_dtype must be float32, float16 or bfloat16, not {out_dtype}")
     rows = table.shape[0]
-    if ids.numel():
+    if ids.numel() and ids.is_cuda:  # checked on the device: a step never waits to read ids
+        torch._assert_async(((ids >= 0) & (ids < rows)).all(),
+                            f"ple_gather: a row id is out of range for a table of {rows} rows")
+    elif ids.numel() and not is_fake(ids):  # a fake tensor (torch.compile's trace) has no values
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()
         if lo < 0 or hi >= rows:
             bad = ids[(ids < 0) | (ids >= rows)][0].item()

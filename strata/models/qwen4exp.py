@@ -36,8 +36,10 @@ from strata.nn.hyperconn import HyperConnection
 from strata.nn.mrope import Positions
 from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
-from strata.tensors import QTensor
+from strata.tensors import QTensor, host_tensor, module_to
+from triton_kernels.backend import to_device
 from triton_kernels.dequant import dequantize_torch
+from triton_kernels.ops import impl
 
 @dataclass(frozen=True)
 class Qwen4ExpConfig:
@@ -314,7 +316,10 @@ class Qwen4Exp(torch.nn.Module):
         # under --pp (strata.dist.Pipe): this rank's stage of the layer pipeline (`layers`
         # are the stage's); None: the whole model in this process
         self.pipe = None
-        self.to(self.device)  # norms, conv weights, RoPE tables (the weights went as loaded)
+        module_to(self, self.device)  # norms, conv weights, RoPE tables (the weights went as loaded)
+        # on a GPU the embedding's blocks go there too: a step gathers its rows on the device
+        self.embedding_blocks = (None if self.device.type == "cpu"
+                                 else to_device(host_tensor(embedding.data), self.device))
 
     # -- what the engine reports -------------------------------------------------------------
 
@@ -373,13 +378,24 @@ class Qwen4Exp(torch.nn.Module):
         return Qwen4ExpState(self, mtp)
 
     def _check_tokens(self, tokens: torch.Tensor) -> None:
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.embedding.shape[0]:
-            raise ValueError(f"token ids must lie in 0..{self.embedding.shape[0] - 1}")
+        """Ids on the host are checked there; ids on a device, on the device (an
+        asynchronous assert: a step never waits to read them)."""
+        n = self.embedding.shape[0]
+        if tokens.device.type != "cpu":
+            torch._assert_async(((tokens >= 0) & (tokens < n)).all(), f"token ids must lie in 0..{n - 1}")
+        elif tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= n):
+            raise ValueError(f"token ids must lie in 0..{n - 1}")
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(T, dim) float32 rows of `tokens`: gathered from the file's blocks on the host, or
+        on a GPU from the blocks held there (no trip back to the host)."""
         self._check_tokens(tokens)
-        rows = torch.from_numpy(np.take(self.embedding.data, tokens.numpy(), axis=0))
-        return dequantize_torch(rows, self.embedding.fmt).to(self.device)
+        fmt = self.embedding.fmt
+        if self.embedding_blocks is None:
+            rows = torch.from_numpy(np.take(self.embedding.data, tokens.numpy(), axis=0))
+            return dequantize_torch(rows, fmt)
+        rows = self.embedding_blocks[to_device(tokens, self.device)]
+        return impl("dequantize", self.kernels)(rows, fmt).reshape(tokens.numel(), -1).float()
 
     @torch.inference_mode()
     def forward(self, tokens, state: Qwen4ExpState, last_only: bool = False) -> torch.Tensor:
@@ -464,7 +480,7 @@ class Qwen4Exp(torch.nn.Module):
                 todo.append(index[first:first + n][keep])
                 rows.append(r[keep.to(r.device)])
             first += n
-        state.media = (torch.cat(todo), torch.cat(rows).to(self.device, torch.float32)) if todo else None
+        state.media = (torch.cat(todo), to_device(torch.cat(rows).float(), self.device)) if todo else None
 
     def _with_media(self, x: torch.Tensor, state: Qwen4ExpState) -> torch.Tensor:
         """The token embeddings x (T, dim) of tokens state.length.., with the rows of planned

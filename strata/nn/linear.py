@@ -30,7 +30,7 @@ import torch
 import quant
 from strata.tensors import QTensor, host_tensor
 from triton_kernels import invariant
-from triton_kernels.backend import choose_kernels, cpu_compile_mode, cpu_int8_vectors, upcast
+from triton_kernels.backend import choose_kernels, cpu_compile_mode, cpu_int8_vectors, to_device, upcast
 from triton_kernels.codes import codes_matmul
 from triton_kernels.compiled import Compiled
 from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
@@ -147,7 +147,7 @@ class QuantLinear(torch.nn.Module):
         blocks = np.concatenate([_rows_of(p, r) for p, r in zip(parts, rows)])
         if kernels == "triton":
             self.mode = "triton"
-            self.blocks = host_tensor(blocks).to(device)
+            self.blocks = to_device(host_tensor(blocks), device)
             self._qmatmul = impl("qmatmul", kernels)
             return
         if dtype == torch.bfloat16 and self.fmt.name in ("Q4_0", "Q4_1") and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):

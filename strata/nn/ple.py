@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels import invariant
+from triton_kernels.backend import to_device
 
 from .deltanet import causal_conv
 from .hyperconn import stream_norm
@@ -62,8 +63,8 @@ class NgramPLE(torch.nn.Module):
         return PLEState([self.hash_args["eos_id"]] * (self.ngram - 1), self.conv.shape[0], window, device)
 
     def ids(self, tokens: torch.Tensor, st: PLEState) -> torch.Tensor:
-        ids, st.history = self.hash(tokens.to(self.conv.device), st.history.to(self.conv.device),
-                                    **self.hash_args)
+        dev = self.conv.device
+        ids, st.history = self.hash(to_device(tokens, dev), to_device(st.history, dev), **self.hash_args)
         return ids
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, st: PLEState, ids=None) -> torch.Tensor:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_kernels.backend import to_device
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -104,17 +106,17 @@ class Rope(torch.nn.Module):
         if pos.dim() == 2:  # (3, S) multimodal positions: each column from its axis's row
             if int(pos.max()) >= self.cos.shape[0]:
                 self._table(2 * int(pos.max()) + 1)
-            idx = pos.to(self.cos.device)[self._axis].T     # (S, dim)
+            idx = to_device(pos, self.cos.device)[self._axis].T     # (S, dim)
             cols = torch.arange(self.dim, device=self.cos.device)
-            return self.cos[idx, cols].to(device), self.sin[idx, cols].to(device)
+            return to_device(self.cos[idx, cols], device), to_device(self.sin[idx, cols], device)
         key = (pos.device, tuple(pos.tolist())) if pos.device.type == "cpu" and pos.numel() <= 64 else None
         if key is not None and self._last is not None and self._last[0] == key:
             return self._last[1]
         top = int(pos.max())
         if top >= self.cos.shape[0]:
             self._table(2 * top + 1)
-        idx = pos.to(self.cos.device)
-        rows = self.cos[idx].to(device), self.sin[idx].to(device)
+        idx = to_device(pos, self.cos.device)
+        rows = to_device(self.cos[idx], device), to_device(self.sin[idx], device)
         if key is not None:
             self._last = (key, rows)
         return rows

@@ -37,7 +37,7 @@ from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
 from triton_kernels import compiled, invariant
-from triton_kernels.backend import choose_kernels, upcast
+from triton_kernels.backend import choose_kernels, to_device, upcast
 from triton_kernels.compiled import Compiled
 from triton_kernels.moe import choose_path
 from triton_kernels.ops import impl
@@ -59,6 +59,8 @@ class ExpertStore(torch.nn.Module):
         under --ep, strata.dist); the store answers them as ids 0.. in order."""
         super().__init__()
         packed_from, first = (gate, up, down), 0  # the pack's entries are of the whole tensors
+        # a rank's share (--ep): ids of -1 mark the experts the other ranks hold
+        self.partial = experts is not None and len(experts) != gate.shape[0]
         if experts is not None and len(experts) != gate.shape[0]:
             first = experts.start
             gate, up, down = (_experts_of(t, experts) for t in (gate, up, down))
@@ -76,7 +78,9 @@ class ExpertStore(torch.nn.Module):
         self.spec = spec
         # `tier` is what the plan line counts: "blocks" (the default's name) stays "blocks"
         self.tier = "blocks" if tier == "blocks" else str(spec)
-        self.hits = torch.zeros(self.n_experts, dtype=torch.long)  # tokens routed to each expert
+        # tokens routed to each expert: on a GPU's resident tier counted there (no read back)
+        on_device = spec.kind == "device" and not on_cpu
+        self.hits = torch.zeros(self.n_experts, dtype=torch.long, device=device if on_device else "cpu")
         self._counts = {"calls": 0, "experts": 0, "hits": 0, "misses": 0, "evictions": 0,
                         "bytes": 0, "fetch_s": 0.0}
         self.expert_bytes = gate.nbytes // self.n_experts + up.nbytes // self.n_experts + down.nbytes // self.n_experts
@@ -89,7 +93,7 @@ class ExpertStore(torch.nn.Module):
             self.w13 = torch.cat([gate.dequantize(dtype), up.dequantize(dtype)], dim=1)
             self.w2 = down.dequantize(dtype)
         elif kind == "device":
-            self.wg, self.wu, self.wd = (slabs(t).to(device) for t in ts)
+            self.wg, self.wu, self.wd = (to_device(slabs(t), device) for t in ts)
         elif kind == "host":
             host = read_host(ts, pin=not on_cpu)
             if on_cpu:
@@ -160,7 +164,27 @@ class ExpertStore(torch.nn.Module):
             self._counts["calls"] += 1
         return flat
 
+    def _count_on_device(self, ids: torch.Tensor) -> None:
+        """A GPU's resident tier: every routed slot reads its expert's weights, so each is a
+        hit; tokens per expert added up on the device (one kernel, nothing read back)."""
+        flat = ids.reshape(-1)
+        if self.partial:  # -1: another rank's expert (--ep), which counts nothing here
+            self.hits.index_add_(0, flat.clamp(min=0), (flat >= 0).long())
+        else:
+            if self._ones is None or self._ones.numel() != flat.numel():
+                self._ones = torch.ones(flat.numel(), dtype=torch.long, device=flat.device)
+            self.hits.index_add_(0, flat, self._ones)
+        self._counts["calls"] += 1
+        self._counts["experts"] += flat.numel()  # slots (under --ep, with other ranks' too)
+        self._counts["hits"] += flat.numel()
+
+    _ones = None  # a slot's count, kept on the device
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.hits.device.type != "cpu":  # a GPU's resident tier: no host read in the step
+            if not compiled.warming():
+                self._count_on_device(ids)
+            return self._moe(x, self.wg, self.wu, self.wd, weights, ids)
         flat = self.count(ids)
         kept = flat[flat >= 0]
         if self.spec.kind == "dense":
@@ -198,7 +222,7 @@ class ExpertStore(torch.nn.Module):
     def _fetch(self, experts: list[int]) -> tuple[torch.Tensor, ...]:
         t = time.perf_counter()
         ws = self.source.fetch(experts)
-        ws = tuple(w.to(self.device, non_blocking=True) for w in ws)
+        ws = tuple(to_device(w, self.device, non_blocking=True) for w in ws)
         self._counts["fetch_s"] += time.perf_counter() - t
         self._counts["bytes"] += len(experts) * self.expert_bytes
         return ws

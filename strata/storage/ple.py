@@ -45,6 +45,7 @@ from strata.storage import io
 from strata.storage.io import PAGE, gib
 from strata.storage.ple_source import PleSource, find_ple
 from triton_kernels import compiled
+from triton_kernels.backend import to_device
 
 MODES = ("ram", "mmap", "direct")
 # when mmap mode leaves a hint out (see PleTable.prefetch): steps of up to SMALL_STEP rows
@@ -90,7 +91,8 @@ class PleRows:
             # a read-only mapping: torch warns that it cannot be written, and nothing writes it
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(table)
-        return {"table": t.to(device), "ids": torch.from_numpy(np.ascontiguousarray(ids, np.int64)).to(device),
+        return {"table": to_device(t, device),
+                "ids": to_device(torch.from_numpy(np.ascontiguousarray(ids, np.int64)), device),
                 "fmt": self.fmt, "scale": self.scale}
 
 

@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from triton_kernels.backend import choose_kernels
+from triton_kernels.backend import choose_kernels, to_device
 from triton_kernels.ops import impl
 
 
@@ -20,7 +20,7 @@ class InMemoryTable:
         self.name, self.fmt, self.rows = t.name, t.fmt, t.shape[0]
         with warnings.catch_warnings():  # a read-only mapping: torch warns, and nothing writes it
             warnings.simplefilter("ignore", UserWarning)
-            self.q = torch.from_numpy(t.data).to(device)
+            self.q = to_device(torch.from_numpy(t.data), device)
         self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name} on {torch.device(device)})"
         self._gather = impl("ple_gather", choose_kernels(kernels, device))
 

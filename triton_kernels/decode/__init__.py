@@ -25,6 +25,7 @@ import torch
 
 import quant
 
+from ..backend import constant
 from .floats import decode_bf16, decode_f16, decode_f32
 from .fp8 import decode_fp8_e4m3
 from .iq1 import decode_iq1_m, decode_iq1_s
@@ -68,9 +69,7 @@ _TABLES: dict[tuple[str, str], torch.Tensor] = {}
 
 def table(fmt: quant.Format, device: torch.device) -> torch.Tensor:
     key = (fmt.name, str(device))
-    if key not in _TABLES:
-        _TABLES[key] = torch.from_numpy(_table_bytes(fmt).copy()).to(device)
-    return _TABLES[key]
+    return constant(_TABLES, key, lambda: torch.from_numpy(_table_bytes(fmt).copy()), device)
 
 
 def decoder(fmt: quant.Format):
@@ -140,6 +139,4 @@ _UNIT_TABLES: dict[tuple[str, str], torch.Tensor] = {}
 
 def unit_table(fmt: quant.Format, device: torch.device) -> torch.Tensor:
     key = (fmt.name, str(device))
-    if key not in _UNIT_TABLES:
-        _UNIT_TABLES[key] = torch.from_numpy(_unit_table_words(fmt).astype(np.int32)).to(device)
-    return _UNIT_TABLES[key]
+    return constant(_UNIT_TABLES, key, lambda: torch.from_numpy(_unit_table_words(fmt).astype(np.int32)), device)

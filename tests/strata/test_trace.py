@@ -1,0 +1,79 @@
+"""A decode step on fake CUDA tensors (strata.runtime.trace): what a GPU step would launch,
+counted on the CPU, and no read of device data on the host anywhere in it.
+
+On a GPU each host read waits for the device's queue to drain, and none can be captured
+in a CUDA graph; a launch costs a few microseconds from Python and about one in a graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.load import load_model
+from strata.runtime.trace import HostRead, fake_cuda, trace
+from triton_kernels.backend import to_device
+
+# flash-tiny's decode step at bf16 with Triton kernels, experts resident, PLE table in
+# VRAM: 962 launches (120.2 a layer) when this bound was set; it only comes down
+LAUNCHES_A_LAYER = 121
+
+
+def test_a_host_read_of_device_data_raises_naming_the_line():
+    with fake_cuda():
+        x = to_device(torch.arange(4.0), "cuda")
+        with pytest.raises(HostRead, match=r"test_trace\.py:\d+ .*x\.sum\(\)"):
+            trace(lambda: int(x.sum()))
+        with pytest.raises(HostRead, match=r"cpu\(\) of a device tensor"):
+            trace(lambda: x.cpu())
+        with pytest.raises(HostRead, match="copy from the device to the host"):
+            trace(lambda: torch.empty(4).copy_(x))
+        with pytest.raises(HostRead, match="boolean mask"):
+            trace(lambda: x[x > 1])
+
+
+def test_host_values_stay_real_and_device_launches_are_counted():
+    with fake_cuda():
+        x = to_device(torch.ones(4, 3), "cuda")
+
+        def step():
+            n = torch.arange(5)                     # the host's own tensors keep their values
+            assert int(n.sum()) == 10
+            y = x.T.contiguous()[1:, None] * 2      # Python indexing on fake CUDA tensors
+            y[0] = 0
+            return y
+
+        t = trace(step)
+    # contiguous (a copy), mul, and the write of 0 (the scalar made on the device, copied in):
+    # the views launch nothing
+    assert t.torch_ops == {"clone": 1, "mul": 1, "scalar_tensor": 1, "copy_": 1}, t.torch_ops
+    assert sum(t.triton.values()) == 0
+
+
+def test_triton_launches_are_counted_not_run():
+    from triton_kernels.ops import impl
+    with fake_cuda():
+        q = to_device(torch.zeros(64, 68, dtype=torch.uint8), "cuda")  # 64 rows of 64 Q8_0 weights
+        x = to_device(torch.zeros(1, 64, dtype=torch.bfloat16), "cuda")
+        t = trace(lambda: impl("qmatmul", "triton")(x, q, "Q8_0"))
+    assert sum(t.triton.values()) >= 1 and all(k.startswith("_") for k in t.triton), t.triton
+
+
+@pytest.fixture(scope="module")
+def flash_tiny_on_fake_cuda(flash_tiny_gguf):
+    with fake_cuda():
+        model = load_model(flash_tiny_gguf, dtype=torch.bfloat16, device="cuda", kernels="triton",
+                           experts="device")
+        yield model
+
+
+def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tiny_on_fake_cuda):
+    model = flash_tiny_on_fake_cuda
+    assert "on cuda" in model.plan_line() and "PLE table in memory" in model.plan_line()
+    state = model.new_cache()
+    prefill = trace(lambda: model(torch.tensor([1, 2, 3]), state))
+    decode = trace(lambda: model(torch.tensor([4]), state))
+    n = model.cfg.n_layers
+    print(f"\nflash-tiny on fake CUDA (bf16, Triton, experts resident, PLE in VRAM): "
+          f"prefill of 3: {prefill.line(n)}\ndecode: {decode.line(n)}")
+    assert state.length == 4
+    assert decode.launches <= LAUNCHES_A_LAYER * n, decode.line(n)

@@ -1,0 +1,77 @@
+"""The Triton ops as torch ops (triton_kernels.library): each op's fake implementation
+gives the real one's shape, dtype and device (torch.library.opcheck's schema and fake
+tensor checks, on inputs run through the interpreter), and torch.compile traces a call
+of `ops.impl` into the registered op with no graph break, computing the launcher's result
+exactly (the same kernel runs)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import quant
+from triton_kernels import library
+from triton_kernels.backend import interpreter_on
+from triton_kernels.ops import impl
+
+pytestmark = pytest.mark.skipif(not interpreter_on(), reason="the ops run on the CPU under TRITON_INTERPRET=1 (the suite sets it)")
+
+
+def blocks(fmt: str, rows: int, cols: int, rng) -> torch.Tensor:
+    f = quant.get(fmt)
+    return torch.from_numpy(f.quantize(rng.standard_normal((rows, cols)).astype(np.float32)).reshape(rows, -1))
+
+
+def cases():
+    """(op, the registered op's arguments) for every op, small."""
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal((2, 64)).astype(np.float32))
+    q = blocks("Q8_0", 32, 64, rng)
+    E, H, I, k = 4, 64, 32, 2
+    wg = blocks("Q4_0", E * I, H, rng).reshape(E, I, -1)
+    wu = blocks("Q4_0", E * I, H, rng).reshape(E, I, -1)
+    wd = blocks("Q8_0", E * H, I, rng).reshape(E, H, -1)
+    weights = torch.full((2, k), 0.5)
+    ids = torch.tensor([[0, 3], [1, 3]], dtype=torch.int32)
+    sizes, offsets = torch.tensor([97, 101, 103, 107]), torch.tensor([0, 97, 198, 301])
+    table = blocks("Q8_0", 408, 32, rng)
+    qi = torch.randn(2, 3, 16)
+    pooled = torch.randn(5, 16)
+    qh, kh, vh = torch.randn(4, 3, 16), torch.randn(2, 24, 16), torch.randn(2, 24, 16)
+    sel = torch.tensor([[0, 1], [1, -1], [2, 0]])
+    return [
+        ("qmatmul", (x, q, "Q8_0", None, None, None)),
+        ("dequantize", (q, "Q8_0", torch.bfloat16, 1024)),
+        ("route", (torch.randn(3, 16), 4, True)),
+        ("moe", (x, wg, wu, wd, "Q4_0", "Q4_0", "Q8_0", weights, ids, None, None, None)),
+        ("ngram_ids", (torch.tensor([5, 6, 7]), None, torch.tensor([7, 11, 13]), sizes, offsets, 2, 2, 64)),
+        ("ple_gather", (table, torch.tensor([[0, 5, 9, 2], [1, 1, 3, 4]]), "Q8_0", None, 0.5, torch.float32, 16)),
+        ("qsa_scores", (qi, pooled, 20, 4, 16)),
+        ("qsa_attention", (qh, kh, vh, sel, 21, 4, None, None, 16)),
+    ]
+
+
+def test_every_op_is_registered():
+    from triton_kernels.ops import OPS
+    assert sorted(library.OPS) == sorted(OPS) == sorted(op for op, _ in cases())
+
+
+@pytest.mark.parametrize("op, args", cases(), ids=[op for op, _ in cases()])
+def test_the_fake_implementation_gives_the_real_outputs_shape(op, args):
+    torch.library.opcheck(library.OPS[op], args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_traces_the_ops_without_a_graph_break():
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.standard_normal((1, 64)).astype(np.float32))
+    q = blocks("Q8_0", 16, 64, rng)
+    logits = torch.randn(1, 8)
+
+    def f(x, q, logits):
+        y = impl("qmatmul", "triton")(x, q, quant.get("Q8_0"))
+        w, i = impl("route", "triton")(logits, 2)
+        return y * 2, w, i
+
+    got = torch.compile(f, backend="eager", fullgraph=True)(x, q, logits)
+    want = f(x, q, logits)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

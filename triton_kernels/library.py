@@ -1,0 +1,149 @@
+"""Strata's Triton ops as torch ops, `torch.ops.strata.<op>`, so that torch.compile,
+torch.export and fake tensors trace through a model like any torch code.
+
+Each op is registered with `torch.library.custom_op`: its real implementation is the
+launcher (triton_kernels.ops.OPS), its fake one the same launcher with the Triton
+launches stubbed out (`stubbed_launches`), so the output's shape, dtype and device come
+from the launcher's own code and cannot drift from it. Arguments the schema cannot hold
+are given as it can: a format by its name, a scale as a tensor or a float, tiles as a
+list.
+
+The engine's eager calls go straight to the launchers: a registered op costs 15-30 us of
+dispatch a call on this CPU (measured), some 2 ms a flash-tiny decode step. While
+torch.compile traces (`torch.compiler.is_compiling()`), `ops.impl`'s launchers call the
+registered ops instead (triton_kernels.ops._Triton).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+import quant
+
+from .dequant import dequantize
+from .moe import moe, route
+from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
+from .qmatmul import qmatmul
+from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
+
+Tensor = torch.Tensor
+
+
+@contextlib.contextmanager
+def stubbed_launches(on_launch=None):
+    """Triton kernel launches skipped for the block's duration (`on_launch(name)` told of
+    each): launchers then run only their torch ops, on fake tensors where they are fake."""
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not warmup and on_launch is not None:
+            on_launch(getattr(self, "__name__", None) or self.fn.__name__)
+
+    saved = jit.JITFunction.run, interpreter.InterpretedFunction.run
+    jit.JITFunction.run = interpreter.InterpretedFunction.run = run
+    try:
+        yield
+    finally:
+        jit.JITFunction.run, interpreter.InterpretedFunction.run = saved
+
+
+def _register(name: str, real):
+    """`real` as `strata::name`, its fake implementation the same code with no launches."""
+    op = torch.library.custom_op(f"strata::{name}", mutates_args=())(real)
+
+    @op.register_fake
+    def _fake(*args, **kwargs):
+        with stubbed_launches():
+            return real(*args, **kwargs)
+    return op
+
+
+def _tiles(tiles) -> Optional[tuple]:
+    return tuple(tiles) if tiles else None
+
+
+def _qmatmul(x: Tensor, q: Tensor, fmt: str, n: Optional[int], path: Optional[str],
+             tiles: Optional[list[int]]) -> Tensor:
+    return qmatmul(x, q, fmt, n=n, path=path, tiles=_tiles(tiles))
+
+
+def _dequantize(q: Tensor, fmt: str, dtype: torch.dtype, block: int) -> Tensor:
+    return dequantize(q, fmt, dtype, block)
+
+
+def _route(logits: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+    return route(logits, top_k, norm_topk_prob)
+
+
+def _moe(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, fmt_gate: str, fmt_up: str,
+         fmt_down: str, weights: Tensor, ids: Tensor, tiles: Optional[list[int]], path: Optional[str],
+         tile_slots: Optional[int]) -> Tensor:
+    return moe(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
+                   tiles=_tiles(tiles), path=path, tile_slots=tile_slots)
+
+
+def _ngram_ids(tokens: Tensor, history: Optional[Tensor], multipliers: Tensor, head_vocab_sizes: Tensor,
+               head_offsets: Tensor, eos_id: int, heads_per_ngram: int, block: int) -> tuple[Tensor, Tensor]:
+    return ngram_ids(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos_id,
+                         heads_per_ngram, block=block)
+
+
+def _ple_gather(table: Tensor, ids: Tensor, fmt: str, scale: Optional[Tensor], scale_value: Optional[float],
+                out_dtype: torch.dtype, block_rows: int) -> Tensor:
+    return ple_gather(table, ids, fmt, scale=scale if scale is not None else scale_value,
+                          out_dtype=out_dtype, block_rows=block_rows)
+
+
+def _qsa_scores(q: Tensor, blocks: Tensor, start: int, ratio: int, block_n: int) -> Tensor:
+    return qsa_scores(q, blocks, start, ratio, block_n=block_n)
+
+
+def _qsa_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, start: int, ratio: int,
+                   k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_s: int) -> Tensor:
+    return qsa_attention(q, k, v, sel, start, ratio, k_scale, v_scale, block_s=block_s)
+
+
+OPS = {name: _register(name, f) for name, f in (
+    ("qmatmul", _qmatmul), ("dequantize", _dequantize), ("route", _route), ("moe", _moe),
+    ("ngram_ids", _ngram_ids), ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
+    ("qsa_attention", _qsa_attention))}
+
+
+def _fmt(f) -> str:
+    return quant.get(f).name
+
+
+def _ints(v, device) -> Tensor:
+    return v if isinstance(v, Tensor) else torch.as_tensor(v, dtype=torch.int64, device=device)
+
+
+# each launcher's Python signature -> the registered op's arguments
+def call(op: str, *args, **kwargs):
+    """`op` (a launcher's name) through `torch.ops.strata`, taking the launcher's arguments."""
+    return _CALLS[op](*args, **kwargs)
+
+
+_CALLS = {
+    "qmatmul": lambda x, q, fmt, *, n=None, path=None, tiles=None:
+        OPS["qmatmul"](x, q, _fmt(fmt), n, path, list(tiles) if tiles else None),
+    "dequantize": lambda q, fmt, dtype=torch.float32, block=1024:
+        OPS["dequantize"](q, _fmt(fmt), dtype, block),
+    "route": lambda logits, top_k, norm_topk_prob=True: OPS["route"](logits, top_k, norm_topk_prob),
+    "moe": lambda x, wg, wu, wd, fg, fu, fd, weights, ids, *, tiles=None, path=None, tile_slots=None:
+        OPS["moe"](x, wg, wu, wd, _fmt(fg), _fmt(fu), _fmt(fd), weights, ids,
+                   list(tiles) if tiles else None, path, tile_slots),
+    "ngram_ids": lambda tokens, history, multipliers, head_vocab_sizes, head_offsets, eos_id,
+                        heads_per_ngram=8, *, block=64:
+        OPS["ngram_ids"](tokens, history, _ints(multipliers, tokens.device), _ints(head_vocab_sizes, tokens.device),
+                         _ints(head_offsets, tokens.device), eos_id, heads_per_ngram, block),
+    "ple_gather": lambda table, ids, fmt, *, scale=None, out_dtype=torch.float32, block_rows=PLE_BLOCK_ROWS:
+        OPS["ple_gather"](table, ids, _fmt(fmt), scale if isinstance(scale, Tensor) else None,
+                          None if scale is None or isinstance(scale, Tensor) else float(scale), out_dtype, block_rows),
+    "qsa_scores": lambda q, blocks, start, ratio, *, block_n=SCORES_BLOCK_N:
+        OPS["qsa_scores"](q, blocks, start, ratio, block_n),
+    "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
+        OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
+}
