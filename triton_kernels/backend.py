@@ -56,6 +56,26 @@ def constant(cache: dict, key, make, device) -> torch.Tensor:
     return cache[key]
 
 
+def host_readable(t: torch.Tensor) -> bool:
+    """A host tensor a GPU's kernels may read over PCIe: page-locked (pinned, or registered
+    with `register_host`); any under a fake device."""
+    return t.device.type == "cpu" and (_fake is not None or t.is_pinned())
+
+
+def register_host(t: torch.Tensor) -> bool:
+    """Page-lock `t`'s memory where it lies, for the GPU to read (cudaHostRegister): no
+    copy, however large. False where CUDA refuses."""
+    if _fake is not None:
+        return True
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    return int(err) == 0
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """`t` in page-locked host memory, which a GPU reads over PCIe (as is under a fake device)."""
+    return t if _fake is not None else t.pin_memory()
+
+
 def to_device(t: torch.Tensor, device, non_blocking: bool = False) -> torch.Tensor:
     """`t` on `device` (itself where it lies there already): the loader's and the steps'
     host-to-device copies all pass here."""

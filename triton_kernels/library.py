@@ -27,6 +27,7 @@ from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
+from .stage import stage_rows
 
 Tensor = torch.Tensor
 
@@ -50,9 +51,9 @@ def stubbed_launches(on_launch=None):
         jit.JITFunction.run, interpreter.InterpretedFunction.run = saved
 
 
-def _register(name: str, real):
+def _register(name: str, real, mutates: tuple = ()):
     """`real` as `strata::name`, its fake implementation the same code with no launches."""
-    op = torch.library.custom_op(f"strata::{name}", mutates_args=())(real)
+    op = torch.library.custom_op(f"strata::{name}", mutates_args=mutates)(real)
 
     @op.register_fake
     def _fake(*args, **kwargs):
@@ -106,10 +107,15 @@ def _qsa_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, start: int, rat
     return qsa_attention(q, k, v, sel, start, ratio, k_scale, v_scale, block_s=block_s)
 
 
+def _stage_rows(src: Tensor, dst: Tensor, ids: Tensor, slots: Tensor, first: int) -> None:
+    stage_rows(src, dst, ids, slots, first)
+
+
 OPS = {name: _register(name, f) for name, f in (
     ("qmatmul", _qmatmul), ("dequantize", _dequantize), ("route", _route), ("moe", _moe),
     ("ngram_ids", _ngram_ids), ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
     ("qsa_attention", _qsa_attention))}
+OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
 
 
 def _fmt(f) -> str:
@@ -146,4 +152,5 @@ _CALLS = {
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
+    "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](src, dst, ids, slots, first),
 }

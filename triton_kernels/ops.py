@@ -14,6 +14,7 @@ from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
 from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
+from .stage import stage_rows, stage_rows_torch
 
 OPS = {
     "qmatmul": (qmatmul, qmatmul_torch),
@@ -24,6 +25,7 @@ OPS = {
     "ple_gather": (ple_gather, ple_gather_torch),
     "qsa_scores": (qsa_scores, qsa_scores_torch),
     "qsa_attention": (qsa_attention, qsa_attention_torch),
+    "stage_rows": (stage_rows, stage_rows_torch),
 }
 
 recorder: list | None = None  # set by launches.record(): the calls made while it is open

@@ -41,7 +41,7 @@ import quant
 
 from . import configs
 from .asm import asm_for
-from .backend import is_fake, use_triton
+from .backend import host_readable, is_fake, use_triton
 from .decode import decoder, launch_args, unit, unit_table
 from .decode import table as decode_table
 from .decode.common import round_to_bf16_bits
@@ -289,9 +289,9 @@ def _gather_args(table, ids, fmt, out_dtype):
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point:
         shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"ple_gather: ids must be an integer tensor [tokens, heads], got {shape}")
-    if ids.device != table.device:
+    if ids.device != table.device and not (ids.is_cuda and host_readable(table)):
         raise ValueError(f"ple_gather: ids are on {ids.device}, the table on {table.device}; "
-                         f"move the ids to the table's device")
+                         f"move the ids to the table's device (or pin a host table: a GPU reads it there)")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"ple_gather: out_dtype must be float32, float16 or bfloat16, not {out_dtype}")
     rows = table.shape[0]
@@ -313,37 +313,39 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
                block_rows: int = PLE_BLOCK_ROWS) -> torch.Tensor:
     """[T, H * D]: for each token, its H rows of `table` dequantized and laid side by side."""
     fmt, dim = _gather_args(table, ids, fmt, out_dtype)
-    if not use_triton(table):
+    if not use_triton(ids):
         return ple_gather_torch(table, ids, fmt, scale=scale, out_dtype=out_dtype)
     if not table.is_contiguous():
         # never copied here: the table can be tens of GB
         raise ValueError(f"ple_gather: the {fmt.name} table must be contiguous (rows laid end to "
                          f"end), got strides {table.stride()}")
     n_tok, n_heads = ids.shape
-    out = torch.empty((n_tok, n_heads * dim), dtype=out_dtype, device=table.device)
+    # the rows land where the ids are: a pinned host table is read over PCIe by the GPU
+    dev = ids.device
+    out = torch.empty((n_tok, n_heads * dim), dtype=out_dtype, device=dev)
     n = ids.numel()
     if n:
         dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
-        s = (torch.as_tensor(scale, dtype=torch.float32, device=table.device).reshape(1)
+        s = (torch.as_tensor(scale, dtype=torch.float32, device=dev).reshape(1)
              if scale is not None else out)  # unused without a scale
         u = unit(fmt)
         if u is not None:
             row_units = dim // u.weights
             n_units = n * row_units
             _ple_gather_units_kernel[(triton.cdiv(n_units, PLE_UNITS_BLOCK),)](
-                table.view(-1).view(torch.uint16), unit_table(fmt, table.device),
+                table.view(-1).view(torch.uint16), unit_table(fmt, dev),
                 ids.to(torch.int64).contiguous(), s, dst, n_units, **launch_args(fmt, u),
                 ROW_UNITS=row_units, BLOCK=PLE_UNITS_BLOCK, HAS_SCALE=scale is not None,
-                OUT="bf16" if out_dtype == torch.bfloat16 else "", ASM=asm_for(table.device),
+                OUT="bf16" if out_dtype == torch.bfloat16 else "", ASM=asm_for(dev),
                 enable_fp_fusion=False)
             return out
         _ple_gather_kernel[(triton.cdiv(n, block_rows),)](
-            table, decode_table(fmt, table.device), ids.to(torch.int64).contiguous(), s, dst, n,
+            table, decode_table(fmt, dev), ids.to(torch.int64).contiguous(), s, dst, n,
             DECODE=decoder(fmt), QK=fmt.block_elems, ROW_BLOCKS=dim // fmt.block_elems,
             ROW_DIM=dim, DIM_P2=triton.next_power_of_2(dim), BLOCK_ROWS=block_rows,
             HAS_SCALE=scale is not None, OUT_BF16=out_dtype == torch.bfloat16,
             enable_fp_fusion=False,  # the decode's float steps round as numpy's do
-            num_warps=configs.num_warps("ple_gather", fmt.name, table.device))
+            num_warps=configs.num_warps("ple_gather", fmt.name, dev))
     return out
 
 

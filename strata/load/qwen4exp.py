@@ -96,7 +96,7 @@ class _Loader:
         mine = layout.experts(c.n_experts) if layout is not None else None
         experts = ExpertStore(f.tensor(m["gate_exps"]), f.tensor(m["up_exps"]), f.tensor(m["down_exps"]),
                               self.dtype, self.device, self.budget, kernels=self.kernels,
-                              experts=mine, **self.plan.experts.store_kwargs())
+                              experts=mine, top_k=c.top_k, **self.plan.experts.store_kwargs())
         proj = self.lin(f, m["router"], m["shexp_gate"], m["shexp_up"], m["shexp_router"])
         moe = MoE(proj, experts, c.n_experts, c.top_k, c.shared_dim, self.lin(f, m["shexp_down"]))
         if layout is not None and layout.ep > 1:

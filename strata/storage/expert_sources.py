@@ -19,6 +19,7 @@ from strata.storage import io
 from strata.storage.expert_tier import IO_MODES
 from strata.storage.io import PAGE
 from strata.tensors import QTensor
+from triton_kernels.backend import pinned
 
 if TYPE_CHECKING:  # only annotations name Pack; strata.storage.pack imports tensor_file from here
     from strata.storage.pack import Pack
@@ -221,5 +222,5 @@ def read_host(ts: tuple[QTensor, ...], pin: bool) -> tuple[torch.Tensor, ...]:
                 raise ValueError(f"{path}: the file ends inside tensor {t.name!r}; it is truncated")
             host = torch.from_numpy(np.frombuffer(buf, np.uint8)[offset - base:offset - base + t.nbytes])
         host = host.reshape(t.shape[0], *slab_shape(t))
-        out.append(host.pin_memory() if pin else host)
+        out.append(pinned(host) if pin else host)
     return tuple(out)

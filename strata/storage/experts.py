@@ -33,6 +33,7 @@ from strata.storage.expert_sources import (
     slabs,
     tensor_file,
 )
+from strata.storage.expert_cache import DeviceCache
 from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
@@ -49,14 +50,15 @@ class ExpertStore(torch.nn.Module):
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor, dtype=torch.float32, device="cpu",
                  budget: DenseBudget | None = None, tier: str | ExpertTier | None = None, *,
                  experts_dir: str | os.PathLike | None = None, io_mode: str = "direct", depth: int = 16,
-                 kernels: str | None = None, experts: range | None = None):
+                 kernels: str | None = None, experts: range | None = None, top_k: int = 1):
         """`tier`: a `--experts` spec (see `parse_tier`), or None: dense on the CPU while
         `budget` lasts, else device. `experts_dir`: where `strata pack` wrote the pack
         (packed tiers; default `default_pack_dir` of the GGUF). `io_mode`, `depth`: how
         packed and file tiers read (`--experts-io`, `--experts-io-depth`). `kernels`: "triton"
         (the MoE kernels) or "torch" (None: the device's default, see
         triton_kernels.backend.choose_kernels). `experts`: hold only these (a rank's share
-        under --ep, strata.dist); the store answers them as ids 0.. in order."""
+        under --ep, strata.dist); the store answers them as ids 0.. in order. `top_k`: the
+        experts a token routes to (a cache tier's staging rows a decode step)."""
         super().__init__()
         packed_from, first = (gate, up, down), 0  # the pack's entries are of the whole tensors
         # a rank's share (--ep): ids of -1 mark the experts the other ranks hold
@@ -86,6 +88,7 @@ class ExpertStore(torch.nn.Module):
         self.expert_bytes = gate.nbytes // self.n_experts + up.nbytes // self.n_experts + down.nbytes // self.n_experts
         self.source: Source | None = None
         self.compact = False  # fetch what a batch needs, then compute on that compact set
+        self.device_cache: DeviceCache | None = None  # cache:N:host under the Triton kernels
         ts = (gate, up, down)
         kind = spec.kind
         if kind == "dense":
@@ -109,7 +112,15 @@ class ExpertStore(torch.nn.Module):
                 self.source = PackedSource(packed_from, Pack.open(where), io_mode, depth, first=first)
             else:
                 self.source = FileSource(ts, io_mode, depth)
-            if kind == "cache":
+            if kind == "cache" and backing == "host" and self.kernels == "triton":
+                # decode steps look up, stage and count on the device (strata.storage.expert_cache);
+                # longer batches fetch their experts from host memory, as the host tier does
+                self.slots = min(spec.slots, self.n_experts)
+                self.device_cache = DeviceCache(self.source.tensors, self.slots, top_k, device, self.kernels,
+                                                self.partial)
+                self.wg, self.wu, self.wd = (w[:self.slots] for w in self.device_cache.w)
+                self.compact = True
+            elif kind == "cache":
                 n = min(spec.slots, self.n_experts)
                 self.slots = n
                 self.wg, self.wu, self.wd = (torch.empty((n, *slab_shape(t)), dtype=torch.uint8, device=device)
@@ -131,6 +142,9 @@ class ExpertStore(torch.nn.Module):
         return sum(t.numel() * t.element_size() for t in ts)
 
     def describe(self) -> str:
+        if self.device_cache is not None:
+            return (f"{self.tier} ({self.slots} slots on {self.device}, decode steps' misses staged on the "
+                    f"device from {self.source.describe()}, LFU)")
         if self.spec.kind == "cache":
             return f"{self.tier} ({self.slots} slots on {self.device}, misses from {self.source.describe()})"
         if self.source is not None:
@@ -138,13 +152,23 @@ class ExpertStore(torch.nn.Module):
         return self.tier
 
     def cache_order(self) -> list[int]:
-        """Cached experts, least recently used first (cache tier; empty otherwise)."""
+        """Cached experts, least recently used first (cache tier; empty otherwise); under
+        the device cache, least often used first."""
+        if self.device_cache is not None:
+            return self.device_cache.order()
         return list(self._lru) if self.spec.kind == "cache" else []
 
     def stats(self) -> dict:
         """Counters since construction (or `reset_stats`): calls, experts asked for, hits,
         misses (fetched), evictions, bytes fetched and seconds fetching."""
         c = dict(self._counts)
+        if self.device_cache is not None:  # the decode steps' counters: read from the device
+            routed, missed, promoted = (a - b for a, b in zip(self._device_counts(), self._device_base))
+            c["experts"] += routed
+            c["hits"] += routed - missed
+            c["misses"] += missed
+            c["bytes"] += (missed + promoted) * self.expert_bytes
+            c["evictions"] += max(0, promoted - self.slots)
         asked = c["hits"] + c["misses"]
         c.update(tier=self.tier, hit_rate=c["hits"] / asked if asked else None,
                  gb_per_s=c["bytes"] / c["fetch_s"] / 1e9 if c["fetch_s"] else None)
@@ -153,6 +177,19 @@ class ExpertStore(torch.nn.Module):
     def reset_stats(self) -> None:
         for k in self._counts:
             self._counts[k] = 0.0 if k == "fetch_s" else 0
+        if self.device_cache is not None:
+            self._device_base = self._device_counts()
+
+    _device_base = (0, 0, 0)
+
+    def _device_counts(self) -> tuple[int, int, int]:
+        """The device cache's slots routed, missed and experts promoted."""
+        return (*self.device_cache.counts(), self.device_cache.promotions)
+
+    def rebalance(self) -> None:
+        """Between steps: the device cache's promotions (nothing for the other tiers)."""
+        if self.device_cache is not None:
+            self.device_cache.rebalance()
 
     # running
 
@@ -185,13 +222,18 @@ class ExpertStore(torch.nn.Module):
             if not compiled.warming():
                 self._count_on_device(ids)
             return self._moe(x, self.wg, self.wu, self.wd, weights, ids)
+        dc = self.device_cache
+        if dc is not None and ids.numel() <= dc.staging:  # a decode step: on the device
+            self._counts["calls"] += 1
+            wg, wu, wd, local = dc(ids)
+            return self._moe(x, wg, wu, wd, weights, local)
         flat = self.count(ids)
         kept = flat[flat >= 0]
         if self.spec.kind == "dense":
             return self._dense(x, weights, ids)
         needed = torch.unique(kept)  # sorted: the compact set keeps the experts' order
         self._counts["experts"] += needed.numel()
-        if self.spec.kind == "cache":
+        if self.spec.kind == "cache" and dc is None:
             return self._cached(x, weights, ids, flat, needed.tolist())
         if not self.compact:  # resident: every expert a hit
             self._counts["hits"] += needed.numel()

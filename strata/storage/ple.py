@@ -219,6 +219,16 @@ class PleTable:
         """uint8 [row_bytes]: row i as stored."""
         return self.gather(np.array([i])).rows()[0]
 
+    def rows_array(self) -> np.ndarray:
+        """The whole table's blocks (rows, row bytes), as held in RAM (ram mode)."""
+        if self.mode != "ram":
+            raise ValueError(f"the PLE table is opened {self.mode}, not ram: its rows are not all in memory")
+        return self._table
+
+    def count_rows(self, n: int) -> None:
+        """Rows a kernel gathered from the table in RAM itself (counted as a gather's)."""
+        self._count(n, 0, time.perf_counter())
+
     def gather(self, ids) -> PleRows:
         return self.gather_batch([ids])[0]
 

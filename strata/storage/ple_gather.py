@@ -1,14 +1,21 @@
 """The PLE table as the model gathers from it: the table's blocks in memory
 (`InMemoryTable`), or a storage tier of strata.storage.ple (`StoredTable`: ram, mmap
 with hints, or direct reads). Both dequantize the rows with the op that the model's
-kernels name (triton_kernels.ple.ple_gather or its torch twin)."""
+kernels name (triton_kernels.ple.ple_gather or its torch twin).
+
+On a GPU, `ram` is read by the gather kernel itself: the table's RAM is page-locked where
+it lies (cudaHostRegister, no copy) and the kernel reads the rows a step needs over PCIe,
+from ids it computed on the device, so the step asks the host nothing. `mmap` and
+`direct` stay host-driven: a step's rows are announced before layer 0 (`prefetch`) and
+read while the layers before the PLE block compute."""
 from __future__ import annotations
 
 import warnings
 
 import torch
 
-from triton_kernels.backend import choose_kernels, to_device
+from strata.tensors import host_tensor
+from triton_kernels.backend import choose_kernels, register_host, to_device
 from triton_kernels.ops import impl
 
 
@@ -41,14 +48,26 @@ class StoredTable:
 
     def __init__(self, table, device="cpu", kernels: str | None = None):
         self.table, self.device = table, device
-        self._gather = impl("ple_gather", choose_kernels(kernels, device))
+        kernels = choose_kernels(kernels, device)
+        self._gather = impl("ple_gather", kernels)
+        # on a GPU, a table in RAM that the kernel can read where it lies
+        self.host = None
+        if table.mode == "ram" and torch.device(device).type == "cuda" and kernels == "triton":
+            host = host_tensor(table.rows_array())
+            if register_host(host):
+                self.host = host
         self.where = (f"{table.mode}{' (locked)' if getattr(table, 'locked', False) else ''} "
-                      f"from {table.source.describe()}")
+                      f"from {table.source.describe()}"
+                      f"{', read by the GPU over PCIe' if self.host is not None else ''}")
 
     def prefetch(self, ids: torch.Tensor) -> None:
-        self.table.prefetch(ids.cpu().numpy())
+        if self.host is None:
+            self.table.prefetch(ids.cpu().numpy())
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.host is not None:  # no host read: the kernel reads the rows from RAM
+            self.table.count_rows(ids.numel())
+            return self._gather(self.host, ids, self.table.fmt, scale=self.table.scale)
         rows = self.table.gather(ids.cpu().numpy())
         return self._gather(**rows.kernel_inputs(self.device))
 

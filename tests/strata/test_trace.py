@@ -13,9 +13,10 @@ from strata.load import load_model
 from strata.runtime.trace import HostRead, fake_cuda, trace
 from triton_kernels.backend import to_device
 
-# flash-tiny's decode step at bf16 with Triton kernels, experts resident, PLE table in
-# VRAM: 962 launches (120.2 a layer) when this bound was set; it only comes down
-LAUNCHES_A_LAYER = 121
+# flash-tiny's decode step at bf16 with Triton kernels when these bounds were set: 954
+# launches (119.2 a layer) with the experts resident, 1026 (128.2) in a cache over host
+# RAM (its lookup, staging and counters); they only come down
+LAUNCHES_A_LAYER = {"device": 120, "cache:16:host": 129}
 
 
 def test_a_host_read_of_device_data_raises_naming_the_line():
@@ -58,22 +59,23 @@ def test_triton_launches_are_counted_not_run():
     assert sum(t.triton.values()) >= 1 and all(k.startswith("_") for k in t.triton), t.triton
 
 
-@pytest.fixture(scope="module")
-def flash_tiny_on_fake_cuda(flash_tiny_gguf):
+@pytest.mark.parametrize("experts, ple_io, where", [
+    ("device", None, "PLE table in memory (6 MiB F32 on cuda)"),
+    ("cache:16:host", "ram", "read by the GPU over PCIe"),
+])
+def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tiny_gguf, experts, ple_io, where):
+    """Experts resident with the PLE table in VRAM, and experts in a cache of 16 slots a
+    layer over host RAM with the table in RAM: two steps from an empty state (a step of
+    more routed slots than a cache's staging rows fetches on the host: prefill)."""
     with fake_cuda():
         model = load_model(flash_tiny_gguf, dtype=torch.bfloat16, device="cuda", kernels="triton",
-                           experts="device")
-        yield model
-
-
-def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tiny_on_fake_cuda):
-    model = flash_tiny_on_fake_cuda
-    assert "on cuda" in model.plan_line() and "PLE table in memory" in model.plan_line()
-    state = model.new_cache()
-    prefill = trace(lambda: model(torch.tensor([1, 2, 3]), state))
-    decode = trace(lambda: model(torch.tensor([4]), state))
+                           experts=experts, ple_io=ple_io)
+        assert "on cuda" in model.plan_line() and where in model.plan_line(), model.plan_line()
+        state = model.new_cache()
+        first = trace(lambda: model(torch.tensor([1]), state))
+        second = trace(lambda: model(torch.tensor([4]), state))
     n = model.cfg.n_layers
-    print(f"\nflash-tiny on fake CUDA (bf16, Triton, experts resident, PLE in VRAM): "
-          f"prefill of 3: {prefill.line(n)}\ndecode: {decode.line(n)}")
-    assert state.length == 4
-    assert decode.launches <= LAUNCHES_A_LAYER * n, decode.line(n)
+    print(f"\nflash-tiny on fake CUDA (bf16, Triton, experts {experts}, PLE {ple_io or 'in VRAM'}): "
+          f"decode: {second.line(n)}")
+    assert state.length == 2 and first.launches >= second.launches  # the first makes constants once
+    assert second.launches <= LAUNCHES_A_LAYER[experts] * n, second.line(n)

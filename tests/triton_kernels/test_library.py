@@ -48,6 +48,8 @@ def cases():
         ("ple_gather", (table, torch.tensor([[0, 5, 9, 2], [1, 1, 3, 4]]), "Q8_0", None, 0.5, torch.float32, 16)),
         ("qsa_scores", (qi, pooled, 20, 4, 16)),
         ("qsa_attention", (qh, kh, vh, sel, 21, 4, None, None, 16)),
+        ("stage_rows", (torch.arange(40, dtype=torch.uint8).reshape(5, 8), torch.zeros(4, 8, dtype=torch.uint8),
+                        torch.tensor([4, 0]), torch.tensor([-1, 2]), 1)),
     ]
 
 

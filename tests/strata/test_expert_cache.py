@@ -1,0 +1,81 @@
+"""The expert cache's decode on the device (strata.storage.expert_cache), run through the
+Triton interpreter: whatever hits and misses, the cache tier's output is the resident
+tier's bit for bit; its LFU promotes the experts routed most, between steps; and the
+staging copy equals its torch twin on any rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import quant
+from strata.storage import experts as ex
+from strata.tensors import QTensor
+from tests.tiers import examples
+from triton_kernels import configs
+from triton_kernels.stage import stage_rows, stage_rows_torch
+
+NAMES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with configs.interpreter_tiles():  # the interpreter's larger tiles: the same bytes, fewer programs
+        yield
+
+
+@pytest.fixture(scope="module")
+def layer(flash_tiny_gguf):
+    """flash-tiny's layer 0 experts in Q4_0 (the MoE kernels' dp4a path, as a GPU decodes)."""
+    g = flash_tiny_gguf
+    f = quant.get("Q4_0")
+    out = []
+    for n in NAMES:
+        t = g.tensor(f"blk.0.{n}.weight")
+        out.append(QTensor(t.name, f, t.shape, f.quantize(t.numpy().reshape(-1, t.shape[-1]))))
+    return tuple(out)
+
+
+def test_the_device_cache_equals_the_resident_tier_and_promotes_the_routed_experts(layer):
+    E, _, H = layer[0].shape
+    ref = ex.ExpertStore(*layer, torch.float32, "cpu", None, "device", kernels="triton")
+    store = ex.ExpertStore(*layer, torch.float32, "cpu", None, "cache:4:host", kernels="triton", top_k=2)
+    assert store.device_cache is not None and "LFU" in store.describe()
+    g = torch.Generator().manual_seed(0)
+    popular = [3, 17, 40]
+    for step in range(12):
+        store.rebalance()
+        ids = torch.tensor([[popular[step % 3], int(torch.randint(E, (1,), generator=g))]], dtype=torch.int32)
+        x, w = torch.randn(1, H, generator=g), torch.softmax(torch.randn(1, 2, generator=g), -1)
+        assert torch.equal(store(x, w, ids), ref(x, w, ids)), step
+    s = store.stats()
+    assert s["hits"] > 0 and s["misses"] > 0 and s["hits"] + s["misses"] == 24
+    store.rebalance()  # the last promotion's copy is published between steps
+    assert set(popular) <= set(store.cache_order())
+    # a batch of more slots than the staging rows fetches from host memory: equal too
+    ids = torch.tensor([[3, 5], [40, 2], [9, 17]], dtype=torch.int32)
+    x, w = torch.randn(3, H, generator=g), torch.full((3, 2), 0.5)
+    assert torch.equal(store(x, w, ids), ref(x, w, ids))
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(rows=st.integers(1, 6), cols=st.sampled_from([1, 3, 4, 68, 1030]), n=st.integers(0, 4),
+       seed=st.integers(0, 2**16))
+def test_staging_copies_the_missed_rows_as_its_torch_twin(rows, cols, n, seed):
+    rng = np.random.default_rng(seed)
+    src = torch.from_numpy(rng.integers(0, 256, (rows, cols), dtype=np.uint8))
+    ids = torch.from_numpy(rng.integers(0, rows, n))
+    slots = torch.from_numpy(rng.integers(-1, 2, n))  # -1: a miss
+    dst = torch.from_numpy(rng.integers(0, 256, (n + 2, cols), dtype=np.uint8))
+    first = int(rng.integers(0, 3))
+    want = dst.clone()  # the definition: a missed slot's row copied, every other row kept
+    for j in range(n):
+        if slots[j] < 0:
+            want[first + j] = src[ids[j]]
+    twin = dst.clone()
+    stage_rows_torch(src, twin, ids, slots, first)
+    stage_rows(src, dst, ids, slots, first)
+    assert torch.equal(twin, want) and torch.equal(dst, want)
