@@ -22,7 +22,10 @@ import torch
 
 import quant
 
+from .conv import conv_step
+from .deltanet import deltanet_step
 from .dequant import dequantize
+from .norms import l2norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .qmatmul import qmatmul
@@ -118,6 +121,27 @@ OPS = {name: _register(name, f) for name, f in (
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
 
 
+def _deltanet_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
+    return deltanet_step(q, k, v, g, beta, state)
+
+
+OPS["deltanet_step"] = _register("deltanet_step", _deltanet_step, mutates=("state",))
+
+
+def _conv_step(window: Tensor, x: Tensor, w: Tensor, dilation: int) -> tuple[Tensor, Tensor]:
+    return conv_step(window, x, w, dilation)
+
+
+OPS["conv_step"] = _register("conv_step", _conv_step)
+
+
+def _l2norm(x: Tensor, eps: float) -> Tensor:
+    return l2norm(x, eps)
+
+
+OPS["l2norm"] = _register("l2norm", _l2norm)
+
+
 def _fmt(f) -> str:
     return quant.get(f).name
 
@@ -153,4 +177,7 @@ _CALLS = {
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](src, dst, ids, slots, first),
+    "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
+    "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
+    "l2norm": lambda x, eps=1e-6: OPS["l2norm"](x, eps),
 }

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .conv import conv_step, conv_step_torch
+from .deltanet import deltanet_step, deltanet_step_torch
 from .dequant import dequantize, dequantize_torch
+from .norms import l2norm, l2norm_torch
 from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
 from .qmatmul import qmatmul, qmatmul_torch
@@ -26,6 +29,9 @@ OPS = {
     "qsa_scores": (qsa_scores, qsa_scores_torch),
     "qsa_attention": (qsa_attention, qsa_attention_torch),
     "stage_rows": (stage_rows, stage_rows_torch),
+    "deltanet_step": (deltanet_step, deltanet_step_torch),
+    "conv_step": (conv_step, conv_step_torch),
+    "l2norm": (l2norm, l2norm_torch),
 }
 
 recorder: list | None = None  # set by launches.record(): the calls made while it is open

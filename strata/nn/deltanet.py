@@ -21,24 +21,23 @@ import torch.nn.functional as F
 
 from triton_kernels import invariant
 from triton_kernels.compiled import Compiled
+from triton_kernels.deltanet import deltanet_step_torch
+from triton_kernels.norms import l2norm_torch
+from triton_kernels.ops import impl
 
 from .linear import QuantLinear
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+_l2norm = l2norm_torch
 
 
-def recurrent(q, k, v, g, beta, state):
+def recurrent(q, k, v, g, beta, state, step=deltanet_step_torch):
     """q, k (T, Hv, dk); v (T, Hv, dv); g, beta (T, Hv); state (Hv, dk, dv), updated in
-    place. Returns o (T, Hv, dv)."""
+    place. Returns o (T, Hv, dv). Token by token, each by `step` (one token's op,
+    triton_kernels.deltanet: torch ops, or the Triton kernel on the GPU path)."""
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
-        state.mul_(g[t].exp()[:, None, None])
-        kv = (state * k[t].unsqueeze(-1)).sum(dim=-2)
-        delta = (v[t] - kv) * beta[t].unsqueeze(-1)
-        state.add_(k[t].unsqueeze(-1) * delta.unsqueeze(-2))
-        out[t] = (state * q[t].unsqueeze(-1)).sum(dim=-2)
+        out[t] = step(q[t], k[t], v[t], g[t], beta[t], state)
     return out
 
 
@@ -75,11 +74,13 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
 
 class _Trail:
     """What a verify forward leaves for `DeltaNetState.keep`: the state before it and the
-    inputs of its rows (the conv's input (T, C), the recurrence's q, k, v, g, beta)."""
+    inputs of its rows (the conv's input (T, C), the recurrence's q, k, v, g, beta) and the
+    one-token op that ran them (the replay runs the same)."""
 
     def __init__(self, conv: torch.Tensor, rec: torch.Tensor):
         self.conv, self.rec = conv, rec
         self.rows = None
+        self.step = deltanet_step_torch
 
 
 class DeltaNetState:
@@ -120,13 +121,16 @@ class DeltaNetState:
         span = t.conv.shape[1]
         self.conv = torch.cat([t.conv, x.T], dim=1)[:, n:n + span].clone()
         self.rec = t.rec
-        recurrent(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec)
+        recurrent(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec, t.step)
 
 
-def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
+def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1, step=None):
     """Depthwise causal conv of x (T, C) with taps w (C, K), continuing `window` (C, (K-1)*d)
-    of earlier inputs; returns (output (T, C), the new window)."""
+    of earlier inputs; returns (output (T, C), the new window). `step`: one token's op
+    (triton_kernels.conv, the same sums bit for bit) for T = 1 on the GPU path."""
     span, T = window.shape[1], x.shape[0]
+    if step is not None and T == 1:
+        return step(window, x, w, dilation)
     full = torch.cat([window, x.T], dim=1)                    # (C, span+T)
     # tap by tap, in the same order for any T: a token's output does not depend on how
     # the prompt was cut into chunks (conv1d sums in an order of its own), and for decode
@@ -168,26 +172,36 @@ class GatedDeltaNet(torch.nn.Module):
             if r is not None:
                 o, st.conv = r
                 return self.out(o)
-        q, k, v, g, beta, st.conv = _inputs(qkv, b, a, st.conv, *weights[:3], heads)
+        q, k, v, g, beta, st.conv = _inputs(qkv, b, a, st.conv, *weights[:3], heads,
+                                            gpu=self.proj.kernels == "triton")
+        # one token's op: the Triton kernel on the GPU path, for every token taken one by
+        # one (decode, a verify and its replay in `keep` alike: a verify's rows stay a decode's)
+        step = impl("deltanet_step", self.proj.kernels)
         if st.trail is not None:  # a verify: token by token, as decode and `keep`'s replay run
-            st.trail.rows = (qkv, q, k, v, g, beta)
+            st.trail.rows, st.trail.step = (qkv, q, k, v, g, beta), step
         # batch-invariant mode: token by token for any T, as decode runs (the chunked WY
         # form sums in another order, so a prompt's chunking would change its state)
-        step = T == 1 or st.trail or invariant.enabled()
-        o = recurrent(q, k, v, g, beta, st.rec) if step else chunked(q, k, v, g, beta, st.rec)
+        by_token = T == 1 or st.trail or invariant.enabled()
+        o = recurrent(q, k, v, g, beta, st.rec, step) if by_token else chunked(q, k, v, g, beta, st.rec)
         return self.out(_gated_norm(o, z, self.norm, dv, self.eps))
 
 
-def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads):
-    """The recurrence's inputs from the projections: (q, k, v, g, beta, the conv's new window)."""
+def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, gpu: bool = False):
+    """The recurrence's inputs from the projections: (q, k, v, g, beta, the conv's new
+    window). `gpu`: the conv's step and the norms of q and k as one kernel each
+    (triton_kernels.conv, triton_kernels.norms)."""
     T = qkv.shape[0]
     Hk, Hv, dk, dv = heads
-    mixed, window = causal_conv(window, qkv, conv)
+    mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if gpu else None)
     mixed = F.silu(mixed)
-    q, k, v = mixed.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+    qk, v = mixed.split([2 * Hk * dk, Hv * dv], dim=-1)
     rep = Hv // Hk
-    q = _l2norm(q.reshape(T, Hk, dk)).repeat(1, rep, 1) * dk ** -0.5
-    k = _l2norm(k.reshape(T, Hk, dk)).repeat(1, rep, 1)
+    if gpu:  # q's and k's heads normed in one launch
+        q, k = impl("l2norm", "triton")(qk.reshape(T, 2 * Hk, dk)).split(Hk, dim=1)
+    else:
+        q, k = _l2norm(qk[:, :Hk * dk].reshape(T, Hk, dk)), _l2norm(qk[:, Hk * dk:].reshape(T, Hk, dk))
+    q = q.repeat(1, rep, 1) * dk ** -0.5
+    k = k.repeat(1, rep, 1)
     v = v.reshape(T, Hv, dv)
     beta = torch.sigmoid(b)
     g = a_coef * F.softplus(a + dt_bias)

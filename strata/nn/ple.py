@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from triton_kernels import invariant
 from triton_kernels.backend import to_device
+from triton_kernels.ops import impl
 
 from .deltanet import causal_conv
 from .hyperconn import stream_norm
@@ -70,7 +71,8 @@ class NgramPLE(torch.nn.Module):
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, st: PLEState, ids=None) -> torch.Tensor:
         """The residual x (T, S*H) with the PLE block's output added."""
         e = self.table.gather(self.ids(tokens, st) if ids is None else ids)
-        x, st.conv = mix(x, e, self.key, self.value, *self.mix_args(), st.conv)
+        step = impl("conv_step", "triton") if self.key.kernels == "triton" else None
+        x, st.conv = mix(x, e, self.key, self.value, *self.mix_args(), st.conv, conv_step=step)
         return x
 
     def mix_args(self) -> tuple:
@@ -80,7 +82,7 @@ class NgramPLE(torch.nn.Module):
 
 
 def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, width: int, eps: float,
-        dilation: int, window):
+        dilation: int, window, conv_step=None):
     """The block's output added to the residual x (T, S*H), from the gathered rows e: (x, the
     conv's new window). `key` and `value` are callables giving float32 rows (the modules, or
     a compiled step's pure matmuls, strata.models.qwen4exp_step)."""
@@ -92,5 +94,5 @@ def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, w
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gv = invariant.pointwise(torch.sigmoid, gate) * v.unsqueeze(1)  # (T, S, H)
     normed = stream_norm(gv.reshape(T, -1), norm_conv, streams, eps).reshape(T, -1)
-    out, window = causal_conv(window, normed, conv, dilation)
+    out, window = causal_conv(window, normed, conv, dilation, step=conv_step)
     return x + gv.reshape(T, -1) + F.silu(out), window

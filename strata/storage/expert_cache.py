@@ -24,8 +24,9 @@ slots hold, from counters copied back asynchronously one step late:
   published at the first `rebalance` after the copy completed. So every step's table
   names only slots whose bytes are whole.
 
-Batches of more slots than staging rows (prefill) take the store's host path, which
-keeps its own LRU over the same slots; the table follows it there (strata.storage.experts).
+Batches of more routed slots than staging rows (prefill, a verify) take the store's host
+path (strata.storage.experts): their experts are fetched from host memory for that call,
+as the host tier does, and the slots stay the decode policy's.
 """
 from __future__ import annotations
 
@@ -124,6 +125,7 @@ class DeviceCache:
         self.promotions_now = 0
 
     promotions_now = 0
+    _turn = 0  # which of the two count buffers the next copy fills
 
     def _copy(self, e: int, s: int) -> None:
         """Expert e's bytes into slot s, after every step queued so far (which may read s)."""
@@ -152,7 +154,11 @@ class DeviceCache:
             if event is None or event.query():
                 out = host.numpy().copy()
         if self.device.type == "cuda":
-            host = torch.empty(self.n_experts, dtype=torch.int64, pin_memory=True)
+            # two page-locked buffers in turn: the one read above is free again
+            if not hasattr(self, "_buffers"):
+                self._buffers = [backend.pinned(torch.empty(self.n_experts, dtype=torch.int64)) for _ in range(2)]
+            host = self._buffers[self._turn]
+            self._turn = 1 - self._turn
             host.copy_(self.routed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -171,12 +177,3 @@ class DeviceCache:
     def order(self) -> list[int]:
         """Published experts, lowest score first."""
         return sorted(self.slot_of, key=lambda e: self.score[e])
-
-    def held(self, experts) -> None:
-        """The host path filled slots (`experts` -> slot): take them as published."""
-        self.slot_of = dict(experts)
-        self.free = [s for s in range(self.n) if s not in self.slot_of.values()]
-        lut = torch.full((self.n_experts,), -1, dtype=torch.int64)
-        for e, s in self.slot_of.items():
-            lut[e] = s
-        self.lut.copy_(backend.to_device(lut, self.device))

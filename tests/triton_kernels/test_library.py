@@ -50,6 +50,10 @@ def cases():
         ("qsa_attention", (qh, kh, vh, sel, 21, 4, None, None, 16)),
         ("stage_rows", (torch.arange(40, dtype=torch.uint8).reshape(5, 8), torch.zeros(4, 8, dtype=torch.uint8),
                         torch.tensor([4, 0]), torch.tensor([-1, 2]), 1)),
+        ("deltanet_step", (torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 16), -torch.rand(2),
+                           torch.rand(2), torch.randn(2, 8, 16))),
+        ("conv_step", (torch.randn(6, 6), torch.randn(1, 6), torch.randn(6, 4), 2)),
+        ("l2norm", (torch.randn(3, 5, 24), 1e-6)),
     ]
 
 

@@ -1,0 +1,79 @@
+"""One token of a depthwise causal conv (the DeltaNet layer's and the PLE block's), in one
+kernel:
+
+    conv_step(window (C, S), x (1, C), w (C, K), dilation) -> (y (1, C), new window (C, S))
+    full = [window | x^T]                              (C, S + 1), S = (K - 1) * dilation
+    y[c] = sum over j of full[c, j * dilation] * w[c, j]   taps in order j = 0, 1, ...
+    new window = full[:, 1:]
+
+strata.nn.deltanet.causal_conv runs it as torch ops (a concatenation, K products and
+K - 1 sums, a transpose and a copy: ten launches at K = 4); here one program covers
+BLOCK_C channels. The taps are summed in the same order, each product and sum rounded
+on its own (no fused multiply-add), so the kernel equals `conv_step_torch` bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+
+BLOCK_C = 128
+
+
+@triton.jit
+def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, S: tl.constexpr, K: tl.constexpr,
+                      DIL: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = c < C
+    x = tl.load(x_ptr + c, mask=live, other=0.0)
+    y = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(K):
+        p = j * DIL  # column p of [window | x]
+        if p < S:
+            f = tl.load(win_ptr + c * S + p, mask=live, other=0.0)
+        else:
+            f = x
+        if j == 0:
+            y = f * tl.load(w_ptr + c * K + j, mask=live, other=0.0)
+        else:
+            y = y + f * tl.load(w_ptr + c * K + j, mask=live, other=0.0)
+    tl.store(y_ptr + c, y, mask=live)
+    for p in tl.static_range(1, S):  # the window moves on by one column
+        tl.store(out_ptr + c * S + p - 1, tl.load(win_ptr + c * S + p, mask=live, other=0.0), mask=live)
+    if S > 0:
+        tl.store(out_ptr + c * S + S - 1, x, mask=live)
+
+
+def _check(window, x, w, dilation):
+    C, S = window.shape
+    K = w.shape[1]
+    if x.shape != (1, C) or w.shape[0] != C or S != (K - 1) * dilation:
+        raise ValueError(f"conv_step: window {tuple(window.shape)}, x {tuple(x.shape)} and taps {tuple(w.shape)} "
+                         f"do not fit one token of a conv of {K} taps, dilation {dilation}")
+    if not all(t.dtype == torch.float32 for t in (window, x, w)):
+        raise ValueError("conv_step: window, x and taps must be float32")
+
+
+def conv_step(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
+    """(y (1, C), the new window): one token of the conv (see the module)."""
+    _check(window, x, w, dilation)
+    if not use_triton(x):
+        return conv_step_torch(window, x, w, dilation)
+    C, S = window.shape
+    y = torch.empty_like(x)
+    out = torch.empty_like(window)
+    _conv_step_kernel[(triton.cdiv(C, BLOCK_C),)](window.contiguous(), x.contiguous(), w.contiguous(), y, out, C,
+                                                  S=S, K=w.shape[1], DIL=dilation, BLOCK=BLOCK_C,
+                                                  enable_fp_fusion=False)
+    return y, out
+
+
+def conv_step_torch(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
+    _check(window, x, w, dilation)
+    full = torch.cat([window, x.T], dim=1)
+    y = full[:, :1] * w[:, :1]
+    for j in range(1, w.shape[1]):
+        y = y + full[:, j * dilation:j * dilation + 1] * w[:, j:j + 1]
+    return y.T.contiguous(), full[:, -window.shape[1]:].clone()

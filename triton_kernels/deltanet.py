@@ -1,0 +1,84 @@
+"""One token of the gated delta rule (Gated DeltaNet's recurrence), the state updated in
+place, in one kernel:
+
+    deltanet_step(q, k, v, g, beta, state) -> o
+    q, k (Hv, dk); v (Hv, dv); g, beta (Hv,); state (Hv, dk, dv) float32, in place; o (Hv, dv)
+
+    for each value head h:
+        S     = exp(g_h) S                 the decay
+        kv    = k_h^T S                    (dv)
+        delta = beta_h (v_h - kv)
+        S     = S + k_h delta^T            the delta rule's write
+        o_h   = q_h^T S
+
+strata.nn.deltanet.recurrent runs the same math as torch ops, some ten launches a token a
+layer; here one program holds a (dk, BLOCK_V) tile of a head's state in registers from
+the decay to the read-out. `deltanet_step_torch` is that torch form of one token.
+
+Float32 throughout; the kernel's sums over dk run in another order than torch's, so the
+two agree within float32's summation bound (tests/triton_kernels/test_deltanet.py), not
+bit for bit: a model takes one of the two for every token of a sequence (decode and a
+verify's replay alike), never both.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+
+BLOCK_V = 32
+
+
+@triton.jit
+def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, DK: tl.constexpr, DV: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr):
+    h = tl.program_id(0).to(tl.int64)
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    mk, mv = rk < DK, rv < DV
+    tile = s_ptr + h * DK * DV + rk[:, None] * DV + rv[None, :]
+    live = mk[:, None] & mv[None, :]
+    s = tl.load(tile, mask=live, other=0.0) * tl.exp(tl.load(g_ptr + h))
+    k = tl.load(k_ptr + h * DK + rk, mask=mk, other=0.0)
+    kv = tl.sum(s * k[:, None], axis=0)
+    v = tl.load(v_ptr + h * DV + rv, mask=mv, other=0.0)
+    delta = (v - kv) * tl.load(beta_ptr + h)
+    s = s + k[:, None] * delta[None, :]
+    q = tl.load(q_ptr + h * DK + rk, mask=mk, other=0.0)
+    tl.store(tile, s, mask=live)
+    tl.store(o_ptr + h * DV + rv, tl.sum(s * q[:, None], axis=0), mask=mv)
+
+
+def _check(q, k, v, g, beta, state):
+    Hv, dk, dv = state.shape
+    want = {"q": (q, (Hv, dk)), "k": (k, (Hv, dk)), "v": (v, (Hv, dv)), "g": (g, (Hv,)), "beta": (beta, (Hv,))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape or t.dtype != torch.float32:
+            raise ValueError(f"deltanet_step: {name} must be float32 {shape} for a state of {tuple(state.shape)}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"deltanet_step: the state must be contiguous float32, got {state.dtype}")
+
+
+def deltanet_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One token of the recurrence (see the module); `state` updated in place."""
+    _check(q, k, v, g, beta, state)
+    if not use_triton(state):
+        return deltanet_step_torch(q, k, v, g, beta, state)
+    Hv, dk, dv = state.shape
+    o = torch.empty((Hv, dv), dtype=torch.float32, device=state.device)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    _step_kernel[(Hv, triton.cdiv(dv, BLOCK_V))](q, k, v, g.contiguous(), beta.contiguous(), state, o,
+                                                 DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BLOCK_V)
+    return o
+
+
+def deltanet_step_torch(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    _check(q, k, v, g, beta, state)
+    state.mul_(g.exp()[:, None, None])
+    kv = (state * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv) * beta.unsqueeze(-1)
+    state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
+    return (state * q.unsqueeze(-1)).sum(dim=-2)
