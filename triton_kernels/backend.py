@@ -47,10 +47,13 @@ _fake = None
 
 def constant(cache: dict, key, make, device) -> torch.Tensor:
     """A launcher's table on `device`, made once (`make()` on the host) and kept in `cache`
-    under `key`; under a fake device made afresh each time and never kept (a fake tensor
-    belongs to its trace)."""
+    under `key`; under a fake device kept by the fake device instead (a fake tensor belongs
+    to its trace)."""
     if _fake is not None and torch.device(device).type != "cpu":
-        return to_device(make(), device)
+        held = _fake.constants
+        if (id(cache), key) not in held:
+            held[id(cache), key] = to_device(make(), device)
+        return held[id(cache), key]
     if key not in cache:
         cache[key] = to_device(make(), device)
     return cache[key]

@@ -65,8 +65,15 @@ class NgramPLE(torch.nn.Module):
 
     def ids(self, tokens: torch.Tensor, st: PLEState) -> torch.Tensor:
         dev = self.conv.device
-        ids, st.history = self.hash(to_device(tokens, dev), to_device(st.history, dev), **self.hash_args)
+        if self._consts is None or self._consts["multipliers"].device != dev:
+            # the hash's constants held where it runs: no copy from the host a step
+            self._consts = {k: to_device(torch.as_tensor(self.hash_args[k], dtype=torch.int64), dev)
+                            for k in ("multipliers", "head_vocab_sizes", "head_offsets")}
+        ids, st.history = self.hash(to_device(tokens, dev), to_device(st.history, dev),
+                                    **{**self.hash_args, **self._consts})
         return ids
+
+    _consts = None
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, st: PLEState, ids=None) -> torch.Tensor:
         """The residual x (T, S*H) with the PLE block's output added."""

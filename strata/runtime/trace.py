@@ -76,9 +76,12 @@ def _on_device(v) -> bool:
 
 @dataclass
 class Trace:
-    """What a traced step launched: Triton kernels by name, torch ops by name."""
+    """What a traced step launched: Triton kernels by name, torch ops by name; and its
+    copies from the host to the device (the tokens, RoPE's rows: each a copy on a GPU's
+    queue, counted apart from the launches)."""
     triton: collections.Counter = field(default_factory=collections.Counter)
     torch_ops: collections.Counter = field(default_factory=collections.Counter)
+    host_to_device: int = 0
 
     @property
     def launches(self) -> int:
@@ -89,7 +92,8 @@ class Trace:
         per = f" ({self.launches / layers:.1f} a layer)" if layers else ""
         top = ", ".join(f"{k} {v}" for k, v in self.torch_ops.most_common(6))
         return (f"{self.launches} kernel launches{per}: {sum(self.triton.values())} Triton, "
-                f"{sum(self.torch_ops.values())} torch ({top}, ...)")
+                f"{sum(self.torch_ops.values())} torch ({top}, ...); "
+                f"{self.host_to_device} copies from the host")
 
 
 class _Count(TorchDispatchMode):
@@ -231,8 +235,11 @@ class _FakeDevice:
 
     def __init__(self, mode: FakeTensorMode, name: str):
         self.mode, self.name = mode, name
+        self.copies = 0
+        self.constants = {}  # the launchers' tables on the fake device (triton_kernels.backend.constant)
 
     def copy(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self.copies += 1
         meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         return FakeTensor(self.mode, meta, torch.device(device.type, device.index or 0))
 
@@ -260,6 +267,8 @@ def trace(step) -> Trace:
     if backend._fake is None:
         raise RuntimeError("trace() runs inside fake_cuda(): a real step would run its kernels")
     t = Trace()
+    copies = backend._fake.copies
     with stubbed_launches(lambda name: t.triton.update([name])), _Count(t):
         step()
+    t.host_to_device = backend._fake.copies - copies
     return t
