@@ -6,10 +6,11 @@ kernel:
     y[c] = sum over j of full[c, j * dilation] * w[c, j]   taps in order j = 0, 1, ...
     new window = full[:, 1:]
 
-strata.nn.deltanet.causal_conv runs it as torch ops (a concatenation, K products and
-K - 1 sums, a transpose and a copy: ten launches at K = 4); here one program covers
-BLOCK_C channels. The taps are summed in the same order, each product and sum rounded
-on its own (no fused multiply-add), so the kernel equals `conv_step_torch` bit for bit.
+`causal_conv_torch` is the conv for any number of tokens as torch ops (a concatenation,
+K products and K - 1 sums, a transpose and a copy: ten launches at K = 4 for one token);
+here one program covers BLOCK_C channels. The taps are summed in the same order, each
+product and sum rounded on its own (no fused multiply-add), so the kernel equals
+`conv_step_torch`, the torch form of one token, bit for bit.
 """
 from __future__ import annotations
 
@@ -72,8 +73,21 @@ def conv_step(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: 
 
 def conv_step_torch(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
     _check(window, x, w, dilation)
-    full = torch.cat([window, x.T], dim=1)
-    y = full[:, :1] * w[:, :1]
+    return causal_conv_torch(window, x, w, dilation)
+
+
+def causal_conv_torch(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
+    """Depthwise causal conv of x (T, C) with taps w (C, K), continuing `window` (C, (K-1)*d)
+    of earlier inputs; returns (output (T, C), the new window)."""
+    span, T = window.shape[1], x.shape[0]
+    full = torch.cat([window, x.T], dim=1)                    # (C, span+T)
+    # tap by tap, in the same order for any T: a token's output does not depend on how
+    # the prompt was cut into chunks (conv1d sums in an order of its own), and for decode
+    # four small ops beat conv1d's setup
+    y = full[:, :T] * w[:, :1]
     for j in range(1, w.shape[1]):
-        y = y + full[:, j * dilation:j * dilation + 1] * w[:, j:j + 1]
-    return y.T.contiguous(), full[:, -window.shape[1]:].clone()
+        y = y + full[:, j * dilation:j * dilation + T] * w[:, j:j + 1]
+    # rows contiguous: an activation applied next (SiLU) then runs its vector code on
+    # every element, where a (T, C) view of (C, T) runs T-long rows, scalar for a short T,
+    # and a scalar exp rounds differently from the vector one
+    return y.T.contiguous(), full[:, -span:].clone()

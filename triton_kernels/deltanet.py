@@ -77,6 +77,13 @@ def deltanet_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 
 def deltanet_step_torch(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     _check(q, k, v, g, beta, state)
+    return delta_rule_token(q, k, v, g, beta, state)
+
+
+def delta_rule_token(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """The torch form of one token, unchecked: strata.nn.deltanet.recurrent's step on the
+    CPU, which runs it for every token of every DeltaNet layer (the checks stay out of
+    that loop; the model's shapes were checked at load)."""
     state.mul_(g.exp()[:, None, None])
     kv = (state * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - kv) * beta.unsqueeze(-1)

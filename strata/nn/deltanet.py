@@ -21,17 +21,17 @@ import torch.nn.functional as F
 
 from triton_kernels import invariant
 from triton_kernels.compiled import Compiled
-from triton_kernels.deltanet import deltanet_step_torch
+from triton_kernels.conv import causal_conv_torch
+from triton_kernels.deltanet import delta_rule_token
 from triton_kernels.norms import l2norm_torch
 from triton_kernels.ops import impl
 
 from .linear import QuantLinear
 
 
-_l2norm = l2norm_torch
 
 
-def recurrent(q, k, v, g, beta, state, step=deltanet_step_torch):
+def recurrent(q, k, v, g, beta, state, step=delta_rule_token):
     """q, k (T, Hv, dk); v (T, Hv, dv); g, beta (T, Hv); state (Hv, dk, dv), updated in
     place. Returns o (T, Hv, dv). Token by token, each by `step` (one token's op,
     triton_kernels.deltanet: torch ops, or the Triton kernel on the GPU path)."""
@@ -80,7 +80,7 @@ class _Trail:
     def __init__(self, conv: torch.Tensor, rec: torch.Tensor):
         self.conv, self.rec = conv, rec
         self.rows = None
-        self.step = deltanet_step_torch
+        self.step = delta_rule_token
 
 
 class DeltaNetState:
@@ -128,20 +128,9 @@ def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation
     """Depthwise causal conv of x (T, C) with taps w (C, K), continuing `window` (C, (K-1)*d)
     of earlier inputs; returns (output (T, C), the new window). `step`: one token's op
     (triton_kernels.conv, the same sums bit for bit) for T = 1 on the GPU path."""
-    span, T = window.shape[1], x.shape[0]
-    if step is not None and T == 1:
+    if step is not None and x.shape[0] == 1:
         return step(window, x, w, dilation)
-    full = torch.cat([window, x.T], dim=1)                    # (C, span+T)
-    # tap by tap, in the same order for any T: a token's output does not depend on how
-    # the prompt was cut into chunks (conv1d sums in an order of its own), and for decode
-    # four small ops beat conv1d's setup
-    y = full[:, :T] * w[:, :1]
-    for j in range(1, w.shape[1]):
-        y = y + full[:, j * dilation:j * dilation + T] * w[:, j:j + 1]
-    # rows contiguous: an activation applied next (SiLU) then runs its vector code on
-    # every element, where a (T, C) view of (C, T) runs T-long rows, scalar for a short T,
-    # and a scalar exp rounds differently from the vector one
-    return y.T.contiguous(), full[:, -span:].clone()
+    return causal_conv_torch(window, x, w, dilation)
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -199,7 +188,7 @@ def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, gpu: bool = False):
     if gpu:  # q's and k's heads normed in one launch
         q, k = impl("l2norm", "triton")(qk.reshape(T, 2 * Hk, dk)).split(Hk, dim=1)
     else:
-        q, k = _l2norm(qk[:, :Hk * dk].reshape(T, Hk, dk)), _l2norm(qk[:, Hk * dk:].reshape(T, Hk, dk))
+        q, k = l2norm_torch(qk[:, :Hk * dk].reshape(T, Hk, dk)), l2norm_torch(qk[:, Hk * dk:].reshape(T, Hk, dk))
     q = q.repeat(1, rep, 1) * dk ** -0.5
     k = k.repeat(1, rep, 1)
     v = v.reshape(T, Hv, dv)
