@@ -1,5 +1,13 @@
 import os
 
+# Each xdist worker computes on one thread: two workers already fill the two cores, and
+# thread teams spinning against each other make small ops 100-1000x slower (measured: a
+# 64x512 @ 512x64 float32 matmul in numpy, 0.19 ms on one OpenBLAS thread, 64 ms on two
+# on a busy machine; the interpreter's tl.dot is such a matmul). OpenBLAS reads its count
+# when numpy first loads, which no plugin has done yet; torch's is set below.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # The Triton kernels run through the interpreter on the CPU: this must be set before
 # anything imports triton. STRATA_TEST_DEVICE=cuda (scripts/gpu_check.sh) leaves it off, so
 # that the tests marked `cuda` run the compiled kernels on the GPU.
@@ -29,8 +37,7 @@ settings.register_profile("strata-ci", parent=settings.get_profile("strata"), de
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 settings.load_profile("strata-ci" if CI else "strata")
 
-# Each xdist worker computes on one thread: two workers already fill the two cores, and
-# torch's OpenMP teams spinning against each other made small ops 100-1000x slower.
+# torch's thread count for each xdist worker (see OPENBLAS_NUM_THREADS above)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch  # noqa: E402
     torch.set_num_threads(1)
