@@ -24,7 +24,8 @@ def _untouched_zeros(shape: tuple[int, int]) -> np.ndarray:
     that a table larger than the host's RAM (the PLE table, under a trace) costs nothing."""
     n = max(1, shape[0] * shape[1])
     # MAP_NORESERVE: Linux's 0x4000 (Python's mmap names it from 3.13 on)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+    noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve
     return np.frombuffer(mmap.mmap(-1, n, flags=flags), np.uint8)[:shape[0] * shape[1]].reshape(shape)
 
 

@@ -72,14 +72,18 @@ def count_launches(plan) -> StepLaunches:
                                  threads=None, batch_invariant=None)
     how = ", ".join(filter(None, [str(plan.dtype).replace("torch.", ""), "Triton kernels",
                                   experts and f"experts {experts}",
-                                  plan.ple is not None and f"PLE {ple_io or 'in memory'}"]))
+                                  plan.ple is not None and f"PLE {ple_io or 'in memory'}"
+                                  + (" on the host" if gpu and plan.ple is not None and plan.ple.host else "")]))
     layers = int(plan.gguf.get(f"{plan.arch}.block_count", 0) or 0)
     if plan.layout is not None:  # a traced step's collectives would wait for ranks that trace nothing
         return StepLaunches(layers, how, error="several processes (--ep/--pp): a step is traced in one")
     threads = torch.get_num_threads()
     try:
         with fake_cuda(), _eager_step():
-            model = build(decide(plan.gguf, traced))
+            p = decide(plan.gguf, traced)
+            if gpu and plan.ple is not None and p.ple is not None:  # a table the placement left on the host
+                p.ple = dataclasses.replace(p.ple, host=plan.ple.host)
+            model = build(p)
             state = model.new_cache(8)
             trace(lambda: model(torch.tensor([1]), state))
             t = trace(lambda: model(torch.tensor([4]), state))

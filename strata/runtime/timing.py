@@ -1,8 +1,9 @@
 """`STRATA_DECODE_TIMING=1`: one stderr line per decode step, with the Triton op calls it
 made, the kernels a step launches on a GPU (counted once per model where the command
 traced it: `model.step_launches`, strata.load.launches), and what the storage tiers did
-during it (PLE rows, pages, hints, bytes from the drive; expert hits, misses, fetches). A speculative step's line starts with what it drafted
-and accepted and its verify's time against a one-token step (strata.runtime.spec)."""
+during it (PLE rows, pages, hints, bytes from the drive; expert hits, misses, fetches). A
+speculative step's line starts with what it drafted and accepted and its verify's time
+against a one-token step (strata.runtime.spec)."""
 from __future__ import annotations
 
 import os
