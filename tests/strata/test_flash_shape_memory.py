@@ -51,6 +51,7 @@ def _cli(*argv) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow  # 14 s alone on 2 cores, 30-36 s beside other jobs
 def test_bench_model_flash_shape_on_the_cpu(monkeypatch):
     """`strata bench model -m flash-shape:1 --rows 65536 --device cpu`: the plan lines, a row
     each for pp and tg with finite rates, the model's plan line (built in memory, one layer),
