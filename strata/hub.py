@@ -12,7 +12,8 @@ flash-tiny-vision is the same with a tiny vision tower, its mmproj GGUF beside i
 
 flash-shape is written, never built on use (`strata synth flash-shape`): Qwen3.8-Flash-Next's
 real widths and PLE table in random blocks, about 35 GB at 4 layers
-(strata.convert.flash_shape).
+(strata.convert.flash_shape). `flash-shape[:LAYERS]` names the same model built in memory
+instead, for `strata bench model` (`in_memory`; strata.convert.flash_shape_memory).
 """
 from __future__ import annotations
 
@@ -173,6 +174,23 @@ def synth_flash_shape(layers: int = 4, rows: int | None = None, out: str | os.Pa
     if all(p.is_file() for p in files) and not force:
         return files[0]
     return write_flash_shape(out, layers, rows, tokenizer_gguf=pull_smollm2(quiet=quiet), quiet=quiet)
+
+
+FLASH_SHAPE = "flash-shape"
+
+
+def in_memory(name: str, rows: int | None = None):
+    """`flash-shape[:LAYERS]` (48 layers by default, `rows` PLE rows, default the real
+    count): flash-shape as a strata.gguf.MemoryGGUF, its blocks made as the loader reads
+    them; None for any other name."""
+    base, _, layers = name.partition(":")
+    if base != FLASH_SHAPE:
+        return None
+    from strata.convert.flash_shape import REAL
+    from strata.convert.flash_shape_memory import DEFAULT_LAYERS, flash_shape_memory
+    if layers and not layers.isdigit():
+        raise HubError(f"--model {name}: flash-shape[:LAYERS] takes a layer count, e.g. flash-shape:4")
+    return flash_shape_memory(int(layers) if layers else DEFAULT_LAYERS, REAL["ple_rows"] if rows is None else rows)
 
 
 MODELS = {"smollm2": pull_smollm2, "flash-tiny": synth_flash_tiny, "flash-tiny-vision": synth_flash_tiny_vision}

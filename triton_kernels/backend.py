@@ -45,6 +45,12 @@ KERNELS = ("triton", "torch")
 _fake = None
 
 
+def faking() -> bool:
+    """Whether a fake device (strata.runtime.trace) stands in for the GPU: its tensors have
+    shapes and no values, so nothing need make the values they are copied from."""
+    return _fake is not None
+
+
 def constant(cache: dict, key, make, device) -> torch.Tensor:
     """A launcher's table on `device`, made once (`make()` on the host) and kept in `cache`
     under `key`; under a fake device kept by the fake device instead (a fake tensor belongs

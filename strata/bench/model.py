@@ -30,8 +30,8 @@ from strata.bench.report import copy_bandwidth, emit, machine, markdown
 
 
 def _tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
-    # fixed, ordinary-looking ids (skip the first 1000: specials and bytes)
-    return np.random.default_rng(seed).integers(1000, vocab, n).tolist()
+    # fixed, ordinary-looking ids (skip the first 1000: specials and bytes; a small vocabulary's half)
+    return np.random.default_rng(seed).integers(min(1000, vocab // 2), vocab, n).tolist()
 
 
 def _stats(xs: list[float]) -> tuple[float, float]:
@@ -81,22 +81,40 @@ def steady(fn):
     return run
 
 
+def _name(path) -> str:
+    """A GGUF path's file name, or a model built in memory's (strata.gguf.MemoryGGUF)."""
+    return getattr(path, "path", path).name
+
+
 def _load_warm(path, args):
-    """(model, device, load seconds), the model run once (warm-up, and the kernels' compiles).
-    Called inside `steady` (the bench's functions are)."""
-    from strata.load import load_model
+    """(model, device, load seconds), the model run once (warm-up, and the kernels' compiles);
+    `path`: a GGUF file, or a model built in memory (its build counts in the load). Its plan
+    lines go to stderr, and the launches of its decode step on a GPU, traced once, are
+    `model.step_launches` (strata.load.launches). Called inside `steady`."""
+    import sys
+
+    from strata.gguf import GGUFFile, open_gguf
+    from strata.load import Options, build, decide
+    from strata.load.launches import count_launches
     device = torch.device(getattr(args, "device", None) or "cpu")
     t = time.perf_counter()
-    model = load_model(path, dtype=args.dtype, device=device, kernels=getattr(args, "kernels", None))
+    g = path if isinstance(path, GGUFFile) else open_gguf(path)
+    plan = decide(g, Options(dtype=args.dtype, device=str(device), kernels=getattr(args, "kernels", None),
+                             gpu_mem_gib=getattr(args, "gpu_mem", None), ram_gib=getattr(args, "ram", None)))
+    for line in plan.lines(drive=False):
+        print(f"strata: {line}", file=sys.stderr)
+    model = build(plan)
     load_s = time.perf_counter() - t
+    print(f"strata: {model.plan_line()}", file=sys.stderr)
+    model.step_launches = count_launches(plan)
     model(_tokens(16, model.cfg.vocab_size), model.new_cache())
     return model, device, load_s
 
 
-def _pp_tg(model, args, device, vocab: int) -> tuple[list[float], list[float]]:
-    """pp and tg tok/s, args.repeats runs each."""
-    pp, tg = [], []
-    for r in range(args.repeats):
+def _pp_tg(model, args, device, vocab: int, pp: bool = True, tg: bool = True) -> tuple[list[float], list[float]]:
+    """pp and tg tok/s, args.repeats runs each (`pp`, `tg`: which)."""
+    runs, pp, tg = (pp, tg), [], []
+    for r in range(args.repeats if runs[0] else 0):
         toks = _tokens(args.n_prompt, vocab, r)
         cache = model.new_cache(args.n_prompt)
         _sync(device)
@@ -104,7 +122,7 @@ def _pp_tg(model, args, device, vocab: int) -> tuple[list[float], list[float]]:
         model(toks, cache, last_only=True)
         _sync(device)
         pp.append(args.n_prompt / (time.perf_counter() - t))
-    for r in range(args.repeats):
+    for r in range(args.repeats if runs[1] else 0):
         toks = _tokens(args.n_gen, vocab, 100 + r)
         cache = model.new_cache(args.n_gen)
         _sync(device)
@@ -121,6 +139,7 @@ def bench_strata(path, args, extra=None) -> dict:
     """Strata's pp and tg; with --batch-invariant, also batch-invariant (the process-wide
     switch, flipped on the same loaded model), so that its cost is measured in one run.
     `extra(model, args)`: more measurements on the loaded model, a dict kept as "extra"."""
+    from strata.bench import decode_cost
     from triton_kernels import invariant
     model, device, load_s = _load_warm(path, args)
     vocab = model.cfg.vocab_size
@@ -128,7 +147,10 @@ def bench_strata(path, args, extra=None) -> dict:
     for tok in (5, 6, 7):  # decode steps at three lengths: a compiled step's compiles (strata.runtime.cpu_step)
         model([tok], warm)
     with invariant.batch_invariant(False):
-        pp, tg = _pp_tg(model, args, device, vocab)
+        pp, _ = _pp_tg(model, args, device, vocab, tg=False)
+        before = decode_cost.counters(model)
+        _, tg = _pp_tg(model, args, device, vocab, pp=False)
+        io = decode_cost.tiers(model, before, decode_cost.counters(model), args.repeats * args.n_gen)
     inv = None
     if getattr(args, "batch_invariant", None):
         with invariant.batch_invariant(True):
@@ -154,7 +176,9 @@ def bench_strata(path, args, extra=None) -> dict:
             "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),
             "kernels": model.kernels, "step_bytes": nbytes, "copy_bytes_per_s": copy,
             "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy, "spec": spec,
-            "profile": profile, "invariant": inv, "extra": extra(model, args) if extra else None}
+            "profile": profile, "invariant": inv, "extra": extra(model, args) if extra else None,
+            "plan_line": model.plan_line(), "launches": model.step_launches, "tiers": io,
+            "h2d_bytes_per_s": decode_cost.h2d_bandwidth(device)}
 
 
 def bench_llama_cpp(path, args, vocab: int) -> dict:
@@ -225,15 +249,15 @@ def run(args, path, hf_dir=None) -> int:
     for res in filter(None, (ours, inv, peer)):
         for test, key in ((f"pp{args.n_prompt}", "pp"), (f"tg{args.n_gen}", "tg")):
             mean, sd = _stats(res[key])
-            row = {"engine": res["engine"], "model": path.name, "threads": args.threads, "test": test,
+            row = {"engine": res["engine"], "model": _name(path), "threads": args.threads, "test": test,
                    "tok_s": mean, "stddev": sd, "runs": res[key]}
             if peer and res is not peer:
                 row["vs_peer"] = mean / _stats(peer[key])[0]
             if inv:
                 row["vs_plain"] = mean / _stats(ours[key])[0] if res is inv else None
             rows.append(row)
-    result = {"bench": "model", "machine": machine(), "model": str(path), "dtype": ours["dtype"],
-              "peak_rss_mib": ours["peak_rss_mib"], "load_s": ours["load_s"], "rows": rows}
+    result = {"bench": "model", "machine": machine(), "model": str(getattr(path, "path", path)),
+              "dtype": ours["dtype"], "peak_rss_mib": ours["peak_rss_mib"], "load_s": ours["load_s"], "rows": rows}
     for r in rows:
         r["t/s"] = f"{r['tok_s']:.2f} ± {r['stddev']:.2f}"
     cols = [("engine", "engine"), ("model", "model"), ("threads", "threads"), ("test", "test"), ("t/s", "t/s")]
@@ -248,6 +272,12 @@ def run(args, path, hf_dir=None) -> int:
         f"peak RSS {ours['peak_rss_mib']:.0f} MiB; a decode step reads {ours['step_bytes'] / 2**20:.1f} MiB of "
         f"weights: {ours['step_read_bytes_per_s'] / 1e9:.1f} GB/s, {ours['fraction_of_copy']:.1%} of the "
         f"{ours['copy_bytes_per_s'] / 1e9:.0f} GB/s a copy moves on {ours['device']} (read + written)")
+    from strata.bench import decode_cost
+    launches = ours["launches"]
+    result.update(plan_line=ours["plan_line"], launches_per_step=launches.launches, launch_line=launches.line(),
+                  tiers=ours["tiers"], h2d_bytes_per_s=ours["h2d_bytes_per_s"])
+    table += (f"\n\n{ours['plan_line']}\n" + decode_cost.text(launches, ours["tiers"], _stats(ours["tg"])[0],
+                                                              ours["h2d_bytes_per_s"]))
     if ours["spec"]:
         from strata.bench import spec as spec_bench
         result["spec"] = ours["spec"]
@@ -383,7 +413,7 @@ def run_depths(args, path) -> int:
                      (f"pp{args.n_prompt} @ d{d}", r["pp"], "pp"), (f"tg{args.n_gen} @ d{d}", r["tg"], "tg"))
             for test, runs, key in tests:
                 mean, sd = _stats(runs)
-                row = {"engine": name, "model": path.name, "threads": args.threads, "test": test,
+                row = {"engine": name, "model": _name(path), "threads": args.threads, "test": test,
                        "tok_s": mean, "stddev": sd, "runs": runs, "t/s": f"{mean:.2f} ± {sd:.2f}"}
                 if peer and res is ours:
                     row["vs_peer"] = mean / _stats(peer[d][key] if key != "fill" else [peer[d]["fill"]])[0]
@@ -391,7 +421,7 @@ def run_depths(args, path) -> int:
                     first = ours[args.depth[0]]
                     row["vs_first_depth"] = mean / _stats(first[key] if key != "fill" else [first["fill"]])[0]
                 rows.append(row)
-    result = {"bench": "model-depth", "machine": machine(), "model": str(path), "dtype": str(args.dtype),
+    result = {"bench": "model-depth", "machine": machine(), "model": str(getattr(path, "path", path)), "dtype": str(args.dtype),
               "peak_rss_mib": rss, "load_s": load_s, "rows": rows,
               "kv_bytes_per_token": {d: r["kv_bytes_per_token"] for d, r in ours.items()},
               "split_ms": {d: r["split_ms"] for d, r in ours.items()}}
@@ -402,7 +432,7 @@ def run_depths(args, path) -> int:
     notes = [f"d{d}: attention states {r['kv_bytes_per_token']:,.0f} bytes a token"
              + (f"; a decode step: indexer {r['split_ms']['indexer']:.2f} ms, attention "
                 f"{r['split_ms']['attention']:.2f} ms" if r["split_ms"] else "") for d, r in ours.items()]
-    table = markdown(rows, cols) + f"\n\nStrata: {path.name}, {args.dtype}, peak RSS {rss:.0f} MiB; " + "; ".join(notes)
+    table = markdown(rows, cols) + f"\n\nStrata: {_name(path)}, {args.dtype}, peak RSS {rss:.0f} MiB; " + "; ".join(notes)
     emit(result, table, args.json)
     return 0
 
@@ -443,11 +473,11 @@ def run_parallel(args, path, comm) -> int:
         for test, key in ((f"pp{args.n_prompt}", "pp"), (f"tg{args.n_gen}", "tg")):
             mean, sd = _stats(res[key])
             sent = ours["extra"][key] if res is ours else 0.0
-            rows.append({"engine": engine, "model": path.name, "threads": args.threads, "test": test,
+            rows.append({"engine": engine, "model": _name(path), "threads": args.threads, "test": test,
                          "tok_s": mean, "stddev": sd, "runs": res[key], "t/s": f"{mean:.2f} ± {sd:.2f}",
                          "vs_one": mean / _stats(one[key])[0], "bytes_sent_per_token": sent,
                          "sent": f"{sent / 1024:,.1f} KiB"})
-    result = {"bench": "model-parallel", "machine": machine(), "model": str(path), "dtype": ours["dtype"],
+    result = {"bench": "model-parallel", "machine": machine(), "model": str(getattr(path, "path", path)), "dtype": ours["dtype"],
               "ep": L.ep, "pp": L.pp, "world": L.world, "rows": rows,
               "peak_rss_mib_rank0": ours["peak_rss_mib"]}
     cols = [("engine", "engine"), ("threads", "threads a process"), ("test", "test"), ("t/s", "t/s"),

@@ -100,6 +100,24 @@ def _bench(args) -> int:
     if args.what in ("dequant", "kernels"):
         from strata.bench import dequant, kernels
         return {"dequant": dequant.run, "kernels": kernels.run}[args.what](args)
+    if args.what == "model":
+        memory = hub.in_memory(args.model, args.rows)
+        if memory is not None:  # flash-shape[:LAYERS]: built in memory, no file, no peer
+            if args.peer:
+                raise ValueError(f"--peer {args.peer}: {args.model} is built in memory; a peer reads a file")
+            if not str(args.device).startswith("cuda"):
+                if args.gpu_mem or args.ram:
+                    raise ValueError("--gpu-mem, --ram: the placement of a GPU's parts; give --device cuda")
+                from strata.storage.io import mem_available
+                need, have = sum(t.nbytes for t in memory.tensors.values()), mem_available()
+                if have and need > 0.9 * have:  # on the CPU every block is made in RAM
+                    raise ValueError(f"{args.model}: {need / 2**30:.1f} GiB of blocks, more than 90% of the "
+                                     f"{have / 2**30:.1f} GiB of RAM available; give fewer layers "
+                                     f"(flash-shape:1) or a smaller PLE table (--rows 65536)")
+            from strata.bench import model
+            return model.run(args, memory)
+        if args.rows is not None:
+            raise ValueError(f"--rows: flash-shape's PLE table; {args.model} is a file")
     path = hub.resolve_model(args.model)
     if args.what == "serve":
         from strata.bench import serve

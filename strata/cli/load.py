@@ -30,6 +30,11 @@ def load(args, model: str | None = None, dtype=None, **override):
         say(line)
     m = build(plan)
     say(m.plan_line())
+    from strata.runtime import timing
+    if timing.enabled():  # the launches a step, counted once for the STRATA_DECODE_TIMING lines
+        from strata.load.launches import count_launches
+        m.step_launches = count_launches(plan)
+        say(m.step_launches.line())
     return m, Tokenizer.from_gguf(g)
 
 

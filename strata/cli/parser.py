@@ -93,7 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kernels.add_args(bsub)
 
     bm = bsub.add_parser("model", help="llama-bench's pp/tg tests, optionally against llama.cpp")
-    bm.add_argument("--model", "-m", default="smollm2")
+    bm.add_argument("--model", "-m", default="smollm2",
+                    help="a known model, a .gguf path, or flash-shape[:LAYERS]: Qwen3.8-Flash-Next's real widths "
+                         "in random blocks, built in memory (no file; 48 layers by default)")
+    bm.add_argument("--rows", type=int, default=None, metavar="N",
+                    help="flash-shape: PLE table rows (default the real 320,001,536: 26.8 GiB; e.g. 65536)")
+    bm.add_argument("--gpu-mem", type=float, default=None, metavar="GIB",
+                    help="--device cuda: place the model for a GPU of this many GiB (a larger card held to a "
+                         "smaller one's budget; default: the device's free memory)")
+    bm.add_argument("--ram", type=float, default=None, metavar="GIB",
+                    help="--device cuda: place the model for this much free host RAM (default: MemAvailable)")
     bm.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     bm.add_argument("--threads", "-t", type=int, default=2)
     add_device_args(bm)

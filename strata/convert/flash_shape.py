@@ -42,8 +42,10 @@ unit RMS, so the layers stay finite in bf16, and the routers spread the tokens o
 experts as evenly as the plan assumes: 60-63 of 64 experts met by 24 tokens in every one
 of 4 layers); embeddings and PLE rows 0.02 (transformers' initializer_range); norm
 weights 1 + N(0, 0.02); conv kernels U(-0.5, 0.5) (torch's default for a depthwise
-kernel of 4); ssm_a = -U(1, 16) and dt_bias 1, as transformers draws them. Each file
-draws from its own generator (seed, file), so one file's bytes do not depend on another's. Data is made and written piece by piece (the PLE table is larger than RAM);
+kernel of 4); ssm_a = -U(1, 16) and dt_bias 1, as transformers draws them. Each tensor draws from its
+own generator (seed, its name: `tensor_rng`), so no tensor's bytes depend on another's,
+and the model built in memory (strata.convert.flash_shape_memory) holds the written
+files' bytes. Data is made and written piece by piece (the PLE table is larger than RAM);
 written pages are flushed and dropped from the page cache as the write goes, so the
 write neither fills the cache nor leaves the files warm for a measurement.
 """
@@ -54,6 +56,7 @@ import math
 import shutil
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -363,6 +366,11 @@ def _floats(spec: Spec, rng: np.random.Generator) -> np.ndarray:
     return quant.get(spec.fmt).quantize(x.astype(np.float32)).reshape(-1)
 
 
+def tensor_rng(seed: int, name: str) -> np.random.Generator:
+    """The generator tensor `name` draws from: its own (seed, CRC-32 of its name)."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
 def tensor_pieces(spec: Spec, rng: np.random.Generator, piece_bytes: int = PIECE_BYTES,
                   on_piece=None) -> Iterator[np.ndarray]:
     """The tensor's bytes in pieces of whole blocks, at most about `piece_bytes` each;
@@ -381,6 +389,18 @@ def tensor_pieces(spec: Spec, rng: np.random.Generator, piece_bytes: int = PIECE
         done += k
         if on_piece is not None:
             on_piece(k * fmt.block_bytes)
+
+
+def tensor_data(spec: Spec, seed: int = SEED) -> np.ndarray:
+    """The tensor's blocks, uint8 (rows, row bytes) as a GGUF file holds them: the bytes
+    the writer writes for it, made piece by piece into one array."""
+    fmt = quant.get(spec.fmt)
+    out = np.empty((int(np.prod(spec.shape[:-1], dtype=np.int64)), fmt.row_bytes(spec.shape[-1])), np.uint8)
+    flat, at = out.reshape(-1), 0
+    for piece in tensor_pieces(spec, tensor_rng(seed, spec.name)):
+        flat[at:at + piece.size] = piece
+        at += piece.size
+    return out
 
 
 # --- writing -------------------------------------------------------------------------------
@@ -415,12 +435,12 @@ class _Written:
         self.stream.flush()
 
 
-def _write(path: Path, md: list[tuple], specs: list[Spec], rng: np.random.Generator, quiet: bool) -> Path:
+def _write(path: Path, md: list[tuple], specs: list[Spec], seed: int, quiet: bool) -> Path:
     infos = [(s.name, s.shape, quant.get(s.fmt)) for s in specs]
     total = sum(s.nbytes for s in specs)
     progress = Progress(f"strata: {path.name}", len(specs), total, enabled=not quiet)
     written = _Written(path.with_name(path.name + ".partial"), total, quiet)  # write_streamed's until done
-    out = write_streamed(path, n.ARCH, md, infos, lambda i: tensor_pieces(specs[i], rng, on_piece=written),
+    out = write_streamed(path, n.ARCH, md, infos, lambda i: tensor_pieces(specs[i], tensor_rng(seed, specs[i].name), on_piece=written),
                          progress)
     io.drop_cache(out)
     return out
@@ -446,10 +466,9 @@ def write_flash_shape(out_dir: str | Path, layers: int = 4, rows: int = REAL["pl
     if not quiet:
         print(f"strata: flash-shape: writing {need / 1e9:.1f} GB ({s.layers} layers, {s.rows:,} PLE rows) "
               f"into {out_dir}", file=sys.stderr)
-    rng = (lambda file: np.random.default_rng([seed, file]))
     md = metadata(s, eos)
-    _write(mtp_path, metadata(s, eos, mtp=True), mtp, rng(2), quiet)
-    _write(ple_path, md[:2] + _split(1, len(main) + 1), [ple], rng(1), quiet)
+    _write(mtp_path, metadata(s, eos, mtp=True), mtp, seed, quiet)
+    _write(ple_path, md[:2] + _split(1, len(main) + 1), [ple], seed, quiet)
     # the first shard last: a set whose first shard exists is complete
-    _write(main_path, md + _split(0, len(main) + 1) + tok, main, rng(0), quiet)
+    _write(main_path, md + _split(0, len(main) + 1) + tok, main, seed, quiet)
     return main_path

@@ -43,6 +43,8 @@ class Options:
     ple_prefetch: bool = True
     ple_io_depth: int = 16
     vram_reserve_mib: int = 1024
+    gpu_mem_gib: float | None = None  # place for a GPU of this many GiB (None: the device's free memory)
+    ram_gib: float | None = None  # place for this much free host RAM (None: MemAvailable)
     tokens: int = 32768  # the prompt length the drive plan counts reads for
     rope_scaling: str | None = None  # none, linear or yarn; None: the file's
     rope_scale: float | None = None  # the context's stretch factor; None: the file's
@@ -84,6 +86,7 @@ class PleChoice:
     source: object = None  # strata.storage.ple_source.PleSource, for a mode
     depth: int = 16
     prefetch: bool = True
+    host: bool = False  # no mode, on a GPU: the blocks stay in host memory, read over PCIe (the placement's)
 
 
 @dataclass
@@ -225,18 +228,21 @@ def _experts(g: GGUFFile, o: Options, device: str, machine) -> tuple[ExpertChoic
     # a GPU without --experts: what fits VRAM, then RAM, then the drive (the placement)
     from strata.storage import placement as pl
     pack = Path(kw["experts_dir"]) / PACK_INDEX
-    machine = machine or pl.this_machine(device, o.vram_reserve_mib)
+    machine = machine or pl.this_machine(device, o.vram_reserve_mib, o.gpu_mem_gib, o.ram_gib)
     p = pl.place(pl.shape_of(g), machine, ctx=o.tokens, pack_exists=pack.is_file())
     return ExpertChoice(p.expert_tier, "the placement's (above)", **kw), p
 
 
-def _ple(g: GGUFFile, o: Options) -> PleChoice | None:
+def _ple(g: GGUFFile, o: Options, placement=None) -> PleChoice | None:
     t = g.tensors.get(qn.PLE_TABLE)
     if t is None and not o.ple_file and not g.get(f"{qn.ARCH}.ple.layers"):
         return None
     if o.ple_io is None and t is not None and not o.ple_file:
+        # on a GPU where the placement keeps the table out of VRAM, its blocks stay on the host
+        host = placement is not None and placement.ple_where != "vram"
         return PleChoice(None, f"the file's blocks in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name}, "
-                               f"no --ple-io: read through the mapping)")
+                               f"no --ple-io: read through the mapping"
+                               + (", held in host memory as the placement says)" if host else ")"), host=host)
     from strata.storage.ple_source import find_ple
     # the model's own file, or another shard of its set (the releases keep the table alone
     # in shard 2), or --ple-gguf's
@@ -293,7 +299,7 @@ def decide(g: GGUFFile, options: Options | None = None, machine=None) -> LoadPla
     kernels = choose_kernels(o.kernels, device)
     layout = _layout(g)
     experts, placement = _experts(g, o, device, machine) if g.arch == qn.ARCH else (None, None)
-    ple = _ple(g, o) if g.arch == qn.ARCH and _holds_ple(g, layout) else None
+    ple = _ple(g, o, placement) if g.arch == qn.ARCH and _holds_ple(g, layout) else None
     rope, context, why = _rope(g, o)
     return LoadPlan(g, o, device, kernels, o.dtype, o.threads or torch.get_num_threads(), experts, ple, placement,
                     rope, context, why, kv.check(o.kv or "f32"), layout)

@@ -109,7 +109,7 @@ class _Loader:
             raise GGUFError(f"{g.path}: the model has PLE layers {list(self.cfg.ple_layers)} but the file holds "
                             f"no {n.PLE_TABLE!r}; pass the file that does with --ple-gguf")
         if choice.mode is None:
-            return InMemoryTable(g.tensor(n.PLE_TABLE), self.device, self.kernels)
+            return InMemoryTable(g.tensor(n.PLE_TABLE), self.device, self.kernels, host=choice.host)
         from strata.storage.ple import PleTable
         table = PleTable(choice.source, choice.mode, depth=choice.depth, prefetch=choice.prefetch)
         hints = "hints on" if table.hinting else "no hints"

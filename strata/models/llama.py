@@ -16,8 +16,9 @@ from strata.gguf import GGUFFile
 from strata.models import summary
 from strata.names import TOKEN_EMBD
 from strata.nn import Attention, KVCache, QuantLinear, RMSNorm, kv
-from strata.tensors import QTensor
+from strata.tensors import QTensor, module_to
 from strata.runtime import cpu_step, graphs
+from triton_kernels.backend import to_device
 from triton_kernels.dequant import dequantize_torch
 from triton_kernels.ops import impl
 
@@ -81,7 +82,7 @@ class Llama(torch.nn.Module):
         self.kernels, self.embedding, self.tied = kernels, embedding, tied
         self.blocks = torch.nn.ModuleList(blocks)
         self.norm, self.output = norm, output
-        self.to(self.device)  # norms and RoPE tables (the weights went to `device` as loaded)
+        module_to(self, self.device)  # norms and RoPE tables (the weights went to `device` as loaded)
 
     def plan_line(self) -> str:
         """One line: what the model is and where/how its weights are held."""
@@ -118,7 +119,7 @@ class Llama(torch.nn.Module):
         if getattr(self, "_embedding_blocks", None) is None:
             held = getattr(self.output, "blocks", None) if self.tied else None
             self._embedding_blocks = held if held is not None and held.device == self.device \
-                else torch.from_numpy(np.array(self.embedding.data)).to(self.device)  # a copy: the map is read-only
+                else to_device(torch.from_numpy(np.array(self.embedding.data)), self.device)  # a copy: the map is read-only
         rows = self._embedding_blocks[tokens]
         return impl("dequantize", self.kernels)(rows, self.embedding.fmt).reshape(tokens.numel(), -1).float()
 
@@ -132,7 +133,7 @@ class Llama(torch.nn.Module):
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.embedding.shape[0]:
             raise ValueError(f"token ids must lie in 0..{self.embedding.shape[0] - 1}")
         rows = torch.from_numpy(np.take(self.embedding.data, tokens.numpy(), axis=0))  # those rows only
-        return dequantize_torch(rows, self.embedding.fmt).to(self.device)
+        return to_device(dequantize_torch(rows, self.embedding.fmt), self.device)
 
     @torch.inference_mode()
     def forward(self, tokens, cache: KVCache, last_only: bool = False) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """`STRATA_DECODE_TIMING=1`: one stderr line per decode step, with the Triton op calls it
-made and what the storage tiers did during it (PLE rows, pages, hints, bytes from the
-drive; expert hits, misses, fetches). A speculative step's line starts with what it drafted
-and accepted and its verify's time against a one-token step (strata.runtime.spec)."""
+made, the kernels a step launches on a GPU (counted once per model where the command
+traced it: `model.step_launches`, strata.load.launches), and what the storage tiers did
+during it (PLE rows, pages, hints, bytes from the drive; expert hits, misses, fetches). A
+speculative step's line starts with what it drafted and accepted and its verify's time
+against a one-token step (strata.runtime.spec)."""
 from __future__ import annotations
 
 import os
@@ -36,6 +38,9 @@ class StepTimer:
         # each call launches one kernel, or two or three (int8 activations, then the dot);
         # a step replayed from a CUDA graph makes none from Python
         parts.append(f"{d['triton.calls']:.0f} Triton op calls from Python")
+        launches = getattr(self.model, "step_launches", None)
+        if launches is not None:
+            parts.append(launches.short())
         if "ple.rows" in d:
             parts.append(f"PLE: {d['ple.rows']:.0f} rows, {d.get('ple.distinct_pages', 0):.0f} pages, "
                          f"{d.get('ple.hints', 0):.0f} hints, gather {1e3 * d.get('ple.gather_s', 0):.2f} ms")

@@ -202,13 +202,15 @@ def slabs(t: QTensor) -> torch.Tensor:
 
 def read_host(ts: tuple[QTensor, ...], pin: bool) -> tuple[torch.Tensor, ...]:
     """The tensors' blocks read once into anonymous memory: O_DIRECT where the file system
-    allows (the page cache keeps no second copy), else a copy of the mapping."""
+    allows (the page cache keeps no second copy), else a copy of the mapping; blocks made
+    in memory (strata.gguf.MemoryGGUF) are taken as they are."""
     out = []
     for t in ts:
         try:
             path, offset = tensor_file(t)
         except ValueError:
-            host = torch.from_numpy(np.array(t.data))
+            writable = t.data.flags.writeable and t.data.flags.c_contiguous
+            host = torch.from_numpy(t.data if writable else np.array(t.data))
         else:
             base = offset // PAGE * PAGE
             span = offset - base + t.nbytes

@@ -218,14 +218,18 @@ class Placement:
         return out
 
 
-def this_machine(device: str = "cuda", reserve_mib: int = 1024) -> Machine:
-    """The machine the engine runs on: the GPU's memory as torch reports it, free RAM."""
-    import torch
-
+def this_machine(device: str = "cuda", reserve_mib: int = 1024, gpu_gib: float | None = None,
+                 ram_gib: float | None = None) -> Machine:
+    """The machine the engine runs on: the GPU's free memory as torch reports it, free RAM;
+    `gpu_gib`, `ram_gib`: this many instead (a larger card held to a smaller one's budget)."""
     from strata.storage.io import mem_available
-    dev = torch.device(device)
-    free, _total = torch.cuda.mem_get_info(dev)
-    return Machine(1, free, mem_available() or 0, reserve_mib * 2**20)
+    if gpu_gib:
+        gpu = int(gpu_gib * GiB)
+    else:
+        import torch
+        gpu = torch.cuda.mem_get_info(torch.device(device))[0]
+    ram = int(ram_gib * GiB) if ram_gib else (mem_available() or 0)
+    return Machine(1, gpu, ram, reserve_mib * 2**20)
 
 
 def place(shape: ModelShape, machine: Machine, ctx: int = 32768, pack_exists: bool = False) -> Placement:

@@ -20,25 +20,34 @@ from triton_kernels.ops import impl
 
 
 class InMemoryTable:
-    """The PLE table held as the file's blocks (zero-copy on the CPU, copied to a GPU):
-    rows gathered and dequantized by triton_kernels.ple.ple_gather."""
+    """The PLE table held as the file's blocks (zero-copy on the CPU, copied to a GPU; with
+    `host`, on a GPU with the Triton kernels, left in host memory, page-locked where it lies,
+    and read by the gather kernel over PCIe): rows gathered and dequantized by
+    triton_kernels.ple.ple_gather."""
 
-    def __init__(self, t, device="cpu", kernels: str | None = None):
+    def __init__(self, t, device="cpu", kernels: str | None = None, host: bool = False):
         self.name, self.fmt, self.rows = t.name, t.fmt, t.shape[0]
+        self.device, self.row_bytes, self.rows_read = torch.device(device), t.data.shape[-1], 0
+        kernels = choose_kernels(kernels, device)
         with warnings.catch_warnings():  # a read-only mapping: torch warns, and nothing writes it
             warnings.simplefilter("ignore", UserWarning)
-            self.q = to_device(torch.from_numpy(t.data), device)
-        self.where = f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name} on {torch.device(device)})"
-        self._gather = impl("ple_gather", choose_kernels(kernels, device))
+            blocks = torch.from_numpy(t.data)
+        self.host = host and self.device.type == "cuda" and kernels == "triton" and register_host(blocks)
+        self.q = blocks if self.host else to_device(blocks, device)
+        self.where = (f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name} "
+                      + ("in host memory, read by the GPU over PCIe)" if self.host else f"on {self.device})"))
+        self._gather = impl("ple_gather", kernels)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         pass
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._gather(self.q, ids.to(self.q.device), self.fmt)
+        self.rows_read += ids.numel()  # a shape: read on the host without asking the device
+        return self._gather(self.q, ids if self.host else ids.to(self.q.device), self.fmt)
 
     def stats(self) -> dict:
-        return {}
+        """Rows gathered, and bytes of them read over PCIe (a table in host memory, on a GPU)."""
+        return {"rows": self.rows_read, "pcie_bytes": self.rows_read * self.row_bytes if self.host else 0}
 
 
 class StoredTable:

@@ -110,6 +110,23 @@ def test_files_have_the_real_widths(written):
     assert tok.vocab_size == VOCAB and tok.decode([300]) == ""  # padding: [PAD300], unused
 
 
+def test_the_model_built_in_memory_holds_the_written_files(written):
+    """strata.convert.flash_shape_memory reads the same tensor list and draws each tensor
+    from the same generator as the writer: the same tensors, bytes and metadata (but the
+    tokenizer's, the shards' and the end-of-turn id the tokenizer gives), with no MTP block."""
+    from strata.convert.flash_shape_memory import flash_shape_memory
+    _, (first, second, _) = written
+    g = open_gguf(first)
+    m = flash_shape_memory(1, ROWS, experts=EXPERTS, top_k=TOP_K, vocab=VOCAB)
+    on_disk = {**g.tensors, **open_gguf(second).tensors}
+    assert list(m.tensors) == list(on_disk)
+    for name, t in on_disk.items():
+        assert (m.tensors[name].shape, m.tensors[name].nbytes) == (t.shape, t.nbytes)
+        assert np.array_equal(m.tensor(name).data, t.data), name
+    same = (lambda k: not k.startswith(("tokenizer.", "split.")) and k != f"{n.ARCH}.ple.eos_token_id")
+    assert {k: v for k, v in m.metadata.items() if same(k)} == {k: v for k, v in g.metadata.items() if same(k)}
+
+
 def test_blocks_are_valid_and_scaled(written):
     """Every quantized matrix decodes to finite weights of RMS 1/sqrt(fan_in) and mean zero
     (Q4_0's and IQ4_NL's codes average below zero: their scales take either sign, as

@@ -1,0 +1,113 @@
+"""flash-shape built in memory (strata.convert.flash_shape_memory): `strata bench model -m
+flash-shape[:LAYERS]` loads it through the loader a GGUF file goes through, reports pp,
+tg, the launches of its decode step traced on fake CUDA and what its tiers moved; on
+fake CUDA held to a small card's budget the placement takes an expert cache over pinned
+host memory and leaves the PLE table in host memory, and the step still asks the host
+nothing.
+
+At the real counts (512 experts, top-10, vocabulary 248,320) one layer's bench takes
+about two minutes on a busy 2-core machine (the torch path dequantizes each routed
+IQ3_XXS expert a call), so the command runs here with 16 experts a layer of which a
+token takes 2 and a vocabulary of 512, as tests/strata/test_flash_shape.py writes them:
+counts, not widths; every width is real."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from strata.convert import flash_shape_memory as fsm
+from strata.names import qwen4exp as n
+
+SMALL = dict(experts=16, top_k=2, vocab=512)
+NUM = r"(\d[\d,]*(?:\.\d+)?)"
+
+
+def test_tensors_are_made_on_demand_and_equal_each_time():
+    """The tensor table says every tensor's format, shape and size with no memory behind it;
+    the blocks are made at each read, from the tensor's own generator: the same bytes each
+    time, whatever was read before."""
+    g = fsm.flash_shape_memory(1, 1000, **SMALL)
+    stand_in = g.tensors[n.blk(0, n.MOE["gate_exps"])]
+    assert stand_in.data.strides == (0, 0) and stand_in.nbytes == 16 * 640 * 2560 * 98 // 256
+    a = g.tensor(n.PLE_TABLE).data
+    g.tensor(n.OUTPUT)
+    b = g.tensor(n.PLE_TABLE).data
+    assert a.shape == (1000, 90) and a is not b and np.array_equal(a, b)
+    assert g.arch == n.ARCH and g.get(f"{n.ARCH}.expert_count") == 16
+
+
+def _cli(*argv) -> tuple[int, str, str]:
+    from strata.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.slow  # 14 s alone on 2 cores, 30-36 s beside other jobs
+def test_bench_model_flash_shape_on_the_cpu(monkeypatch):
+    """`strata bench model -m flash-shape:1 --rows 65536 --device cpu`: the plan lines, a row
+    each for pp and tg with finite rates, the model's plan line (built in memory, one layer),
+    the launches of its decode step on a GPU traced on fake CUDA, and what a token moved."""
+    monkeypatch.setattr(fsm, "flash_shape_memory", functools.partial(fsm.flash_shape_memory, **SMALL))
+    n_threads = torch.get_num_threads()
+    try:
+        rc, out, err = _cli("bench", "model", "-m", "flash-shape:1", "--rows", 65536, "--device", "cpu",
+                            "-p", 4, "-n", 2, "-r", 1, "-t", 2)
+    finally:
+        torch.set_num_threads(n_threads)
+    assert rc == 0, err
+    assert "strata: plan: qwen4exp on cpu" in err and "PLE table: the file's blocks in memory (6 MiB IQ4_NL" in err
+    for test in ("pp4", "tg2"):
+        m = re.search(rf"\| strata \| flash-shape-1l-65536rows-16x2-512v \(in memory\) \|\s+2 \|\s+{test} \|"
+                      rf"\s+{NUM} ± {NUM} \|", out)
+        assert m and math.isfinite(float(m[1])) and float(m[1]) > 0, out
+    m = re.search(rf"load {NUM} s, peak RSS {NUM} MiB; a decode step reads {NUM} MiB of weights", out)
+    assert m and all(float(x.replace(",", "")) > 0 for x in m.groups()), out
+    assert "Flash-Shape 1L (qwen4exp, 1 layers: 1 DeltaNet + 0 attention, dim 2560 x 4 streams, 16 experts " \
+           "top-2" in out
+    m = re.search(rf"a decode step on a GPU \(bfloat16, Triton kernels, experts device, PLE in memory, traced on "
+                  rf"fake CUDA\): {NUM} kernel launches \({NUM} a layer\): {NUM} Triton, {NUM} torch", out)
+    assert m, out
+    launches, triton, torch_ops = int(m[1]), int(m[3]), int(m[4])
+    assert launches == triton + torch_ops and triton > 0 and 20 < launches < 400
+    assert re.search(r"a decoded token \(tg, 2 tokens\): no PCIe \(the model computes on the CPU\); experts "
+                     rf"\w+: expert hit rate n/a .*, {NUM} hits and 0.0 misses a token", out), out
+
+
+def test_a_small_cards_placement_keeps_the_table_and_expert_misses_on_the_host():
+    """flash-shape:1 on fake CUDA held to a card of 1 GiB: the placement takes a cache of
+    the experts over pinned host memory and leaves the PLE table in host memory, read by the
+    GPU over PCIe; a decode step reads nothing on the host."""
+    from strata.load import Options, build, decide
+    from strata.runtime.trace import fake_cuda, trace
+    g = fsm.flash_shape_memory(1, 65536)
+    with fake_cuda():
+        plan = decide(g, Options(device="cuda", kernels="triton", gpu_mem_gib=1.0, ram_gib=64, vram_reserve_mib=0))
+        assert plan.experts.tier.startswith("cache:") and plan.experts.tier.endswith(":host"), plan.lines(False)
+        assert plan.ple.host and plan.placement.ple_where == "ram"
+        model = build(plan)
+        assert "in host memory, read by the GPU over PCIe" in model.plan_line(), model.plan_line()
+        state = model.new_cache(8)
+        trace(lambda: model(torch.tensor([1]), state))
+        t = trace(lambda: model(torch.tensor([4]), state))
+    assert t.launches > 0 and model.ple.table.stats()["pcie_bytes"] == 2 * 16 * 90
+
+
+def test_the_decode_timing_line_says_the_launches_a_step():
+    from strata.load.launches import StepLaunches
+    from strata.runtime.timing import StepTimer
+    from strata.runtime.trace import Trace
+
+    class Model:
+        step_launches = StepLaunches(8, "bf16", Trace(torch_ops={"mul": 700}, triton={"_gemv": 90}))
+
+    line = StepTimer(Model()).line(1, 2.0)
+    assert "790 launches a step on a GPU (98.8 a layer, traced)" in line, line
