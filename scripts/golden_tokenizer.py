@@ -5,7 +5,7 @@
 
 The first needs llama-cpp-python (`pip install llama-cpp-python`, a llama.cpp build) and the
 SmolLM2 GGUF (`strata.hub.pull_smollm2()`). The second prints `_LLAMA_CPP_CLASSES`, the
-letter/number/mark table of strata/tokenizer.py, from llama.cpp's own Unicode data: llama.cpp
+letter/number/mark table of strata/pretokenizers.py, from llama.cpp's own Unicode data: llama.cpp
 splits text by its table, not by the Unicode version of the regex engine or of Python.
 """
 from __future__ import annotations

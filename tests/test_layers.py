@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [  # bottom first
     ("quant",),  # the formats: numpy reference codecs
     ("triton_kernels",),  # kernels and their torch twins
-    ("strata.tensors", "strata.gguf", "strata.names", "strata.cache", "strata.tokenizer"),  # files and names
+    ("strata.tensors", "strata.gguf", "strata.names", "strata.cache", "strata.tokenizer",
+     "strata.pretokenizers"),  # files and names
     ("strata.nn", "strata.runtime", "strata.dist"),  # modules; generation over any model; several processes
     ("strata.storage", "strata.models"),  # where weights live; models as structure
     ("strata.load",),  # the plan and the loaders
@@ -68,3 +69,10 @@ def test_a_wrong_import_is_caught():
     assert _layer("strata.storage.experts") < _layer("strata.cli.args")
     assert _layer("strata.models.llama") < _layer("strata.load.plan") < _layer("strata.hub")
     assert _layer("argparse") == len(LAYERS) - 1
+
+
+def test_every_strata_module_fits_500_lines():
+    """A module over 500 lines holds more than one thing: split it by what it holds."""
+    long = [f"{f.relative_to(ROOT)}: {n} lines" for f in (ROOT / "strata").rglob("*.py")
+            if (n := len(f.read_text().splitlines())) > 500]
+    assert not long, long
