@@ -60,7 +60,7 @@ def test_bench_model_flash_shape_on_the_cpu(monkeypatch):
     n_threads = torch.get_num_threads()
     try:
         rc, out, err = _cli("bench", "model", "-m", "flash-shape:1", "--rows", 65536, "--device", "cpu",
-                            "-p", 4, "-n", 2, "-r", 1, "-t", 2)
+                            "-p", 4, "-n", 2, "-r", 1, "-t", 1)
     finally:
         torch.set_num_threads(n_threads)
     assert rc == 0, err
