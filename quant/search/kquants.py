@@ -46,13 +46,13 @@ def _safe(v: np.ndarray, bad: np.ndarray) -> np.ndarray:
 
 
 def _cols(x: np.ndarray, n: int) -> np.ndarray:
-    """(B, 256) -> (n, B * 256 / n): sub-blocks of n weights as columns."""
+    """(B, N) -> (n, B N / n): sub-blocks of n weights as columns."""
     return np.ascontiguousarray(x.reshape(-1, n).T)
 
 
 def _rows(c: np.ndarray, b: int) -> np.ndarray:
-    """The inverse of `_cols`: (n, S) -> (b, 256)."""
-    return np.ascontiguousarray(c.T).reshape(b, QK_K)
+    """The inverse of `_cols`: (n, S) -> (b, S n / b)."""
+    return np.ascontiguousarray(c.T).reshape(b, -1)
 
 
 def _extreme(x: np.ndarray) -> np.ndarray:
