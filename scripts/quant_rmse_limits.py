@@ -100,13 +100,16 @@ ROW_SETS = {"gaussian": gaussian_rows, "smollm2": smollm2_rows, "student_t": stu
 
 
 def block_rows() -> np.ndarray:
-    """(4, 1536): Gaussian; Student-t(3); a Q4_1-like row (each 32 weights on a 15-step
-    grid); a row of all-zero, tiny and spiky sub-blocks."""
+    """(6, 512), two 256-blocks a row: Gaussian; Student-t(3); a Q4_1-like row (each 32
+    weights on a 15-step grid); a row of all-zero, tiny and spiky sub-blocks; Gaussian at
+    1e-6 (fp16-subnormal scales); all positive."""
     rng = np.random.default_rng(7)
-    grid = rng.uniform(0.01, 0.1, (48, 1)) * rng.integers(0, 16, (48, 32)) - rng.uniform(0, 0.8, (48, 1))
-    odd = rng.standard_normal(1536) * np.repeat(rng.choice([0, 1e-9, 1e-3, 1, 100], 96), 16)
-    odd[::97] *= 50
-    return np.stack([rng.standard_normal(1536), rng.standard_t(3, 1536), grid.reshape(-1), odd]).astype(np.float32)
+    grid = rng.uniform(0.01, 0.1, (16, 1)) * rng.integers(0, 16, (16, 32)) - rng.uniform(0, 0.8, (16, 1))
+    odd = rng.standard_normal(512) * np.repeat(rng.choice([0, 1e-9, 1e-3, 1, 100], 32), 16)
+    odd[::37] *= 50
+    odd += 0.0  # no -0: ggml's Q4_0/Q5_0 store d = -0 for a block of zeros of either sign, gguf-py's d = 0 for -0s
+    return np.stack([rng.standard_normal(512), rng.standard_t(3, 512), grid.reshape(-1), odd,
+                     1e-6 * rng.standard_normal(512), rng.uniform(1, 9, 512)]).astype(np.float32)
 
 
 def rel_rmse(x: np.ndarray, y: np.ndarray) -> float:
@@ -218,6 +221,8 @@ def main() -> None:
             blocks[name] = ggml.quantize(name, x, None)
             if name not in LEGACY:
                 blocks[name + "+importance"] = ggml.quantize(name, x, imp)
+            same = np.array_equal(blocks[name], quant.get(name).quantize(x))
+            print(f"{name:8s} strata's blocks {'are' if same else 'are NOT'} ggml's")
         np.savez_compressed(a.blocks, **blocks)
         print(f"wrote {a.blocks}")
 
