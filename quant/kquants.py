@@ -23,11 +23,10 @@ Layouts (little-endian, byte offsets), with j the weight's index in the block:
 Q4_K/Q5_K scale bytes s[0..11], sub-block i < 4: sc = s[i] & 63, m = s[i + 4] & 63;
 i >= 4: sc = (s[i + 4] & 15) | ((s[i - 4] >> 6) << 4), m = (s[i + 4] >> 4) | ((s[i] >> 6) << 4).
 
-The quantizers are a simple search-free scheme, not llama.cpp's: per sub-block, the
-asymmetric formats (Q2_K, Q4_K, Q5_K) take the range [min(0, min x), max x], the symmetric
-ones (Q3_K, Q6_K) map the signed extreme to the most negative code; the sub-block scales
-are then coded against one fp16 super-scale (the largest over the block) by rounding, and
-each weight takes the nearest code under the stored scales. Their error bounds are in
+The quantizers are llama.cpp's (quantize_row_q*_K_ref, and quantize_row_q*_K_impl with an
+importance), searches vectorised over a chunk's sub-blocks in quant/search/kquants.py; the
+bytes are ggml's, block for block (tests/quant/test_search.py). Each ends with every weight
+on its nearest code under the stored scales; the error bounds are in
 tests/quant/test_roundtrip.py.
 """
 from __future__ import annotations
