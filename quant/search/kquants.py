@@ -37,7 +37,9 @@ EPS = F32(1e-15)  # GROUP_MAX_EPS
 
 
 def _rint(v: np.ndarray) -> np.ndarray:
-    return np.rint(v, out=v) if isinstance(v, np.ndarray) and v.flags.writeable else np.rint(v)
+    """nearest_int (halves to even, as adding 1.5 * 2^23 rounds), in place: v is always a
+    fresh temporary here."""
+    return np.rint(v, out=v)
 
 
 def _safe(v: np.ndarray, bad: np.ndarray) -> np.ndarray:
@@ -281,9 +283,11 @@ def _asym(x: np.ndarray, imp: np.ndarray | None, n: int, nmax: int, smax: int, r
 
 
 def _sym(x: np.ndarray, nmax: int, smax: int, fit, eps):
-    """Q3_K, Q6_K without importance: (B, 256) -> d (B,), sc (B, 16) signed sub-block
-    codes, q (B, 256) in 0..2 nmax - 1 (the value plus nmax), live (B,): the blocks whose
-    largest sub-block scale is not below eps (the others store d = 0)."""
+    """Q3_K without importance, Q6_K (`fit` holds the importance): the sub-block fits, their
+    scales coded as multiples of d = -max / (smax + 1), max the signed largest.
+    (B, 256) -> d (B,), sc (B, 16) signed codes, q (B, 256) in 0..2 nmax - 1 (the value
+    plus nmax), live (B,): the blocks whose largest sub-block scale is not below eps
+    (nonzero where eps is None); the others store d = 0."""
     b = x.shape[0]
     xc = _cols(x, 16)
     scales, L = fit(xc)
@@ -300,14 +304,18 @@ def _sym(x: np.ndarray, nmax: int, smax: int, fit, eps):
 
 
 def q2_k(x: np.ndarray, imp: np.ndarray | None):
+    """(B, 256), importance (B, 256) or None -> d, dmin (B,), sc, m (B, 16) in 0..15,
+    q (B, 256) in 0..3."""
     return _asym(x, imp, 16, 3, 15, (-0.5, 0.1, 15), mad=True)
 
 
 def q4_k(x: np.ndarray, imp: np.ndarray | None):
+    """-> d, dmin (B,), sc, m (B, 8) in 0..63, q (B, 256) in 0..15."""
     return _asym(x, imp, 32, 15, 63, (-1.0, 0.1, 20), mad=False)
 
 
 def q5_k(x: np.ndarray, imp: np.ndarray | None):
+    """-> d, dmin (B,), sc, m (B, 8) in 0..63, q (B, 256) in 0..31."""
     return _asym(x, imp, 32, 31, 63, (-0.5, 0.1, 15), mad=False)
 
 
