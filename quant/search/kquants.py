@@ -189,20 +189,31 @@ def q3(x: np.ndarray, nmax: int):
     wx = w * x
     sumlx = (wx * L).sum(axis=0)
     suml2 = (w * L * L).sum(axis=0)
+    # A column whose pass changed nothing is done (its next pass would repeat this one, and
+    # llama.cpp stops there): each pass runs over the columns the last one changed.
+    live = np.arange(x.shape[1])
     for _ in range(5):
+        xs, ws, wxs, Ls = x[:, live], w[:, live], wx[:, live], L[:, live]
+        slx_all, sl2_all = sumlx[live], suml2[live]
+        changed = np.zeros(live.size, bool)
         for i in range(x.shape[0]):
-            wi, xi, li = w[i], x[i], L[i]
-            slx = sumlx - wx[i] * li
+            li = Ls[i]
+            slx = slx_all - wxs[i] * li
             cand = slx > 0
-            sl2 = suml2 - wi * li * li
-            new = np.clip(_rint(xi * sl2 / _safe(slx, ~cand)), -nmax, nmax - 1)
+            sl2 = sl2_all - ws[i] * li * li
+            new = np.clip(_rint(xs[i] * sl2 / _safe(slx, ~cand)), -nmax, nmax - 1)
             cand &= new != li
-            slx = slx + wx[i] * new
-            sl2 = sl2 + wi * new * new
-            acc = cand & (sl2 > 0) & (slx * slx * suml2 > sumlx * sumlx * sl2)
-            L[i] = np.where(acc, new, li)
-            sumlx = np.where(acc, slx, sumlx)
-            suml2 = np.where(acc, sl2, suml2)
+            slx = slx + wxs[i] * new
+            sl2 = sl2 + ws[i] * new * new
+            acc = cand & (sl2 > 0) & (slx * slx * sl2_all > slx_all * slx_all * sl2)
+            Ls[i] = np.where(acc, new, li)
+            slx_all = np.where(acc, slx, slx_all)
+            sl2_all = np.where(acc, sl2, sl2_all)
+            changed |= acc
+        L[:, live], sumlx[live], suml2[live] = Ls, slx_all, sl2_all
+        live = live[changed]
+        if not live.size:
+            break
     L += nmax
     L[:, zero] = 0
     scale = np.where(suml2 > 0, sumlx / _safe(suml2, suml2 <= 0), F32(0))
