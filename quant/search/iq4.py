@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kquants import EPS, _cols, _extreme, _rows, _safe
+from .kquants import EPS, _cols, _dot, _extreme, _rows, _safe
 
 F32 = np.float32
 _SPAN = 300  # |2 v| beyond which every v takes an end value (the values stop at 127)
@@ -60,7 +60,7 @@ def search(x: np.ndarray, importance: np.ndarray | None, kvalues: np.ndarray, nt
     def fit(inv):
         q = kv[nearest(inv * xc, lut)]
         wq = w * q
-        return (wq * xc).sum(axis=0), (wq * q).sum(axis=0)
+        return _dot(wq, xc), _dot(wq, q)
 
     sumqx, sumq2 = fit(F32(1) / ((-mxs) / kv[0]))
     d = np.where(sumq2 > 0, sumqx / _safe(sumq2, sumq2 <= 0), F32(0))

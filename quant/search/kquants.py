@@ -65,28 +65,38 @@ def _extreme(x: np.ndarray) -> np.ndarray:
 
 # --- the sub-block fits ------------------------------------------------------------------
 
+def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sum over axis 0 of a * b, (n, S) -> (S,): each product rounded, then added in index
+    order, as (a * b).sum(axis=0) does, without the temporary."""
+    return np.einsum("ij,ij->j", a, b)
+
+
 def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
         mad: bool = False):
     """make_qkx2_quants / make_qkx3_quants: x, w (n, S) -> scale (S,), the_min (S,) (the
     m subtracted, >= 0) and codes L (n, S) float32 in 0..nmax."""
-    def err(d):
-        return np.abs(d) if mad else d * d
+    def codes(iscale, mn):
+        return np.clip(_rint(iscale * (x - mn)), 0, nmax)
+
+    def err(scale, mn, l):
+        d = scale * l + mn - x
+        return _dot(w, np.abs(d, out=d) if mad else np.square(d, out=d))
 
     mn = np.minimum(x.min(axis=0), F32(0))
     mx = x.max(axis=0)
     sum_w = w.sum(axis=0)
-    sum_x = (w * x).sum(axis=0)
+    sum_x = _dot(w, x)
     flat = mx == mn
     span = _safe(mx - mn, flat)
     iscale = F32(nmax) / span
     scale = F32(1) / iscale
-    L = np.clip(_rint(iscale * (x - mn)), 0, nmax)
-    best = (w * err(scale * L + mn - x)).sum(axis=0)
+    best = err(scale, mn, codes(iscale, mn))
+    best_iscale, best_from = iscale, mn   # the winner's codes, made again at the end
     for k in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(k) + F32(nmax)) / span
-        l = np.clip(_rint(iscale * (x - mn)), 0, nmax)
+        l = codes(iscale, mn)
         wl = w * l
-        sum_l, sum_l2, sum_xl = wl.sum(axis=0), (wl * l).sum(axis=0), (wl * x).sum(axis=0)
+        sum_l, sum_l2, sum_xl = _dot(w, l), _dot(wl, l), _dot(wl, x)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
         Ds = _safe(D, ~ok)
@@ -95,13 +105,15 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
         pos = this_min > 0
         this_min = np.where(pos, F32(0), this_min)
         this_scale = np.where(pos, sum_xl / _safe(sum_l2, ~pos), this_scale)
-        cur = (w * err(this_scale * l + this_min - x)).sum(axis=0)
+        cur = err(this_scale, this_min, l)
         better = ok & (cur < best)
-        L = np.where(better, l, L)
         best = np.where(better, cur, best)
+        best_iscale = np.where(better, iscale, best_iscale)
+        best_from = np.where(better, mn, best_from)
         scale = np.where(better, this_scale, scale)
-        mn = np.where(better, this_min, mn)
+        mn = np.where(better, this_min, mn)   # the candidates after a winner start from its min
         span = _safe(mx - mn, flat)
+    L = codes(best_iscale, best_from)
     L[:, flat] = 0
     scale = np.where(flat, F32(0), scale)
     return scale, -mn, L
@@ -160,22 +172,27 @@ def qx(x: np.ndarray, w: np.ndarray | None, nmax: int):
     mxs = _safe(mx, zero)
     wx = w * x
 
-    def fit(iscale):
-        l = np.clip(_rint(iscale * x), -nmax, nmax - 1)
-        return l, (wx * l).sum(axis=0), (w * l * l).sum(axis=0)
+    def codes(iscale):
+        return np.clip(_rint(iscale * x), -nmax, nmax - 1)
 
-    L, sumlx, suml2 = fit(F32(-nmax) / mxs)
+    def fit(iscale):
+        l = codes(iscale)
+        return _dot(wx, l), _dot(w * l, l)
+
+    best_iscale = F32(-nmax) / mxs
+    sumlx, suml2 = fit(best_iscale)
     scale = np.where(suml2 != 0, sumlx / _safe(suml2, suml2 == 0), F32(0))
     best = scale * sumlx
     for k in range(-9, 10):
         if k == 0:
             continue
-        l, sumlx, suml2 = fit(-(F32(nmax) + F32(0.1) * F32(k)) / mxs)
+        iscale = -(F32(nmax) + F32(0.1) * F32(k)) / mxs
+        sumlx, suml2 = fit(iscale)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = np.where(better, l, L)
+        best_iscale = np.where(better, iscale, best_iscale)
         scale = np.where(better, sumlx / _safe(suml2, ~better), scale)
         best = np.where(better, scale * sumlx, best)
-    L += nmax
+    L = codes(best_iscale) + F32(nmax)
     L[:, zero] = 0
     return np.where(zero, F32(0), scale), L
 
@@ -187,8 +204,8 @@ def q3(x: np.ndarray, nmax: int):
     L = np.clip(_rint(F32(-nmax) / _safe(mx, zero) * x), -nmax, nmax - 1)
     w = x * x
     wx = w * x
-    sumlx = (wx * L).sum(axis=0)
-    suml2 = (w * L * L).sum(axis=0)
+    sumlx = _dot(wx, L)
+    suml2 = _dot(w * L, L)
     # A column whose pass changed nothing is done (its next pass would repeat this one, and
     # llama.cpp stops there): each pass runs over the columns the last one changed.
     live = np.arange(x.shape[1])
