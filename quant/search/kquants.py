@@ -216,17 +216,19 @@ def q3(x: np.ndarray, nmax: int):
         for i in range(x.shape[0]):
             li = Ls[i]
             slx = slx_all - wxs[i] * li
-            cand = slx > 0
             sl2 = sl2_all - ws[i] * li * li
-            new = np.clip(_rint(xs[i] * sl2 / _safe(slx, ~cand)), -nmax, nmax - 1)
-            cand &= new != li
-            slx = slx + wxs[i] * new
-            sl2 = sl2 + ws[i] * new * new
-            acc = cand & (sl2 > 0) & (slx * slx * sl2_all > slx_all * slx_all * sl2)
-            Ls[i] = np.where(acc, new, li)
-            slx_all = np.where(acc, slx, slx_all)
-            sl2_all = np.where(acc, sl2, sl2_all)
-            changed |= acc
+            with np.errstate(divide="ignore", invalid="ignore"):  # slx <= 0: not a candidate
+                new = np.clip(_rint(xs[i] * sl2 / slx), -nmax, nmax - 1)
+            c = np.flatnonzero((slx > 0) & (new != li))   # few: the rest keep their code
+            if not c.size:
+                continue
+            nc = new[c]
+            s1 = slx[c] + wxs[i, c] * nc
+            s2 = sl2[c] + ws[i, c] * nc * nc
+            acc = (s2 > 0) & (s1 * s1 * sl2_all[c] > slx_all[c] * slx_all[c] * s2)
+            j = c[acc]
+            Ls[i, j], slx_all[j], sl2_all[j] = nc[acc], s1[acc], s2[acc]
+            changed[j] = True
         L[:, live], sumlx[live], suml2[live] = Ls, slx_all, sl2_all
         live = live[changed]
         if not live.size:
