@@ -2,12 +2,13 @@
 
 Layout: d fp16 | 16 B nibbles (byte i: weight i low, weight i + 16 high); w = d * KVALUES[q].
 The 16 values are not symmetric: -127 at the bottom, 113 at the top.
+Both formats quantize with llama.cpp's scale search (quant/search/iq4.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, f32_to_fp16_bytes, fp16_to_f32
+from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
 from .legacy import pack_nibbles, unpack_nibbles
 
 QK = 32
@@ -20,26 +21,13 @@ def _dequant(b: np.ndarray) -> np.ndarray:
     return d * KVALUES[unpack_nibbles(b[:, 2:])].astype(np.float32)
 
 
-def _nearest_code(r: np.ndarray) -> np.ndarray:
-    """Index of the KVALUES entry nearest to each r (ties to the lower entry)."""
-    kv = KVALUES.astype(np.float32)
-    mid = (kv[1:] + kv[:-1]) / 2  # decision boundaries between neighbours
-    return np.searchsorted(mid, r, side="left").astype(np.uint8)
-
-
 def _quant(x: np.ndarray, w) -> np.ndarray:
-    # Scale-exact quantizer: the weight of largest magnitude maps to -127 exactly, the
-    # rest to the nearest value. No scale search (llama.cpp tries several scales); in
-    # exchange a second round trip provably changes nothing (tests/quant/test_roundtrip.py).
-    imax = np.abs(x).argmax(axis=-1)[:, None]
-    d = np.take_along_axis(x, imax, axis=-1) / np.float32(-127)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where(d == 0, np.float32(0), x / d)
-    q = _nearest_code(r)
-    return np.concatenate([f32_to_fp16_bytes(d), pack_nibbles(q)], axis=-1)
+    from .search.iq4 import search  # the search imports KVALUES from here
+    d, _, q = search(x, w, KVALUES)
+    return np.concatenate([f32_to_fp16_bytes(d[:, None]), pack_nibbles(q)], axis=-1)
 
 
-IQ4_NL = Format("IQ4_NL", 20, QK, 18, _dequant, _quant, tables={"kvalues": KVALUES},
+IQ4_NL = Format("IQ4_NL", 20, QK, 18, _dequant, chunked(_quant, 18, 8192, ones_for_none=False), tables={"kvalues": KVALUES},
                 scale_offsets=(0,))
 
 
@@ -71,27 +59,14 @@ def _xs_dequant(b: np.ndarray) -> np.ndarray:
 
 
 def _xs_quant(x: np.ndarray, w) -> np.ndarray:
-    # Per 32 weights the IQ4_NL scale (the extreme weight maps to -127); one fp16 d a
-    # block so that the largest of those scales is 31 d; each sub-block scale rounded to a
-    # multiple of d; then every weight takes the value nearest to it under the stored scale.
+    from .search.iq4 import search
     n = x.shape[0]
-    xs = x.reshape(n, 8, 32)
-    imax = np.abs(xs).argmax(axis=-1)[..., None]
-    want = np.take_along_axis(xs, imax, axis=-1)[..., 0] / np.float32(-127)   # (n, 8)
-    d = np.minimum(np.abs(want).max(-1) / np.float32(31), np.float32(65504))
-    d16 = d.astype(np.float16).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ls = np.where(d16[:, None] > 0, np.rint(want / d16[:, None]), 0)
-    ls = (np.clip(ls, -32, 31) + 32).astype(np.uint8)                   # stored 0..63
-    dl = d16[:, None] * (ls.astype(np.int8) - np.int8(32)).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where(dl[..., None] == 0, np.float32(0), xs / dl[..., None])
-    q = _nearest_code(r).reshape(n * 8, 32)
+    d, ls, q = search(x, w, KVALUES)
     sh = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
     sl = (ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)
     return np.concatenate([f32_to_fp16_bytes(d[:, None]), sh[:, None].astype("<u2").view(np.uint8),
-                           sl, pack_nibbles(q).reshape(n, 128)], axis=-1)
+                           sl, pack_nibbles(q.reshape(n * 8, 32)).reshape(n, 128)], axis=-1)
 
 
-IQ4_XS = Format("IQ4_XS", 23, QK_K, 136, _xs_dequant, _xs_quant, tables={"kvalues": KVALUES},
+IQ4_XS = Format("IQ4_XS", 23, QK_K, 136, _xs_dequant, chunked(_xs_quant, 136, 1024, ones_for_none=False), tables={"kvalues": KVALUES},
                 scale_offsets=(0,))

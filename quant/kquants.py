@@ -23,22 +23,21 @@ Layouts (little-endian, byte offsets), with j the weight's index in the block:
 Q4_K/Q5_K scale bytes s[0..11], sub-block i < 4: sc = s[i] & 63, m = s[i + 4] & 63;
 i >= 4: sc = (s[i + 4] & 15) | ((s[i - 4] >> 6) << 4), m = (s[i + 4] >> 4) | ((s[i] >> 6) << 4).
 
-The quantizers are a simple search-free scheme, not llama.cpp's: per sub-block, the
-asymmetric formats (Q2_K, Q4_K, Q5_K) take the range [min(0, min x), max x], the symmetric
-ones (Q3_K, Q6_K) map the signed extreme to the most negative code; the sub-block scales
-are then coded against one fp16 super-scale (the largest over the block) by rounding, and
-each weight takes the nearest code under the stored scales. Their error bounds are in
+The quantizers are llama.cpp's (quantize_row_q*_K_ref, and quantize_row_q*_K_impl with an
+importance), searches vectorised over a chunk's sub-blocks in quant/search/kquants.py; the
+bytes are ggml's, block for block (tests/quant/test_search.py). Each ends with every weight
+on its nearest code under the stored scales; the error bounds are in
 tests/quant/test_roundtrip.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .format import Format, f32_to_fp16_bytes, fp16_to_f32
-from .legacy import round_away
+from .format import Format, chunked, f32_to_fp16_bytes, fp16_to_f32
+from .search import kquants as search
 
 QK_K = 256
-F16_MAX = np.float32(65504)
+CHUNK = 1024  # super-blocks a search step holds (1 MiB a float32 temporary)
 
 
 def _shifts(n: int, step: int) -> np.ndarray:
@@ -197,71 +196,29 @@ def _q6_k_dequant(b: np.ndarray) -> np.ndarray:
 
 # --- quantization ------------------------------------------------------------------------
 
-def _div0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a / b, and 0 where b is 0."""
-    return np.divide(a, b, out=np.zeros(np.broadcast_shapes(a.shape, b.shape), np.float32),
-                     where=b != 0)
-
-
-def _code_scales(s: np.ndarray, lo: int, hi: int):
-    """Sub-block scales s (n, k) -> (D (n, 1) the fp16 super-scale as float32, codes (n, k)
-    in lo..hi) with D * code nearest s: D rounds max |s| / hi to fp16."""
-    d = np.minimum(np.abs(s).max(axis=-1, keepdims=True) / np.float32(hi), F16_MAX)
-    big = fp16_to_f32(f32_to_fp16_bytes(d))
-    return big, round_away(_div0(s, big)).clip(lo, hi)
-
-
-def _asym_quant(x: np.ndarray, sub: int, qmax: int, smax: int):
-    """(n, 256) -> d, dmin (n, 1), sc, m (n, 256 // sub), q (n, 256) for w = d sc q - dmin m."""
-    n = x.shape[0]
-    xs = x.reshape(n, -1, sub)
-    lo = np.minimum(xs.min(axis=-1), 0)
-    hi = xs.max(axis=-1)
-    d, sc = _code_scales((hi - lo) / np.float32(qmax), 0, smax)
-    dmin, m = _code_scales(-lo, 0, smax)
-    dl = (d * sc)[:, :, None]
-    ml = (dmin * m)[:, :, None]
-    q = round_away(_div0(xs + ml, dl)).clip(0, qmax)
-    return d, dmin, sc, m, q.reshape(n, QK_K)
-
-
-def _sym_quant(x: np.ndarray, qneg: int, smin: int, smax: int):
-    """(n, 256) -> d (n, 1), sc (n, 16), q (n, 256) in -qneg..qneg-1 for w = d sc q; the
-    signed extreme of each sub-block of 16 maps to -qneg."""
-    n = x.shape[0]
-    xs = x.reshape(n, 16, 16)
-    imax = np.abs(xs).argmax(axis=-1)[:, :, None]
-    s = np.take_along_axis(xs, imax, axis=-1)[:, :, 0] / np.float32(-qneg)
-    d, sc = _code_scales(s, smin, smax)
-    q = round_away(_div0(xs, (d * sc)[:, :, None])).clip(-qneg, qneg - 1)
-    return d, sc, q.reshape(n, QK_K)
-
-
 def _q2_k_quant(x: np.ndarray, w) -> np.ndarray:
-    d, dmin, sc, m, q = _asym_quant(x, 16, 3, 15)
-    return pack_q2_k(d, dmin, sc, m, q)
+    return pack_q2_k(*search.q2_k(x, w))
 
 
 def _q3_k_quant(x: np.ndarray, w) -> np.ndarray:
-    d, sc, q = _sym_quant(x, 4, -32, 31)
-    return pack_q3_k(d, sc + 32, q)
+    d, sc, q = search.q3_k(x, w)
+    return pack_q3_k(d, sc, q - 4)
 
 
 def _q4_k_quant(x: np.ndarray, w) -> np.ndarray:
-    return pack_q4_k(*_asym_quant(x, 32, 15, 63))
+    return pack_q4_k(*search.q4_k(x, w))
 
 
 def _q5_k_quant(x: np.ndarray, w) -> np.ndarray:
-    return pack_q5_k(*_asym_quant(x, 32, 31, 63))
+    return pack_q5_k(*search.q5_k(x, w))
 
 
 def _q6_k_quant(x: np.ndarray, w) -> np.ndarray:
-    d, sc, q = _sym_quant(x, 32, -128, 127)
-    return pack_q6_k(d, sc, q + 32)
+    return pack_q6_k(*search.q6_k(x, w))
 
 
-Q2_K = Format("Q2_K", 10, QK_K, 84, _q2_k_dequant, _q2_k_quant, scale_offsets=(80, 82))
-Q3_K = Format("Q3_K", 11, QK_K, 110, _q3_k_dequant, _q3_k_quant, scale_offsets=(108,))
-Q4_K = Format("Q4_K", 12, QK_K, 144, _q4_k_dequant, _q4_k_quant, scale_offsets=(0, 2))
-Q5_K = Format("Q5_K", 13, QK_K, 176, _q5_k_dequant, _q5_k_quant, scale_offsets=(0, 2))
-Q6_K = Format("Q6_K", 14, QK_K, 210, _q6_k_dequant, _q6_k_quant, scale_offsets=(208,))
+Q2_K = Format("Q2_K", 10, QK_K, 84, _q2_k_dequant, chunked(_q2_k_quant, 84, CHUNK, ones_for_none=False), scale_offsets=(80, 82))
+Q3_K = Format("Q3_K", 11, QK_K, 110, _q3_k_dequant, chunked(_q3_k_quant, 110, CHUNK, ones_for_none=False), scale_offsets=(108,))
+Q4_K = Format("Q4_K", 12, QK_K, 144, _q4_k_dequant, chunked(_q4_k_quant, 144, CHUNK, ones_for_none=False), scale_offsets=(0, 2))
+Q5_K = Format("Q5_K", 13, QK_K, 176, _q5_k_dequant, chunked(_q5_k_quant, 176, CHUNK, ones_for_none=False), scale_offsets=(0, 2))
+Q6_K = Format("Q6_K", 14, QK_K, 210, _q6_k_dequant, chunked(_q6_k_quant, 210, CHUNK, ones_for_none=False), scale_offsets=(208,))

@@ -20,9 +20,9 @@ for the mixes Strata names here; its main rules:
 A quantized source is dequantized to float32 first. One progress line per tensor, as
 llama-quantize prints it, and the size summary at the end.
 
-The quantizers: IQ3_XXS and IQ3_S search as llama.cpp does, then refine (quant/search);
-IQ4_NL runs llama.cpp's scale search (quant/search/iq4.py); every other format uses its
-`quant` codec, simpler than llama.cpp's searches (the k-quants, IQ2_S: more error).
+The quantizers are the `quant` codecs: IQ3_XXS and IQ3_S search as llama.cpp does, then
+refine (quant/search/iq3.py); the K-quants, IQ4_NL and IQ4_XS run llama.cpp's searches
+(quant/search/kquants.py, iq4.py), block for block ggml's bytes.
 """
 from __future__ import annotations
 
@@ -259,14 +259,7 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
             if imp.size != t.shape[-1]:
                 raise QuantizeError(f"--imatrix {imatrix}: {name} has {imp.size} values for rows of "
                                     f"{t.shape[-1]}; was it computed for another model?")
-        if fmt.name == "IQ4_NL":
-            # llama.cpp's IQ4_NL search (quant/search/iq4.py): quant.IQ4_NL's own quantizer,
-            # scale-exact, leaves SmolLM2 unable to answer; until IQ4_NL uses the search
-            from quant.search.iq4 import quantize_iq4_nl
-            w = None if imp is None else np.broadcast_to(imp, x.shape).reshape(-1, 32)
-            data = quantize_iq4_nl(x.reshape(-1, 32), w)
-        else:
-            data = fmt.quantize(x, imp)
+        data = fmt.quantize(x, imp)
         return QTensor(name, fmt, t.shape, data.reshape(x.shape[0], -1))
 
     out, size_in, size_out, n_fallback, n = {}, 0, 0, 0, len(jobs)

@@ -1,9 +1,14 @@
-"""The IQ3 search (quant/search): it decodes, it is llama.cpp's loop where it claims to be,
-and its refinement only ever lowers the weighted error.
+"""The searches (quant/search). The K-quants' and IQ4's are llama.cpp's to the bit: their
+blocks equal the bytes ggml wrote for the same rows (tests/data/quant_ggml_blocks.npz,
+written by scripts/quant_rmse_limits.py --blocks), with and without an importance. The
+IQ3 search decodes, is llama.cpp's loop where it claims to be, and its refinement only
+ever lowers the weighted error.
 
 Errors are weighed as the search weighs them: x^2 without an importance matrix,
 imp * sqrt(sigma2 + x^2) with one (llama.cpp's choice).
 """
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,6 +20,18 @@ from quant import iq3
 from quant.search import IQ3Options, grid_tables, iq3_search
 from quant.search.iq3 import signs_and_targets, weights
 from quant.search.reference import quantize_block
+
+GGML_BLOCKS = np.load(Path(__file__).parents[1] / "data" / "quant_ggml_blocks.npz")
+
+
+@pytest.mark.parametrize("key", [k for k in GGML_BLOCKS.files if k not in ("rows", "importance")])
+def test_blocks_are_ggml_blocks(key):
+    """Gaussian, Student-t, Q4_1-like, spiky/zero, fp16-subnormal and all-positive rows."""
+    name, _, imp = key.partition("+")
+    w = GGML_BLOCKS["importance"] if imp else None
+    ours = quant.get(name).quantize(GGML_BLOCKS["rows"], w)
+    assert np.array_equal(ours, GGML_BLOCKS[key])
+
 
 FORMATS = {  # name: (grid, levels, parity, llama.cpp's scale count, fudge, eps)
     "IQ3_XXS": (iq3.XXS_GRID, iq3.XXS_LEVELS, True, 15, 1.0125, 1e-8),
