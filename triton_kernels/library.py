@@ -25,6 +25,7 @@ import quant
 from .conv import conv_step
 from .deltanet import deltanet_step
 from .dequant import dequantize
+from .hyperconn import hc_combine, hc_gates, hc_norm, hc_write
 from .norms import l2norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
@@ -142,6 +143,27 @@ def _l2norm(x: Tensor, eps: float) -> Tensor:
 OPS["l2norm"] = _register("l2norm", _l2norm)
 
 
+def _hc_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return hc_norm(x, w, eps)
+
+
+def _hc_gates(both: Tensor, rank: int, streams: int) -> tuple[Tensor, Tensor]:
+    return hc_gates(both, rank, streams)
+
+
+def _hc_combine(up: Tensor, xn: Tensor, streams: int) -> Tensor:
+    return hc_combine(up, xn, streams)
+
+
+def _hc_write(x: Tensor, out: Tensor, inj: Tensor) -> Tensor:
+    return hc_write(x, out, inj)
+
+
+for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine),
+                  ("hc_write", _hc_write)):
+    OPS[_name] = _register(_name, _f)
+
+
 def _fmt(f) -> str:
     return quant.get(f).name
 
@@ -180,4 +202,8 @@ _CALLS = {
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
     "l2norm": lambda x, eps=1e-6: OPS["l2norm"](x, eps),
+    "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
+    "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
+    "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
+    "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
 }

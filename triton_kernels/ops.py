@@ -12,6 +12,8 @@ import torch
 from .conv import conv_step, conv_step_torch
 from .deltanet import deltanet_step, deltanet_step_torch
 from .dequant import dequantize, dequantize_torch
+from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_norm, hc_norm_torch, hc_write,
+                        hc_write_torch)
 from .norms import l2norm, l2norm_torch
 from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
@@ -32,6 +34,10 @@ OPS = {
     "deltanet_step": (deltanet_step, deltanet_step_torch),
     "conv_step": (conv_step, conv_step_torch),
     "l2norm": (l2norm, l2norm_torch),
+    "hc_norm": (hc_norm, hc_norm_torch),
+    "hc_gates": (hc_gates, hc_gates_torch),
+    "hc_combine": (hc_combine, hc_combine_torch),
+    "hc_write": (hc_write, hc_write_torch),
 }
 
 recorder: list | None = None  # set by launches.record(): the calls made while it is open

@@ -60,14 +60,14 @@ class Layer(torch.nn.Module):
         y = qwen4exp_step.mixer_half(self, x, mixer_state)
         if y is None:
             a, w = self.attn_hc.read(x)
-            y = HyperConnection.write(x, self.mixer(a, mixer_state) if self.recurrent
+            y = self.attn_hc.write(x, self.mixer(a, mixer_state) if self.recurrent
                                       else self.mixer(a, mixer_state, start, positions), w)
         x = y
         y = qwen4exp_step.ffn_half(self, x)
         if y is not None:
             return y
         m, w = self.ffn_hc.read(x)
-        return HyperConnection.write(x, self.moe(m), w)
+        return self.ffn_hc.write(x, self.moe(m), w)
 
 
 class _Verify:

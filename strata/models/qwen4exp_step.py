@@ -51,7 +51,7 @@ def _mixer_half(x, hc_norm, hc_down, hc_up, proj, out, window, rec, conv, dt_bia
     a, w = hyperconn.read(x, hc_norm, _call(hc_down), _call(hc_up), streams, rank, eps, True)
     qkv, z, b, g = _call(proj)(a).float().split(splits, dim=-1)
     o, window = deltanet._decode(qkv, z, b, g, window, rec, conv, dt_bias, a_coef, norm, heads, ssm_eps)
-    return HyperConnection.write(x, _call(out)(o), w), window
+    return hyperconn.write(x, _call(out)(o), w), window
 
 
 def _ffn_half(x, hc_norm, hc_down, hc_up, proj, shared_down, w13, w2, streams, rank, eps, splits,
@@ -62,7 +62,7 @@ def _ffn_half(x, hc_norm, hc_down, hc_up, proj, shared_down, w13, w2, streams, r
     weights, ids = route_torch(logits, top_k, norm_topk)
     shared = _call(shared_down)(F.silu(g) * u).float()
     y = _few_tokens(m.float(), weights, ids, w13, w2) + torch.sigmoid(gate) * shared
-    return HyperConnection.write(x, y, w), ids
+    return hyperconn.write(x, y, w), ids
 
 
 def _attn_in(x, hc_norm, hc_down, hc_up, proj, cos, sin, streams, rank, eps, project_args):
@@ -75,7 +75,7 @@ def _attn_in(x, hc_norm, hc_down, hc_up, proj, cos, sin, streams, rank, eps, pro
 def _attn_out(x, out, gate, w, o, *ffn):
     """An attention layer's output projection and streams written, then its MoE half:
     (the streams after the layer, the routed ids)."""
-    x = HyperConnection.write(x, _call(o)(gated_attention.finish(out, gate)), w)
+    x = hyperconn.write(x, _call(o)(gated_attention.finish(out, gate)), w)
     return _ffn_half(x, *ffn)
 
 
@@ -188,9 +188,9 @@ def attention_layer(layer, x: torch.Tensor, st, start: int, positions) -> torch.
     out = m.attend(*qkv, st, start, pos, positions)
     r = _ATTN_OUT(x, out, gate, w, o, *step.ffn)
     if r is None:  # the rows were appended: finish this token eagerly
-        y = HyperConnection.write(x, m.o(gated_attention.finish(out, gate)), w)
+        y = hyperconn.write(x, m.o(gated_attention.finish(out, gate)), w)
         m_in, w = layer.ffn_hc.read(y)
-        return HyperConnection.write(y, layer.moe(m_in), w)
+        return hyperconn.write(y, layer.moe(m_in), w)
     x, ids = r
     layer.moe.experts.count(ids)
     return x

@@ -9,11 +9,17 @@ with a weight per stream; the GGUF holds 1 + w), mixes them into the block's inp
 and returns the injection weights 2*sigmoid(inject(xn) / S), one per stream; `write`
 adds the block's output to each stream times its weight. The final mixer is a `read`
 without injection.
+
+With Triton kernels (a GPU) the work around the two GEMVs runs as four kernels
+(triton_kernels.hyperconn); the torch form below is the CPU's and the compiled step's.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from triton_kernels.hyperconn import hc_norm_torch, hc_write_torch
+from triton_kernels.ops import impl
 
 from .linear import QuantLinear
 
@@ -33,12 +39,27 @@ class HyperConnection(torch.nn.Module):
     def read(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input (T, H) and the streams' injection weights (T, S) (None for the
         final mixer)."""
+        if self.down.kernels == "triton":
+            return self._read_kernels(x)
         return read(x, self.norm, self.down, self.up, self.streams, self.rank, self.eps, self.injects)
 
-    @staticmethod
-    def write(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _read_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        S, rank = self.streams, self.rank
+        xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps)
+        a, inj = impl("hc_gates", "triton")(self.down(xn), rank, S)
+        inp = impl("hc_combine", "triton")(self.up(a), xn, S)
+        return inp, (inj if self.injects else None)
+
+    def write(self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x + out injected into every stream by its weight."""
-        return x + (weights.unsqueeze(-1) * out.float().unsqueeze(1)).reshape(x.shape)
+        if self.down.kernels == "triton":
+            return impl("hc_write", "triton")(x.float(), out, weights)
+        return write(x, out, weights)
+
+
+def write(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """HyperConnection.write in torch: x + out injected into every stream by its weight."""
+    return hc_write_torch(x, out, weights)
 
 
 def read(x: torch.Tensor, norm: torch.Tensor, down, up, streams: int, rank: int, eps: float,
@@ -58,5 +79,4 @@ def stream_norm(x: torch.Tensor, w: torch.Tensor, streams: int, eps: float) -> t
     """Each of the S streams of x (T, S*H) RMS-normalised with its own weight (w: S*H
     values): (T, S, H)."""
     width = w.numel() // streams
-    xs = x.reshape(x.shape[0], streams, width)
-    return F.rms_norm(xs, (width,), eps=eps) * w.reshape(streams, width)
+    return hc_norm_torch(x, w.reshape(streams, width), eps).reshape(x.shape[0], streams, width)

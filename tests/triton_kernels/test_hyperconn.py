@@ -1,0 +1,98 @@
+"""The hyper-connections' kernels (triton_kernels/hyperconn.py), through the interpreter,
+and their torch twins, against float64 (u = 2^-24, gamma(n) = n u / (1 - n u)):
+
+- hc_norm: the sum of squares errs by gamma(H) of itself, the mean, eps, the square root
+  and the division add a rounding each, and the two products one each: |y - y64| <=
+  gamma(H + 6) |y64|.
+- hc_gates: v = both / S rounds once, and exp(-v) carries that rounding as a relative
+  error |v| u of its own (its derivative is itself), with a few ulp of exp's; 1 + e, the
+  division and the product (silu) or the doubling round once each: within gamma(8 + |v|)
+  of |y64|, plus 1e-36 absolute: below v = -88.7 exp(-v) overflows float32, and both give
+  0 for a value under 3e-37.
+- hc_combine: each term xn / (1 + exp(-u)) within gamma(4) of itself (as above, u exact
+  here), the sum of S terms gamma(S) of their magnitudes, the mean one more: |y - y64| <=
+  gamma(S + 8) * mean |terms64|.
+- hc_write: x + w o: the product and the sum round once each (or once, fused):
+  |y - y64| <= gamma(2) (|x| + |w o|).
+Each row is computed by its own program: a row's result is the same in any batch (checked
+bit for bit, the first row alone against the batch).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.tiers import examples
+from triton_kernels.backend import interpreter_on
+from triton_kernels.hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_norm, hc_norm_torch,
+                                      hc_write, hc_write_torch)
+
+U = 2.0 ** -24
+
+
+def gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def within(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> bool:
+    return y.shape == ref.shape and bool(((y.double() - ref).abs() <= bound).all())
+
+
+def data(seed: int, *shape, scale: float = 1.0) -> torch.Tensor:
+    return torch.from_numpy((np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32))
+
+
+shapes = dict(T=st.integers(1, 3), S=st.integers(1, 4), H=st.integers(1, 300), seed=st.integers(0, 2 ** 32 - 1))
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(**shapes, scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_hc_norm_within_the_float32_bound(T, S, H, seed, scale):
+    assert interpreter_on()
+    x, w = data(seed, T, S * H, scale=scale), data(seed + 1, S, H)
+    x64 = x.double().reshape(T, S, H)
+    ref = (x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6) * w.double()).reshape(T, S * H)
+    for f in (hc_norm, hc_norm_torch):
+        assert within(f(x, w, 1e-6), ref, gamma(H + 6) * ref.abs()), f.__name__
+    assert torch.equal(hc_norm(x[:1], w, 1e-6), hc_norm(x, w, 1e-6)[:1])
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(T=st.integers(1, 3), S=st.integers(1, 4), R=st.integers(1, 70), injects=st.booleans(),
+       seed=st.integers(0, 2 ** 32 - 1), scale=st.sampled_from([0.1, 1.0, 30.0]))
+def test_hc_gates_within_the_float32_bound(T, S, R, injects, seed, scale):
+    both = data(seed, T, R + (S if injects else 0), scale=scale)
+    v = both.double() / S
+    sig = 1 / (1 + torch.exp(-v))
+    ref_a, ref_inj = (v * sig)[:, :R], (2 * sig)[:, R:]
+    rel = (8 + v.abs()) * U / (1 - (8 + v.abs()) * U)
+    for f in (hc_gates, hc_gates_torch):
+        a, inj = f(both, R, S)
+        assert within(a, ref_a, rel[:, :R] * ref_a.abs() + 1e-36), f.__name__
+        assert within(inj, ref_inj, rel[:, R:] * ref_inj.abs() + 1e-36), f.__name__
+    one = hc_gates(both[:1], R, S)
+    assert all(torch.equal(p, q[:1]) for p, q in zip(one, hc_gates(both, R, S)))
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(**shapes)
+def test_hc_combine_within_the_float32_bound(T, S, H, seed):
+    up, xn = data(seed, T, S * H, scale=3.0), data(seed + 1, T, S * H)
+    terms = (xn.double() / (1 + torch.exp(-up.double()))).reshape(T, S, H)
+    ref = terms.mean(1)
+    for f in (hc_combine, hc_combine_torch):
+        assert within(f(up, xn, S), ref, gamma(S + 8) * terms.abs().mean(1)), f.__name__
+    assert torch.equal(hc_combine(up[:1], xn[:1], S), hc_combine(up, xn, S)[:1])
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(**shapes, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_hc_write_within_the_float32_bound(T, S, H, seed, dtype):
+    x, out, inj = data(seed, T, S * H), data(seed + 1, T, H).to(dtype), data(seed + 2, T, S).abs()
+    wo = (inj.double().unsqueeze(-1) * out.double().unsqueeze(1)).reshape(T, S * H)
+    ref = x.double() + wo
+    for f in (hc_write, hc_write_torch):
+        assert within(f(x, out, inj), ref, gamma(2) * (x.double().abs() + wo.abs())), f.__name__
+    assert torch.equal(hc_write(x[:1], out[:1], inj[:1]), hc_write(x, out, inj)[:1])

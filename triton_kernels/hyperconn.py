@@ -1,0 +1,163 @@
+"""The hyper-connections' work around their two small GEMVs, one kernel each
+(strata.nn.hyperconn says what a read and a write compute; S streams of width H, rank R):
+
+    hc_norm(x (T, S*H), w (S, H), eps)        -> xn (T, S*H): each stream RMS-normalised,
+                                                 times its weight
+    hc_gates(both (T, R+S), rank, S)          -> silu(both[:, :R] / S) (T, R), the up
+                                                 projection's input, and the injection
+                                                 weights 2 sigmoid(both[:, R:] / S) (T, S)
+    hc_combine(up (T, S*H), xn (T, S*H), S)   -> the block's input (T, H): the mean over
+                                                 streams of sigmoid(up) * xn
+    hc_write(x (T, S*H), out (T, H), inj (T, S)) -> x + inj * out in every stream
+
+In torch a read is nine launches beside its GEMVs and a write two or three; here a read is
+three and a write one, so that a decode step of Flash-Next launches about 14 fewer kernels
+a layer. Each program reads one token's row, so a row's result does not depend on the rows
+beside it (a decode and a verify agree). All float32. Not bit for bit with the torch twins:
+the norm's sum and the streams' mean add in another order, and exp, the square root and a
+product-then-add may round otherwise on a GPU; the bounds are in
+tests/triton_kernels/test_hyperconn.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+
+BLOCK = 1024  # columns a program of hc_combine and hc_write
+
+
+@triton.jit
+def _norm_kernel(x_ptr, w_ptr, out_ptr, S, H, eps, BH: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # (token, stream) row: r = t * S + s
+    s = r % S
+    c = tl.arange(0, BH)
+    live = c < H
+    x = tl.load(x_ptr + r * H + c, mask=live, other=0.0)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(w_ptr + s * H + c, mask=live, other=0.0)
+    tl.store(out_ptr + r * H + c, x * inv * w, mask=live)
+
+
+@triton.jit
+def _gates_kernel(both_ptr, a_ptr, inj_ptr, R, C, S, BC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BC)
+    v = tl.load(both_ptr + t * C + c, mask=c < C, other=0.0) / S
+    sig = 1.0 / (1.0 + tl.exp(-v))
+    tl.store(a_ptr + t * R + c, v * sig, mask=c < R)
+    tl.store(inj_ptr + t * (C - R) + (c - R), 2.0 * sig, mask=(c >= R) & (c < C))
+
+
+@triton.jit
+def _combine_kernel(up_ptr, xn_ptr, out_ptr, S, H, BS: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    s = tl.arange(0, BS)
+    live = (s[:, None] < S) & (h[None, :] < H)
+    at = t * S * H + s[:, None] * H + h[None, :]
+    u = tl.load(up_ptr + at, mask=live, other=0.0)
+    xn = tl.load(xn_ptr + at, mask=live, other=0.0)
+    m = xn / (1.0 + tl.exp(-u))
+    tl.store(out_ptr + t * H + h, tl.sum(tl.where(live, m, 0.0), axis=0) / S, mask=h < H)
+
+
+@triton.jit
+def _write_kernel(x_ptr, o_ptr, inj_ptr, out_ptr, S, H, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # (token, stream) row
+    t = r // S
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    live = h < H
+    x = tl.load(x_ptr + r * H + h, mask=live, other=0.0)
+    o = tl.load(o_ptr + t * H + h, mask=live, other=0.0).to(tl.float32)
+    w = tl.load(inj_ptr + r)
+    tl.store(out_ptr + r * H + h, x + w * o, mask=live)
+
+
+def _f32(name: str, *ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name}: expects float32 tensors, got {t.dtype}")
+
+
+def hc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each stream of x (T, S*H) RMS-normalised and times its weight w (S, H): (T, S*H)."""
+    _f32("hc_norm", x, w)
+    if not use_triton(x):
+        return hc_norm_torch(x, w, eps)
+    S, H = w.shape
+    x, w = x.contiguous(), w.contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        _norm_kernel[(x.shape[0] * S,)](x, w, out, S, H, eps, BH=triton.next_power_of_2(H))
+    return out
+
+
+def hc_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    S, H = w.shape
+    return (F.rms_norm(x.reshape(x.shape[0], S, H), (H,), eps=eps) * w).reshape(x.shape)
+
+
+def hc_gates(both: torch.Tensor, rank: int, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The down projection's rows both (T, rank + S, or rank alone for the final mixer) ->
+    (silu(both[:, :rank] / S), 2 sigmoid(both[:, rank:] / S)), the second (T, S) or (T, 0)."""
+    _f32("hc_gates", both)
+    if not use_triton(both):
+        return hc_gates_torch(both, rank, streams)
+    T, C = both.shape
+    if C not in (rank, rank + streams):
+        raise ValueError(f"hc_gates: both has {C} columns, not rank {rank} (+ streams {streams})")
+    both = both.contiguous()
+    a, inj = both.new_empty(T, rank), both.new_empty(T, C - rank)
+    if T:
+        _gates_kernel[(T,)](both, a, inj, rank, C, streams, BC=triton.next_power_of_2(C))
+    return a, inj
+
+
+def hc_gates_torch(both: torch.Tensor, rank: int, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    v = both / streams
+    return F.silu(v[:, :rank]), 2 * torch.sigmoid(v[:, rank:])
+
+
+def hc_combine(up: torch.Tensor, xn: torch.Tensor, streams: int) -> torch.Tensor:
+    """The mean over the S streams of sigmoid(up) * xn, both (T, S*H): (T, H)."""
+    _f32("hc_combine", up, xn)
+    if not use_triton(xn):
+        return hc_combine_torch(up, xn, streams)
+    T, SH = xn.shape
+    H = SH // streams
+    up, xn = up.contiguous(), xn.contiguous()
+    out = xn.new_empty(T, H)
+    if T:
+        bh = min(BLOCK, triton.next_power_of_2(H))
+        _combine_kernel[(T, triton.cdiv(H, bh))](up, xn, out, streams, H, BS=triton.next_power_of_2(streams),
+                                                  BLOCK_H=bh)
+    return out
+
+
+def hc_combine_torch(up: torch.Tensor, xn: torch.Tensor, streams: int) -> torch.Tensor:
+    T = xn.shape[0]
+    return (torch.sigmoid(up).reshape(T, streams, -1) * xn.reshape(T, streams, -1)).mean(dim=1)
+
+
+def hc_write(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:
+    """x (T, S*H) plus the block's output out (T, H, any float dtype) in every stream times
+    that stream's weight inj (T, S): (T, S*H), float32."""
+    _f32("hc_write", x, inj)
+    if not use_triton(x):
+        return hc_write_torch(x, out, inj)
+    T, S = inj.shape
+    H = out.shape[-1]
+    x, out, inj = x.contiguous(), out.contiguous(), inj.contiguous()
+    y = torch.empty_like(x)
+    if T:
+        bh = min(BLOCK, triton.next_power_of_2(H))
+        _write_kernel[(T * S, triton.cdiv(H, bh))](x, out, inj, y, S, H, BLOCK_H=bh)
+    return y
+
+
+def hc_write_torch(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:
+    return x + (inj.unsqueeze(-1) * out.float().unsqueeze(1)).reshape(x.shape)
