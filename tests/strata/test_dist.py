@@ -19,6 +19,19 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
+
+def _stop(p: subprocess.Popen) -> None:
+    """End a torchrun and its ranks: SIGTERM, which torchrun passes to its workers before it
+    exits (a SIGKILL to its process group alone left a rank running after the test), then
+    SIGKILL to the group if it has not ended in 30 s."""
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
 def _torchrun(n: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone", *args]
@@ -107,8 +120,7 @@ def test_a_rank_that_dies_ends_the_run_naming_it(flash_tiny_gguf, tmp_path):
         p.wait(timeout=60)
         took = time.monotonic() - t
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        _stop(p)
     text = log.read_text()
     assert p.returncode != 0
     assert took < 60, f"the run took {took:.0f} s to end after rank 1 died"
@@ -198,8 +210,7 @@ def test_serve_ep2_pp2_answers_as_one_process(flash_tiny_gguf):
         with cf.ThreadPoolExecutor(2) as ex:  # two slots batched, then the first again from the cache
             got = list(ex.map(ask, prompts)) + [ask(prompts[0])]
     finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+        _stop(p)
     tok = Tokenizer.from_gguf(flash_tiny_gguf)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -275,8 +286,7 @@ def test_serve_fails_the_requests_in_flight_and_answers_503_naming_the_lost_rank
         p.wait(timeout=60)
         assert p.returncode != 0
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+        _stop(p)
 
 
 @pytest.mark.slow
