@@ -34,6 +34,7 @@ from strata.nn.hyperconn import HyperConnection
 from strata.nn.mrope import Positions
 from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
+from strata.runtime import graphs_qwen4exp
 from strata.tensors import QTensor, host_tensor, module_to
 from triton_kernels.backend import to_device
 from triton_kernels.dequant import dequantize_torch
@@ -88,6 +89,7 @@ class Qwen4ExpState:
     can be cut back to any prefix of the verified tokens (see `keep`)."""
 
     rewindable = False  # the DeltaNet and conv states cannot be cut back to fewer tokens
+    graph = None  # on CUDA, its decode graph (strata.runtime.graphs_qwen4exp)
 
     def __init__(self, model: "Qwen4Exp", mtp: bool = False):
         dev = model.device
@@ -330,8 +332,14 @@ class Qwen4Exp(torch.nn.Module):
         pipe, out = self.pipe, []
         for tokens, state in items:
             tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-            x = self._trunk(tokens, state)
             rows = 1 if last_only else tokens.numel()
+            if graphs_qwen4exp.usable(self, state, tokens.numel()):  # CUDA: the state's decode graph
+                g = state.graph
+                if g is None or not g.fits(state, tokens.numel()):
+                    g = state.graph = graphs_qwen4exp.Qwen4ExpGraph(self, state, tokens.numel())
+                out.append(g(tokens)[-rows:])
+                continue
+            x = self._trunk(tokens, state)
             if pipe is None or pipe.last:
                 out.append(self.logits(x[-rows:]))
             else:

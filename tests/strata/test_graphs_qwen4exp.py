@@ -1,0 +1,111 @@
+"""Flash-Next's decode step as a CUDA graph captures it (strata.runtime.graphs_qwen4exp.step),
+run as is on the CPU, gives the model's own decode logits; on fake CUDA it reads nothing
+on the host, and its launches and their shapes are the same at any position.
+
+Tolerance: 1e-5 of the largest |logit|. Both run the same weights in float32; they differ
+in attention's summation (the graph attends over the whole capacity, masked, or over the
+gathered blocks' slots; the eager step over the tokens held) and, on the CPU, in the
+compiled halves' element-wise rounding (strata.models.qwen4exp_step)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.load import load_model
+from strata.runtime import graphs_qwen4exp
+from strata.runtime.graphs_qwen4exp import Qwen4ExpGraph
+
+
+def _rel(got, want) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.fixture(scope="module")
+def model(flash_tiny_gguf):
+    return load_model(flash_tiny_gguf, dtype=torch.float32, kernels="torch")
+
+
+def _check(model, prompt, steps, capacity=None):
+    a = model.new_cache()
+    model(prompt, a, last_only=True)
+    b = a.copy()
+    g = Qwen4ExpGraph(model, b, capacity=capacity)
+    tok, worst = 7, 0.0
+    for _ in range(steps):
+        want = model([tok], a, last_only=True)
+        got = g(tok)
+        assert b.length == a.length
+        worst = max(worst, _rel(got, want))
+        tok = int(want.argmax())
+    for sa, sb in zip(a.layers, b.layers):  # the states written alike
+        if hasattr(sa, "rec"):
+            assert _rel(sb.rec, sa.rec) < 1e-5 and _rel(sb.conv, sa.conv) < 1e-5
+        else:
+            assert _rel(sb.k, sa.k) < 1e-5 and sb.n_blocks == sb.n // 4
+            if sa.n_blocks:  # the eager step pools blocks once past the budget; the graph's always
+                assert _rel(sb.blocks(4)[:sa.n_blocks], sa.blocks(4)) < 1e-5
+    assert torch.equal(a.ple.history, b.ple.history) and _rel(b.ple.conv, a.ple.conv) < 1e-5
+    print(f"\nflash-tiny graph step against the eager decode, prompt {len(prompt)}, {steps} steps: "
+          f"max |graph - eager| / max |logit| = {worst:.2e}")
+    assert worst < 1e-5
+    return a, b
+
+
+def test_graph_step_equals_the_models_decode(model):
+    """Within the QSA budget (every visible block kept: dense attention)."""
+    _check(model, [1, 504, 3458, 314, 2113], 4)
+
+
+def test_graph_step_equals_the_models_decode_past_the_qsa_budget(model):
+    """flash-tiny keeps 64 tokens (16 blocks of 4): from position 67 on a query chooses;
+    the steps cross from dense attention into the chosen blocks'."""
+    prompt = [(37 * i + 11) % 500 + 3 for i in range(66)]
+    a, b = _check(model, prompt, 4, capacity=72)
+    assert a.length == 70 and a.layers[3].n_blocks == 17  # the eager step chose among 17 blocks
+
+
+def test_a_graph_continues_after_eager_steps_and_eager_after_it(model):
+    a = model.new_cache()
+    model([1, 2, 3], a, last_only=True)
+    b = a.copy()
+    g = Qwen4ExpGraph(model, b)
+    for t in (5, 6):
+        want, got = model([t], a, last_only=True), g(t)
+        assert _rel(got, want) < 1e-5
+    want, got = model([8, 9], a), model([8, 9], b)  # eager after the graph, in its buffers
+    assert _rel(got, want) < 1e-5 and b.length == a.length == 7
+    assert not g.fits(b, 1)  # the eager forward replaced the DeltaNet windows: capture again
+
+
+def test_the_graph_is_taken_on_cuda_only(model, monkeypatch):
+    state = model.new_cache()
+    model([1, 2], state, last_only=True)
+    model([4], state, last_only=True)
+    assert state.graph is None and not graphs_qwen4exp.usable(model, state, 1)
+    monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")
+    assert not graphs_qwen4exp.usable(model, state, 1)
+
+
+@pytest.mark.parametrize("experts, ple_io", [("device", None), ("cache:16:host", "ram")])
+def test_on_fake_cuda_the_graph_step_reads_nothing_on_the_host_and_is_the_same_at_any_position(
+        flash_tiny_gguf, experts, ple_io, monkeypatch):
+    """The step the model takes on CUDA (its graph's), traced on fake tensors
+    (strata.runtime.trace) at two positions: no host read, and the same launches with the
+    same shapes, grids and number arguments. The eager step's differ (its attention reads
+    the tokens held), which shows the comparison can fail."""
+    from strata.runtime.trace import fake_cuda, trace
+    with fake_cuda():
+        model = load_model(flash_tiny_gguf, dtype=torch.bfloat16, device="cuda", kernels="triton",
+                           experts=experts, ple_io=ple_io)
+        state = model.new_cache()
+        trace(lambda: model(torch.tensor([1]), state))  # makes the graph (on fake CUDA, not captured)
+        g = state.graph
+        first = trace(lambda: model(torch.tensor([2]), state))
+        second = trace(lambda: model(torch.tensor([3]), state))
+        assert state.graph is g and state.length == 3
+        monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")
+        eager = [trace(lambda: model(torch.tensor([t]), state)) for t in (4, 5)]
+    print(f"\nflash-tiny graph step on fake CUDA (bf16, Triton, experts {experts}): "
+          f"{second.line(model.cfg.n_layers)}")
+    assert first.ops == second.ops and len(first.ops) == first.launches
+    assert eager[0].ops != eager[1].ops
