@@ -67,43 +67,56 @@ def _rows(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return data.float() if scale is None else kv.decode(data, scale)
 
 
-def _pool(m, st: AttentionState, p: torch.Tensor) -> None:
-    """Write the pooled indexer key of the block that position p (shape (1,)) lies in:
-    the mean of its raw keys, normed, roped at its first position (GatedAttention._blocks)."""
-    r, C = m.ratio, st._idx.shape[0]
-    first = (p // r) * r                                                  # (1,)
-    at = (first + torch.arange(r, device=p.device)).clamp(max=C - 1)
-    raw = _rows(st._idx[at], None if st._is is None else st._is[at]).mean(dim=0, keepdim=True)
-    key = rotate(_heads_norm(raw, m.idx_k_norm, m.eps).unsqueeze(0), m.rope.cos[first], m.rope.sin[first],
-                 m.rope.dim)[0]
-    st._blocks.index_copy_(0, p // r, key)
+class _Where:
+    """What every attention layer of a step reads at the step's positions P (T,), computed
+    once a step for each (RoPE table, QSA block size, capacity): RoPE's rows, the causal
+    mask over the capacity, and QSA's indices (see the module)."""
+
+    def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int):
+        dev, C = P.device, capacity
+        self.cos, self.sin = rope.cos[P], rope.sin[P]
+        self.causal = torch.arange(C, device=dev)[None, :] <= P[:, None]        # (T, C): True attends
+        if not ratio:
+            return
+        r, span = ratio, torch.arange(ratio, device=dev)
+        self.block = P // r                                                      # the block p lies in
+        first = self.block * r
+        self.pool_at = (first[:, None] + span).clamp(max=C - 1)                  # (T, r)
+        self.pool_cos, self.pool_sin = rope.cos[first], rope.sin[first]
+        seen = (P + 1) // r                                                      # complete blocks a query sees
+        nb = C // r + 1
+        self.unseen = torch.arange(nb, device=dev)[None, :] >= seen[:, None]     # (T, NB)
+        self.block_rows = (torch.arange(nb, device=dev)[:, None] * r + span).clamp(max=C - 1)  # (NB, r)
+        tail = seen[:, None] * r + span                                          # the open tail, (T, r)
+        self.tail_ok, self.tail_at = tail <= P[:, None], tail.clamp(max=C - 1)
 
 
-def _sparse(m, q, idx_q, st: AttentionState, P: torch.Tensor) -> torch.Tensor:
-    """QSA for queries at positions P (T,): (H, T, D) (see the module)."""
-    T, r, C = P.numel(), m.ratio, st._k.shape[1]
-    keep = m.budget // r
-    for t in range(T):
-        _pool(m, st, P[t:t + 1])
+def _pool(m, st: AttentionState, at: _Where) -> None:
+    """Write the pooled indexer key of the block each position lies in: the mean of its
+    raw keys, normed, roped at its first position (GatedAttention._blocks)."""
+    rows = at.pool_at                                                            # (T, r)
+    raw = _rows(st._idx[rows], None if st._is is None else st._is[rows]).mean(dim=1)  # (T, d)
+    key = rotate(_heads_norm(raw, m.idx_k_norm, m.eps).unsqueeze(0), at.pool_cos, at.pool_sin, m.rope.dim)[0]
+    st._blocks.index_copy_(0, at.block, key)
+
+
+def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
+    """QSA for the step's queries: (H, T, D) (see the module)."""
+    T, keep = q.shape[1], m.budget // m.ratio
+    _pool(m, st, at)
     qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
-    qi = rotate(_heads_norm(qi, m.idx_q_norm, m.eps).transpose(0, 1), m.rope.cos[P], m.rope.sin[P], m.rope.dim)
-    blocks = st._blocks                                                  # (NB, d), NB >= keep
+    qi = rotate(_heads_norm(qi, m.idx_q_norm, m.eps).transpose(0, 1), at.cos, at.sin, m.rope.dim)
+    blocks = st._blocks                                                          # (NB, d)
     if invariant.enabled():
         scores = invariant.scores(qi, blocks)
     else:
-        scores = (qi.float() @ blocks.T).relu().sum(dim=0)              # (T, NB)
-    scores = scores / math.sqrt(m.idx_dim)
-    seen = (P + 1) // r                                                   # complete blocks a query sees
-    nb = torch.arange(blocks.shape[0], device=P.device)
-    scores = scores.masked_fill(nb[None, :] >= seen[:, None], float("-inf"))
+        scores = (qi.float() @ blocks.T).relu().sum(dim=0)                      # (T, NB)
+    scores = (scores / math.sqrt(m.idx_dim)).masked_fill(at.unseen, float("-inf"))
     # the best `keep`, ties to the lower block (a fixed rule: topk's choice among equal
     # scores moves with the row's length, and the graph's row is the capacity's)
     best, sel = (t[:, :keep] for t in scores.sort(dim=-1, descending=True, stable=True))  # (T, keep)
-    span = torch.arange(r, device=P.device)
-    tokens = torch.cat([(sel[:, :, None] * r + span).reshape(T, -1), seen[:, None] * r + span], dim=1)
-    ok = torch.cat([(best > float("-inf")).repeat_interleave(r, dim=1),
-                    seen[:, None] * r + span <= P[:, None]], dim=1)      # (T, S)
-    tokens = tokens.clamp(max=C - 1)
+    tokens = torch.cat([at.block_rows[sel].reshape(T, -1), at.tail_at], dim=1)  # (T, S)
+    ok = torch.cat([(best > float("-inf")).repeat_interleave(m.ratio, dim=1), at.tail_ok], dim=1)
     scales = st.kv_scales()
     k = _rows(st._k[:, tokens], None if scales is None else scales[0][:, tokens])  # (Hkv, T, S, D)
     v = _rows(st._v[:, tokens], None if scales is None else scales[1][:, tokens])
@@ -112,24 +125,22 @@ def _sparse(m, q, idx_q, st: AttentionState, P: torch.Tensor) -> torch.Tensor:
     return out[:, :, 0].transpose(0, 1)
 
 
-def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor) -> torch.Tensor:
+def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> torch.Tensor:
     """The gated attention of rows a (T, dim) at device positions P (T,), the state's
     buffers written in place."""
-    cos, sin = m.rope.cos[P], m.rope.sin[P]
-    q, k, v, idx_q, idx_k, gate = project(m.proj(a).float(), *m.project_args(), cos, sin)
+    q, k, v, idx_q, idx_k, gate = project(m.proj(a).float(), *m.project_args(), at.cos, at.sin)
     _write(st, "k", k, P)
     _write(st, "v", v, P)
     if idx_k is not None:
         _write(st, "idx", idx_k, P)
     if m.qsa and not m.dense_only:
-        out = _sparse(m, q, idx_q, st, P)
+        out = _sparse(m, q, idx_q, st, at)
     else:
         scales = st.kv_scales()
         keys = _rows(st._k, None if scales is None else scales[0])
         vals = _rows(st._v, None if scales is None else scales[1])
-        later = torch.arange(keys.shape[1], device=P.device)[None, :] <= P[:, None]  # (T, C): True attends
         out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0),
-                                             attn_mask=later, enable_gqa=True)[0]
+                                             attn_mask=at.causal, enable_gqa=True)[0]
     return m.o(finish(out, gate))
 
 
@@ -165,11 +176,19 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state) -> torch.Tensor:
     T = tok.numel()
     P = pos + torch.arange(T, device=pos.device)
     x = model.embed(tok).repeat(1, model.cfg.streams)
+    where: dict = {}
     for layer, st in zip(model.layers, state.layers):
         if layer.ple is not None:
             x = _ple(layer.ple, x, tok, state.ple)
         a, w = layer.attn_hc.read(x)
-        y = _deltanet(layer.mixer, a, st) if layer.recurrent else _attention(layer.mixer, a, st, P)
+        if layer.recurrent:
+            y = _deltanet(layer.mixer, a, st)
+        else:
+            m = layer.mixer
+            ratio = m.ratio if m.qsa and not m.dense_only else 0
+            key = (id(m.rope), ratio, st._k.shape[1])
+            at = where.get(key) or where.setdefault(key, _Where(P, m.rope, ratio, st._k.shape[1]))
+            y = _attention(m, a, st, P, at)
         x = HyperConnection.write(x, y, w)
         m, w = layer.ffn_hc.read(x)
         x = HyperConnection.write(x, layer.moe(m), w)
