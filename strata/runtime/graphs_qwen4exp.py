@@ -116,7 +116,8 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     # scores moves with the row's length, and the graph's row is the capacity's)
     best, sel = (t[:, :keep] for t in scores.sort(dim=-1, descending=True, stable=True))  # (T, keep)
     tokens = torch.cat([at.block_rows[sel].reshape(T, -1), at.tail_at], dim=1)  # (T, S)
-    ok = torch.cat([(best > float("-inf")).repeat_interleave(m.ratio, dim=1), at.tail_ok], dim=1)
+    chosen = (best > float("-inf"))[:, :, None].expand(T, keep, m.ratio).reshape(T, -1)
+    ok = torch.cat([chosen, at.tail_ok], dim=1)
     scales = st.kv_scales()
     k = _rows(st._k[:, tokens], None if scales is None else scales[0][:, tokens])  # (Hkv, T, S, D)
     v = _rows(st._v[:, tokens], None if scales is None else scales[1][:, tokens])
@@ -264,8 +265,22 @@ class Qwen4ExpGraph:
                 and self.mode == invariant.enabled()
                 and all(a is b for a, b in zip(self._tensors(), self.tensors)))
 
+    def _changed(self) -> list[torch.Tensor]:
+        """What a warm-up step changes for good: the recurrent states, the PLE block's, and
+        the experts' counters (the rows it writes at the position the next step rewrites)."""
+        out = [t for st in self.state.layers if not isinstance(st, AttentionState) for t in (st.conv, st.rec)]
+        if self.state.ple is not None:
+            out += [self.state.ple.history, self.state.ple.conv]
+        for layer in self.model.layers:
+            s = layer.moe.experts
+            dc = getattr(s, "device_cache", None)
+            out += [t for t in (getattr(s, "hits", None), getattr(dc, "routed", None), getattr(dc, "missed", None))
+                    if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+        return out
+
     def _capture(self, dev) -> None:
-        keep = [t.clone() for t in self.tensors]  # the warm-up steps change the state: put it back
+        changed = self._changed()
+        keep = [t.clone() for t in changed]  # the warm-up steps change the state: put it back
         self.pos.fill_(self.state.length)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -273,7 +288,7 @@ class Qwen4ExpGraph:
             for _ in range(2):
                 step(self.model, self.tok, self.pos, self.state)
         torch.cuda.current_stream(dev).wait_stream(side)
-        for t, k in zip(self.tensors, keep):
+        for t, k in zip(changed, keep):
             t.copy_(k)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

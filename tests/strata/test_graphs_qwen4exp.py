@@ -64,6 +64,18 @@ def test_graph_step_equals_the_models_decode_past_the_qsa_budget(model):
     assert a.length == 70 and a.layers[3].n_blocks == 17  # the eager step chose among 17 blocks
 
 
+def test_a_graph_of_a_window_of_tokens_equals_the_models_forward(model):
+    """T = 3 (a verify's N + 1 rows, here as a plain forward): every row's logits."""
+    a = model.new_cache()
+    model([1, 504, 3458], a, last_only=True)
+    b = a.copy()
+    g = Qwen4ExpGraph(model, b, T=3)
+    for toks in ([5, 6, 7], [8, 9, 10]):
+        want, got = model(toks, a), g(toks)
+        assert got.shape == want.shape == (3, model.cfg.vocab_size) and b.length == a.length
+        assert _rel(got, want) < 1e-5
+
+
 def test_a_graph_continues_after_eager_steps_and_eager_after_it(model):
     a = model.new_cache()
     model([1, 2, 3], a, last_only=True)
