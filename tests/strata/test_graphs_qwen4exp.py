@@ -64,6 +64,14 @@ def test_graph_step_equals_the_models_decode_past_the_qsa_budget(model):
     assert a.length == 70 and a.layers[3].n_blocks == 17  # the eager step chose among 17 blocks
 
 
+@pytest.mark.parametrize("options", [dict(experts="cache:16:host"), dict(qsa=False)], ids=["cache", "dense"])
+def test_graph_step_equals_the_models_decode_with_experts_in_a_cache_or_without_qsa(flash_tiny_gguf, options):
+    """Experts in a cache of 16 slots a layer over host RAM; `--qsa off` (the attention
+    over the whole capacity, masked)."""
+    other = load_model(flash_tiny_gguf, dtype=torch.float32, kernels="torch", **options)
+    _check(other, [1, 504, 3458, 314, 2113], 3)
+
+
 def test_a_graph_of_a_window_of_tokens_equals_the_models_forward(model):
     """T = 3 (a verify's N + 1 rows, here as a plain forward): every row's logits."""
     a = model.new_cache()
