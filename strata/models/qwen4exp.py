@@ -89,7 +89,7 @@ class Qwen4ExpState:
     can be cut back to any prefix of the verified tokens (see `keep`)."""
 
     rewindable = False  # the DeltaNet and conv states cannot be cut back to fewer tokens
-    graph = None  # on CUDA, its decode graph (strata.runtime.graphs_qwen4exp)
+    graphs: dict | None = None  # on CUDA, its graphs by window (strata.runtime.graphs_qwen4exp)
 
     def __init__(self, model: "Qwen4Exp", mtp: bool = False):
         dev = model.device
@@ -156,10 +156,14 @@ class Qwen4ExpState:
         if self.mtp is not None:
             self.mtp.truncate(v.start + n)
             self.hidden = v.streams[n - 1].clone()
-        if n < T and self.ple is not None:
-            self.ple = v.ple
+        if n < T and self.ple is not None:  # in place: a decode graph reads these tensors
+            st, held = self.ple, (self.ple.history, self.ple.conv)
+            st.history, st.conv = v.ple.history, v.ple.conv
             ple, tokens = self._model_ple, v.tokens[:n]
-            ple(v.ple_input[:n], tokens, self.ple, ple.ids(tokens, self.ple))
+            ple(v.ple_input[:n], tokens, st, ple.ids(tokens, st))
+            held[0].copy_(st.history)
+            held[1].copy_(st.conv)
+            st.history, st.conv = held
         self.length = v.start + n
         self.positions.truncate(self.length)
 
@@ -333,10 +337,12 @@ class Qwen4Exp(torch.nn.Module):
         for tokens, state in items:
             tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
             rows = 1 if last_only else tokens.numel()
-            if graphs_qwen4exp.usable(self, state, tokens.numel()):  # CUDA: the state's decode graph
-                g = state.graph
-                if g is None or not g.fits(state, tokens.numel()):
-                    g = state.graph = graphs_qwen4exp.Qwen4ExpGraph(self, state, tokens.numel())
+            T = tokens.numel()
+            if graphs_qwen4exp.usable(self, state, T):  # CUDA: the state's graph for T tokens
+                state.graphs = state.graphs or {}
+                g = state.graphs.get(T)
+                if g is None or not g.fits(state, T):
+                    g = state.graphs[T] = graphs_qwen4exp.Qwen4ExpGraph(self, state, T)
                 out.append(g(tokens)[-rows:])
                 continue
             x = self._trunk(tokens, state)

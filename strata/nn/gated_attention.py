@@ -90,6 +90,9 @@ class AttentionState:
         the rows held kept and the rest zero: a decode graph reads the whole capacity,
         masked, and writes in place (a zero row under the mask adds nothing; garbage
         could be NaN, which a mask does not silence)."""
+        if (self._held is not None and self._held is self._k and self._k.shape[-2] >= capacity
+                and (not (idx_dim and ratio) or self._blocks.shape[0] > capacity // ratio)):
+            return  # held already (a graph of another window shares the buffers)
         dev = device if device is not None else (self._k.device if self._k is not None else "cpu")
         store, n = kv.store_dtype(self.kind), self.n
 
@@ -112,6 +115,9 @@ class AttentionState:
             self._blocks = sized(self._blocks, (capacity // ratio + 1, idx_dim), torch.float32, self.n_blocks)
             self._block_ratio = ratio
         self._reserved = max(self._reserved, capacity)
+        self._held = self._k
+
+    _held = None  # the K buffer `hold` made (a buffer grown since is not held)
 
     def truncate(self, n: int) -> None:
         """Roll back to the first n tokens (drafted tokens rejected): the rows past n and

@@ -72,7 +72,7 @@ class _Where:
     once a step for each (RoPE table, QSA block size, capacity): RoPE's rows, the causal
     mask over the capacity, and QSA's indices (see the module)."""
 
-    def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int):
+    def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int, nb: int = 0):
         dev, C = P.device, capacity
         self.cos, self.sin = rope.cos[P], rope.sin[P]
         self.causal = torch.arange(C, device=dev)[None, :] <= P[:, None]        # (T, C): True attends
@@ -84,7 +84,6 @@ class _Where:
         self.pool_at = (first[:, None] + span).clamp(max=C - 1)                  # (T, r)
         self.pool_cos, self.pool_sin = rope.cos[first], rope.sin[first]
         seen = (P + 1) // r                                                      # complete blocks a query sees
-        nb = C // r + 1
         self.unseen = torch.arange(nb, device=dev)[None, :] >= seen[:, None]     # (T, NB)
         self.block_rows = (torch.arange(nb, device=dev)[:, None] * r + span).clamp(max=C - 1)  # (NB, r)
         tail = seen[:, None] * r + span                                          # the open tail, (T, r)
@@ -102,7 +101,7 @@ def _pool(m, st: AttentionState, at: _Where) -> None:
 
 def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     """QSA for the step's queries: (H, T, D) (see the module)."""
-    T, keep = q.shape[1], m.budget // m.ratio
+    T, keep = q.shape[1], min(m.budget // m.ratio, st._blocks.shape[0])
     _pool(m, st, at)
     qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
     qi = rotate(_heads_norm(qi, m.idx_q_norm, m.eps).transpose(0, 1), at.cos, at.sin, m.rope.dim)
@@ -140,20 +139,35 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
         scales = st.kv_scales()
         keys = _rows(st._k, None if scales is None else scales[0])
         vals = _rows(st._v, None if scales is None else scales[1])
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), vals.unsqueeze(0),
-                                             attn_mask=at.causal, enable_gqa=True)[0]
+        T = q.shape[1]  # each row its own product (its sums the same for any T)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), keys.expand(T, *keys.shape),
+                                             vals.expand(T, *vals.shape), attn_mask=at.causal[:, None, None, :],
+                                             enable_gqa=True)[:, :, 0].transpose(0, 1)
     return m.o(finish(out, gate))
 
 
-def _deltanet(m, a: torch.Tensor, st) -> torch.Tensor:
+def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:
+    """Only the keys, values and indexer keys of rows a written (the MTP block's, which a
+    draft attends to; MTPHead.keys)."""
+    _, k, v, _, idx_k, _ = project(m.proj(a).float(), *m.project_args(), at.cos, at.sin)
+    _write(st, "k", k, P)
+    _write(st, "v", v, P)
+    if idx_k is not None:
+        _write(st, "idx", idx_k, P)
+
+
+def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
     """GatedDeltaNet.forward for rows a (T, dim) token by token, its conv window written in
-    place; the recurrent state is updated in place by the one-token op."""
+    place; the recurrent state is updated in place by the one-token op. `rows`: where a
+    verify's inputs go (DeltaNetState.keep replays them)."""
     Hk, Hv, dk, dv = heads = m.k_heads, m.v_heads, m.dk, m.dv
     qkv, z, b, g = m.proj(a).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
     q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
                                                 gpu=m.proj.kernels == "triton")
     o = deltanet.recurrent(q, k, v, g, beta, st.rec, impl("deltanet_step", m.proj.kernels))
     st.conv.copy_(window)
+    if rows is not None:
+        rows.append((qkv, q, k, v, g, beta))
     return m.out(deltanet._gated_norm(o, z, m.norm, dv, m.eps))
 
 
@@ -170,47 +184,69 @@ def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
     return x
 
 
-def step(model, tok: torch.Tensor, pos: torch.Tensor, state) -> torch.Tensor:
-    """Logits (T, vocab) of tokens `tok` (T,) at positions pos.. (`pos`: shape (1,)), both
-    device tensors; the state's tensors written in place (its lengths the caller advances).
-    The state's attention buffers must hold the positions (AttentionState.hold)."""
+def _where(where: dict, P: torch.Tensor, m, st: AttentionState, pool: bool) -> _Where:
+    ratio = m.ratio if pool and m.qsa and not m.dense_only else 0
+    C, nb = st._k.shape[1], st._blocks.shape[0] if ratio else 0
+    key = (id(m.rope), ratio, C, nb)
+    if key not in where:
+        where[key] = _Where(P, m.rope, ratio, C, nb)
+    return where[key]
+
+
+def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor | None = None):
+    """(logits (T, vocab), the streams after the last layer (T, S*H), what a verify keeps)
+    for tokens `tok` (T,) at positions pos.. (`pos`: shape (1,)), both device tensors; the
+    state's tensors written in place (its lengths the caller advances). The state's
+    attention buffers must hold the positions (AttentionState.hold). With the state's MTP
+    keys, `prev` (1, S*H) holds the streams at the position before. What a verify keeps
+    (T > 1): {"ple_input": the PLE block's input, "rows": each DeltaNet layer's inputs}."""
     T = tok.numel()
     P = pos + torch.arange(T, device=pos.device)
     x = model.embed(tok).repeat(1, model.cfg.streams)
     where: dict = {}
+    kept: dict = {"rows": []} if T > 1 else {}
     for layer, st in zip(model.layers, state.layers):
         if layer.ple is not None:
+            if kept:
+                kept["ple_input"] = x
             x = _ple(layer.ple, x, tok, state.ple)
         a, w = layer.attn_hc.read(x)
         if layer.recurrent:
-            y = _deltanet(layer.mixer, a, st)
+            y = _deltanet(layer.mixer, a, st, kept.get("rows"))
         else:
-            m = layer.mixer
-            ratio = m.ratio if m.qsa and not m.dense_only else 0
-            key = (id(m.rope), ratio, st._k.shape[1])
-            at = where.get(key) or where.setdefault(key, _Where(P, m.rope, ratio, st._k.shape[1]))
-            y = _attention(m, a, st, P, at)
+            y = _attention(layer.mixer, a, st, P, _where(where, P, layer.mixer, st, True))
         x = HyperConnection.write(x, y, w)
         m, w = layer.ffn_hc.read(x)
         x = HyperConnection.write(x, layer.moe(m), w)
-    return model.logits(x)
+    if state.mtp is not None:
+        mtp = model.mtp
+        a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]])))
+        _keys(mtp.block.mixer, a, state.mtp, P, _where(where, P, mtp.block.mixer, state.mtp, False))
+    return model.logits(x), x, kept
 
 
 def usable(model, state, T: int) -> bool:
-    """Whether the graph can take this forward on CUDA (see the module)."""
-    if not enabled() or model.device.type != "cuda" or model.pipe is not None or T != 1:
+    """Whether the graph takes this forward: on CUDA, where `holds` does."""
+    return model.device.type == "cuda" and holds(model, state, T)
+
+
+def holds(model, state, T: int) -> bool:
+    """Whether a graph can hold this forward (see the module): one token, or a verify's
+    window; graphs on; the step's parts readable on the device without the host."""
+    if not enabled() or model.pipe is not None:
         return False
-    if state.mtp is not None or state._verify is not None or state.media is not None \
-            or state.positions.rows is not None:
+    if (T > 1) != (state._verify is not None) or state.media is not None or state.positions.rows is not None:
         return False
-    if model.ple is not None and getattr(model.ple.table, "host", True) is None:
+    gpu = model.device.type != "cpu"  # (on the CPU every part is where the step runs)
+    if gpu and model.ple is not None and getattr(model.ple.table, "host", True) is None:
         return False  # the table's rows come from a file through the host (mmap, direct)
-    for layer in model.layers:
+    for layer in [*model.layers, *([model.mtp.block] if state.mtp is not None else [])]:
         s = layer.moe.experts
         dc = getattr(s, "device_cache", None)
-        if layer.moe.share is not None or not (
-                getattr(getattr(s, "hits", None), "device", torch.device("cpu")).type != "cpu"
-                or (dc is not None and T * model.cfg.top_k <= dc.staging)):
+        resident = getattr(getattr(s, "hits", None), "device", None)
+        if layer.moe.share is not None or (gpu and not (
+                (resident is not None and resident.type != "cpu")
+                or (dc is not None and T * model.cfg.top_k <= dc.staging))):
             return False
     return True
 
@@ -220,41 +256,46 @@ def _capacity(need: int) -> int:
 
 
 class Qwen4ExpGraph:
-    """`step` for one state and T tokens, captured as a CUDA graph (on CUDA) or run as is
-    (elsewhere). The attention buffers are held at `capacity` positions; a forward past
+    """`step` for one state and T tokens (a decode, or a verify of T - 1 drafts), captured
+    as a CUDA graph (on CUDA) or run as is (elsewhere). The attention buffers are held at
+    `capacity` positions, shared by the state's graphs of other windows; a forward past
     them, or an eager forward that moved a state tensor, needs a new one (`fits`)."""
 
     @torch.inference_mode()
     def __init__(self, model, state, T: int = 1, capacity: int | None = None):
         self.model, self.state, self.T = model, state, T
-        self.capacity = capacity or _capacity(state.length + T)
+        want = capacity or _capacity(state.length + T)
         self.mode = invariant.enabled()
         dev = model.device
-        for layer, st in zip(model.layers, state.layers):
-            m = layer.mixer
-            if not layer.recurrent:
-                st.hold(self.capacity, m.n_kv_heads, m.head_dim, m.idx_dim if m.n_idx else 0,
-                        m.ratio if m.qsa else 0, dev)
-                if m.qsa:
-                    m._blocks(st, state.positions)  # the complete blocks not pooled yet: the step pools its own
-                if m.rope.cos.shape[0] < self.capacity + T:
-                    m.rope._table(self.capacity + T)
+        for m, st in self._attention():
+            st.hold(want, m.n_kv_heads, m.head_dim, m.idx_dim if m.n_idx else 0, m.ratio if m.qsa else 0, dev)
+            if m.qsa and st is not state.mtp:
+                m._blocks(st, state.positions)  # the complete blocks not pooled yet: the step pools its own
+        self.capacity = min(st._k.shape[1] for _, st in self._attention())
+        for m, _ in self._attention():
+            if m.rope.cos.shape[0] < self.capacity + T:
+                m.rope._table(self.capacity + T)
         self.tensors = self._tensors()
         self.tok = torch.zeros(T, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.prev = torch.zeros(1, model.cfg.streams * model.cfg.dim, device=dev) if state.mtp is not None else None
         self.graph = None
         if dev.type == "cuda" and backend._fake is None:
             self._capture(dev)
 
+    def _attention(self):
+        """(mixer, its AttentionState) of every attention layer, the MTP block's too."""
+        out = [(layer.mixer, st) for layer, st in zip(self.model.layers, self.state.layers) if not layer.recurrent]
+        if self.state.mtp is not None:
+            out.append((self.model.mtp.block.mixer, self.state.mtp))
+        return out
+
     def _tensors(self) -> list[torch.Tensor]:
         """Every state tensor and table the step reads by address: kept alive, and checked."""
-        out = []
-        for layer, st in zip(self.model.layers, self.state.layers):
-            if layer.recurrent:
-                out += [st.conv, st.rec]
-            else:
-                out += [t for t in (st._k, st._v, st._idx, st._blocks, st._ks, st._vs, st._is) if t is not None]
-                out += [layer.mixer.rope.cos, layer.mixer.rope.sin]
+        out = [t for st in self.state.layers if not isinstance(st, AttentionState) for t in (st.conv, st.rec)]
+        for m, st in self._attention():
+            out += [t for t in (st._k, st._v, st._idx, st._blocks, st._ks, st._vs, st._is) if t is not None]
+            out += [m.rope.cos, m.rope.sin]
         if self.state.ple is not None:
             out += [self.state.ple.history, self.state.ple.conv]
         return out
@@ -286,34 +327,55 @@ class Qwen4ExpGraph:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # compiles every kernel and sizes the allocator's pool
             for _ in range(2):
-                step(self.model, self.tok, self.pos, self.state)
+                step(self.model, self.tok, self.pos, self.state, self.prev)
         torch.cuda.current_stream(dev).wait_stream(side)
         for t, k in zip(changed, keep):
             t.copy_(k)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = step(self.model, self.tok, self.pos, self.state)
+            self.out = step(self.model, self.tok, self.pos, self.state, self.prev)
 
     @torch.inference_mode()
     def __call__(self, tokens) -> torch.Tensor:
-        """Logits (T, vocab) of `tokens` (T ids) continuing the state."""
+        """Logits (T, vocab) of `tokens` (T ids) continuing the state; for a verify, what
+        `Qwen4ExpState.keep` needs is left as the eager forward leaves it."""
         model, state, T = self.model, self.state, self.T
-        for layer in model.layers:
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        for layer in [*model.layers, *([model.mtp.block] if state.mtp is not None else [])]:
             layer.moe.experts.rebalance()  # between steps: the device caches' promotions
         if T == 1:
-            self.tok.fill_(int(torch.as_tensor(tokens).reshape(-1)[0]))
+            self.tok.fill_(int(tokens[0]))
         else:
-            self.tok.copy_(torch.as_tensor(tokens, dtype=torch.long).reshape(-1))
+            self.tok.copy_(tokens)
         self.pos.fill_(state.length)
+        if self.prev is not None:
+            if state.hidden is None:
+                self.prev.zero_()
+            else:
+                self.prev.copy_(state.hidden.reshape(1, -1))
         if self.graph is not None:
             self.graph.replay()
-            out = self.out
+            logits, x, kept = self.out
         else:
-            out = step(model, self.tok, self.pos, state)
+            logits, x, kept = step(model, self.tok, self.pos, state, self.prev)
+        start = state.length
         state.length += T
         for layer, st in zip(model.layers, state.layers):
             if not layer.recurrent:
                 st.n = state.length
                 if layer.mixer.qsa:
                     st.n_blocks = state.length // layer.mixer.ratio
-        return out
+        if state.mtp is not None:
+            state.mtp.n = state.length
+            state.hidden = x[-1].clone()
+        v = state._verify
+        if v is not None and v.start == start:
+            v.tokens, v.streams = tokens, x.clone()
+            if "ple_input" in kept:
+                v.ple_input = kept["ple_input"].clone()
+            rows = iter(kept["rows"])
+            for layer, st in zip(model.layers, state.layers):
+                if layer.recurrent:
+                    st.trail.rows = tuple(t.clone() for t in next(rows))
+                    st.trail.step = impl("deltanet_step", layer.mixer.proj.kernels)
+        return logits

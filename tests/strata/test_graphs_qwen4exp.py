@@ -101,7 +101,7 @@ def test_the_graph_is_taken_on_cuda_only(model, monkeypatch):
     state = model.new_cache()
     model([1, 2], state, last_only=True)
     model([4], state, last_only=True)
-    assert state.graph is None and not graphs_qwen4exp.usable(model, state, 1)
+    assert state.graphs is None and not graphs_qwen4exp.usable(model, state, 1)
     monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")
     assert not graphs_qwen4exp.usable(model, state, 1)
 
@@ -126,10 +126,10 @@ def test_on_fake_cuda_the_graph_step_reads_nothing_on_the_host_and_is_the_same_a
                            experts=experts, ple_io=ple_io)
         state = model.new_cache()
         trace(lambda: model(torch.tensor([1]), state))  # makes the graph (on fake CUDA, not captured)
-        g = state.graph
+        g = state.graphs[1]
         first = trace(lambda: model(torch.tensor([2]), state))
         second = trace(lambda: model(torch.tensor([3]), state))
-        assert state.graph is g and state.length == 3
+        assert state.graphs == {1: g} and state.length == 3
         monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")
         eager = [trace(lambda: model(torch.tensor([t]), state)) for t in (4, 5)]
     print(f"\nflash-tiny graph step on fake CUDA (bf16, Triton, experts {experts}): "
@@ -137,3 +137,59 @@ def test_on_fake_cuda_the_graph_step_reads_nothing_on_the_host_and_is_the_same_a
     assert first.ops == second.ops and len(first.ops) == first.launches
     assert second.host_to_device == 0 and second.launches <= LAUNCHES_A_LAYER[experts] * model.cfg.n_layers
     assert eager[0].ops != eager[1].ops
+
+
+@pytest.fixture
+def graphs_on_the_cpu(monkeypatch):
+    """The model's forward takes its graphs on the CPU as on CUDA (run as is, not captured)."""
+    monkeypatch.setattr(graphs_qwen4exp, "usable", graphs_qwen4exp.holds)
+
+
+def test_a_verify_through_the_graph_keeps_what_single_steps_leave(model, graphs_on_the_cpu):
+    """A state with the MTP head's keys: verify 4 tokens through the graph of 4, keep n;
+    every part of the state is what n one-token steps through the graph of 1 leave, and
+    their logits the eager steps' (the MTP keys and `hidden` written by the graph too)."""
+    extra = [1234, 2345, 3456, 4567]
+    base = model.new_cache(mtp=True)
+    model([1, 504, 3458], base)  # the prompt: eager
+    eager, steps = base.copy(), []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphs_qwen4exp, "usable", lambda *a: False)
+        for t in extra:
+            steps.append((model([t], eager), eager.copy()))
+
+    def parts(state):
+        out = [state.hidden, state.ple.conv, state.ple.history.float(), state.mtp.k, state.mtp.v]
+        for x in state.layers:
+            out += [x.k, x.v] if hasattr(x, "k") else [x.conv, x.rec]
+        return out
+    one = base.copy()
+    for t, (want, _) in zip(extra, steps):
+        assert _rel(model([t], one), want) < 1e-5
+    assert list(one.graphs) == [1]
+    for a, b in zip(parts(one), parts(steps[-1][1])):
+        assert _rel(a, b) < 1e-5
+    for n in (2, 4):
+        v = base.copy()
+        rows = model.verify(extra, v)
+        assert list(v.graphs) == [4] and _rel(rows, torch.cat([w for w, _ in steps])) < 1e-5
+        v.keep(n)
+        assert v.length == steps[n - 1][1].length
+        for a, b in zip(parts(v), parts(steps[n - 1][1])):
+            assert a.shape == b.shape and _rel(a, b) < 1e-5
+
+
+def test_greedy_spec_through_the_graphs_gives_the_plain_answer(model, flash_tiny_gguf, graphs_on_the_cpu):
+    """Drafts accepted 0 to 3 at a time (a drafter that knows the answer, wrong at one place):
+    decode and verifies through their graphs give --spec 0's eager tokens."""
+    from strata.runtime import SamplingParams, generate
+    from strata.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(flash_tiny_gguf)
+    prompt, params = [1, 504, 3458], SamplingParams(temperature=0, max_tokens=10)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphs_qwen4exp, "usable", lambda *a: False)
+        want = generate(model, tok, prompt, params).tokens
+
+    from tests.strata.test_spec import _oracle
+    got = generate(model, tok, prompt, params, spec=3, drafter=_oracle(want, len(prompt), model.cfg.vocab_size))
+    assert got.tokens == want and 0 < got.spec.accepted < got.spec.drafted
