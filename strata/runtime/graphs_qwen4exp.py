@@ -22,19 +22,29 @@ it holds is written for that (`step`):
   the cut the two may keep different blocks;
 - DeltaNet conv windows, recurrent states and the PLE block's n-gram history and conv
   window are written in place (`copy_`), not replaced;
-- RoPE rows are taken by device position from tables that cover the capacity.
+- RoPE rows are taken by device position from tables that cover the capacity;
+- with the MTP head tracking the state (`--spec`), the step also writes the MTP block's
+  keys, from the trunk's streams at the position before (a buffer the runner fills from
+  `Qwen4ExpState.hidden` before each replay).
 
 What stays on the host happens between replays: the expert caches' promotions
-(`rebalance`, which updates their device tables), and the states' lengths.
+(`rebalance`, which updates their device tables), the states' lengths, and for a verify
+what `Qwen4ExpState.keep` reads (the rows' streams, the PLE block's input, each DeltaNet
+layer's inputs: copies of the graph's outputs).
 
 `step` is plain torch and Triton, so on the CPU it runs as is (the tests check it against
-the model's own decode); only the capture needs CUDA. The graph is taken for a state
-holding text alone, one token at a time, outside a speculative verify, without an MTP head
-tracking it, with the PLE table and the experts readable from the device without the host
-(`usable`); anything else decodes eagerly.
+the model's own decode); only the capture needs CUDA. A state has a graph per window: one
+token (a decode, a server slot's step), or the T = N + 1 rows of a speculative verify,
+all reading the same held buffers. The graph is taken for a state holding text alone
+(no image positions), with the PLE table and the experts readable from the device
+without the host (`holds`: resident experts, or a device cache whose staging rows take
+the window's routed slots); anything else, prefill included, runs eagerly.
 
 Batch-invariant mode (triton_kernels.invariant) is read when the graph is captured: a
-graph captured in one mode is not replayed in the other (`Qwen4ExpGraph.mode`).
+graph captured in one mode is not replayed in the other (`Qwen4ExpGraph.fits`). In it
+every part of the step computes a row as a one-token step does (the modules' own
+batch-invariant calls; attention a query at a time), so a verify's row through its graph
+is the one-token graph's at that position, bit for bit.
 """
 from __future__ import annotations
 
@@ -120,8 +130,19 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     scales = st.kv_scales()
     k = _rows(st._k[:, tokens], None if scales is None else scales[0][:, tokens])  # (Hkv, T, S, D)
     v = _rows(st._v[:, tokens], None if scales is None else scales[1][:, tokens])
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=ok[:, None, None, :], enable_gqa=True)  # (T, H, 1, D)
+    return _rowwise(q, k.transpose(0, 1), v.transpose(0, 1), ok)
+
+
+def _rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Attention of queries q (H, T, D), query t over its own keys and values k[t], v[t]
+    (Hkv, S, D) where ok[t] (S,): (H, T, D). Batch-invariant mode runs the queries one by
+    one, each by the very ops of a one-token step (a verify's row is that step's, bit for
+    bit); otherwise in one call."""
+    if invariant.enabled() and q.shape[1] > 1:
+        return torch.cat([_rowwise(q[:, t:t + 1], k[t:t + 1], v[t:t + 1], ok[t:t + 1])
+                          for t in range(q.shape[1])], dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), k, v, attn_mask=ok[:, None, None, :],
+                                         enable_gqa=True)  # (T, H, 1, D)
     return out[:, :, 0].transpose(0, 1)
 
 
@@ -139,10 +160,8 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
         scales = st.kv_scales()
         keys = _rows(st._k, None if scales is None else scales[0])
         vals = _rows(st._v, None if scales is None else scales[1])
-        T = q.shape[1]  # each row its own product (its sums the same for any T)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), keys.expand(T, *keys.shape),
-                                             vals.expand(T, *vals.shape), attn_mask=at.causal[:, None, None, :],
-                                             enable_gqa=True)[:, :, 0].transpose(0, 1)
+        T = q.shape[1]
+        out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal)
     return m.o(finish(out, gate))
 
 

@@ -193,3 +193,22 @@ def test_greedy_spec_through_the_graphs_gives_the_plain_answer(model, flash_tiny
     from tests.strata.test_spec import _oracle
     got = generate(model, tok, prompt, params, spec=3, drafter=_oracle(want, len(prompt), model.cfg.vocab_size))
     assert got.tokens == want and 0 < got.spec.accepted < got.spec.drafted
+
+
+def test_batch_invariant_a_verify_row_through_the_graph_is_its_one_token_step_bit_for_bit(
+        flash_tiny_gguf, graphs_on_the_cpu):
+    """The promise batch-invariant mode makes (triton_kernels.invariant), kept inside the
+    graphs: the verify's rows and the one-token steps at their positions, exactly, in
+    bfloat16 (as tests/strata/test_spec.py holds the eager steps to; in float32 on the
+    CPU the eager steps too part by ~3e-7)."""
+    from triton_kernels import invariant
+    model = load_model(flash_tiny_gguf, dtype=torch.bfloat16, kernels="torch")
+    extra = [1234, 2345, 3456, 4567]
+    base = model.new_cache(mtp=True)
+    model([1, 504, 3458], base)
+    one, v = base.copy(), base.copy()
+    with invariant.batch_invariant(True):
+        steps = torch.cat([model([t], one) for t in extra])
+        verify = model.verify(extra, v)
+    assert list(one.graphs) == [1] and list(v.graphs) == [4]
+    assert torch.equal(steps, verify)
