@@ -85,7 +85,7 @@ class _Where:
     def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int, nb: int = 0):
         dev, C = P.device, capacity
         self.cos, self.sin = rope.cos[P], rope.sin[P]
-        self.causal = torch.arange(C, device=dev)[None, :] <= P[:, None]        # (T, C): True attends
+        self.P, self.C, self._causal = P, C, None
         if not ratio:
             return
         r, span = ratio, torch.arange(ratio, device=dev)
@@ -98,6 +98,12 @@ class _Where:
         self.block_rows = (torch.arange(nb, device=dev)[:, None] * r + span).clamp(max=C - 1)  # (NB, r)
         tail = seen[:, None] * r + span                                          # the open tail, (T, r)
         self.tail_ok, self.tail_at = tail <= P[:, None], tail.clamp(max=C - 1)
+
+    def causal(self) -> torch.Tensor:
+        """(T, C): True where a query attends (its position and those before)."""
+        if self._causal is None:
+            self._causal = torch.arange(self.C, device=self.P.device)[None, :] <= self.P[:, None]
+        return self._causal
 
 
 def _pool(m, st: AttentionState, at: _Where) -> None:
@@ -161,7 +167,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
         keys = _rows(st._k, None if scales is None else scales[0])
         vals = _rows(st._v, None if scales is None else scales[1])
         T = q.shape[1]
-        out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal)
+        out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal())
     return m.o(finish(out, gate))
 
 

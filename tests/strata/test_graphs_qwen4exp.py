@@ -64,10 +64,12 @@ def test_graph_step_equals_the_models_decode_past_the_qsa_budget(model):
     assert a.length == 70 and a.layers[3].n_blocks == 17  # the eager step chose among 17 blocks
 
 
-@pytest.mark.parametrize("options", [dict(experts="cache:16:host"), dict(qsa=False)], ids=["cache", "dense"])
-def test_graph_step_equals_the_models_decode_with_experts_in_a_cache_or_without_qsa(flash_tiny_gguf, options):
+@pytest.mark.parametrize("options", [dict(experts="cache:16:host"), dict(qsa=False), dict(kv="int8")],
+                         ids=["cache", "dense", "int8"])
+def test_graph_step_equals_the_models_decode_with_experts_in_a_cache_without_qsa_or_int8_keys(
+        flash_tiny_gguf, options):
     """Experts in a cache of 16 slots a layer over host RAM; `--qsa off` (the attention
-    over the whole capacity, masked)."""
+    over the whole capacity, masked); keys and values stored as int8 with their scales."""
     other = load_model(flash_tiny_gguf, dtype=torch.float32, kernels="torch", **options)
     _check(other, [1, 504, 3458, 314, 2113], 3)
 
@@ -212,3 +214,24 @@ def test_batch_invariant_a_verify_row_through_the_graph_is_its_one_token_step_bi
         verify = model.verify(extra, v)
     assert list(one.graphs) == [1] and list(v.graphs) == [4]
     assert torch.equal(steps, verify)
+
+
+def test_on_fake_cuda_a_verify_window_reads_nothing_on_the_host_and_is_the_same_at_any_position(
+        flash_tiny_gguf):
+    """A state tracking the MTP head's keys: its one-token graph and its verify graph of 4
+    rows traced at two positions (a verify kept in part between): no host read, the same
+    launches with the same shapes."""
+    from strata.runtime.trace import fake_cuda, trace
+    with fake_cuda():
+        model = load_model(flash_tiny_gguf, dtype=torch.bfloat16, device="cuda", kernels="triton", experts="device")
+        state = model.new_cache(mtp=True)
+        trace(lambda: model(torch.tensor([1]), state))
+        one = trace(lambda: model(torch.tensor([2]), state))
+        verifies = []
+        for toks in ([3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]):  # the first makes the graph
+            verifies.append(trace(lambda: model.verify(torch.tensor(toks), state)))
+            trace(lambda: state.keep(2))
+        assert sorted(state.graphs) == [1, 4] and state.length == 8
+        assert trace(lambda: model(torch.tensor([15]), state)).ops == one.ops
+    assert verifies[1].ops == verifies[2].ops and verifies[1].host_to_device == 0
+    print(f"\nflash-tiny verify of 4 through its graph on fake CUDA: {verifies[1].line(model.cfg.n_layers)}")
