@@ -25,7 +25,7 @@ def model(flash_tiny_gguf):
     return load_model(flash_tiny_gguf, dtype=torch.float32, kernels="torch")
 
 
-def _check(model, prompt, steps, capacity=None):
+def _check(model, prompt, steps, capacity=None, tol=1e-5):
     a = model.new_cache()
     model(prompt, a, last_only=True)
     b = a.copy()
@@ -36,18 +36,18 @@ def _check(model, prompt, steps, capacity=None):
         got = g(tok)
         assert b.length == a.length
         worst = max(worst, _rel(got, want))
+        assert worst < tol
         tok = int(want.argmax())
     for sa, sb in zip(a.layers, b.layers):  # the states written alike
         if hasattr(sa, "rec"):
             assert _rel(sb.rec, sa.rec) < 1e-5 and _rel(sb.conv, sa.conv) < 1e-5
-        else:
-            assert _rel(sb.k, sa.k) < 1e-5 and sb.n_blocks == sb.n // 4
+        else:  # int8 keys: a code may round the other way (half a step of its row's scale)
+            assert _rel(sb.k, sa.k) < (1e-5 if sa.kind != "int8" else 1 / 127) and sb.n_blocks == sb.n // 4
             if sa.n_blocks:  # the eager step pools blocks once past the budget; the graph's always
                 assert _rel(sb.blocks(4)[:sa.n_blocks], sa.blocks(4)) < 1e-5
     assert torch.equal(a.ple.history, b.ple.history) and _rel(b.ple.conv, a.ple.conv) < 1e-5
     print(f"\nflash-tiny graph step against the eager decode, prompt {len(prompt)}, {steps} steps: "
           f"max |graph - eager| / max |logit| = {worst:.2e}")
-    assert worst < 1e-5
     return a, b
 
 
@@ -69,9 +69,11 @@ def test_graph_step_equals_the_models_decode_past_the_qsa_budget(model):
 def test_graph_step_equals_the_models_decode_with_experts_in_a_cache_without_qsa_or_int8_keys(
         flash_tiny_gguf, options):
     """Experts in a cache of 16 slots a layer over host RAM; `--qsa off` (the attention
-    over the whole capacity, masked); keys and values stored as int8 with their scales."""
+    over the whole capacity, masked); keys and values stored as int8 with their scales
+    (where the two steps' keys differ by an ulp a code can round the other way: the
+    logits then part by about 1e-5, measured 1.3e-5)."""
     other = load_model(flash_tiny_gguf, dtype=torch.float32, kernels="torch", **options)
-    _check(other, [1, 504, 3458, 314, 2113], 3)
+    _check(other, [1, 504, 3458, 314, 2113], 3, tol=1e-4 if "kv" in options else 1e-5)
 
 
 def test_a_graph_of_a_window_of_tokens_equals_the_models_forward(model):
