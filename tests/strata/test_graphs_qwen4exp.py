@@ -237,3 +237,32 @@ def test_on_fake_cuda_a_verify_window_reads_nothing_on_the_host_and_is_the_same_
         assert trace(lambda: model(torch.tensor([15]), state)).ops == one.ops
     assert verifies[1].ops == verifies[2].ops and verifies[1].host_to_device == 0
     print(f"\nflash-tiny verify of 4 through its graph on fake CUDA: {verifies[1].line(model.cfg.n_layers)}")
+
+
+@pytest.mark.slow
+def test_the_servers_slots_replay_their_own_graphs_and_answer_as_eagerly(model, flash_tiny_gguf):
+    """Three requests in four slots, decoded together: each slot's state takes its graph
+    (on the CPU here as on CUDA), and the answers are the eager engine's."""
+    from strata.runtime import SamplingParams
+    from strata.server.engine import Engine, Request
+    from strata.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(flash_tiny_gguf)
+    prompts, params = [[1, 504, 3458], [7, 8], [42, 43, 44, 45]], SamplingParams(temperature=0, max_tokens=3)
+
+    def answers():
+        engine = Engine(model, tok, slots=4, cache_mib=0, start_thread=False)
+        reqs = [engine.submit(Request(p, params, lambda ev: None)) for p in prompts]
+        engine.run(until_idle=True)
+        return [r.tokens for r in reqs]
+    want = answers()
+    made = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphs_qwen4exp, "usable", graphs_qwen4exp.holds)
+        init = Qwen4ExpGraph.__init__
+
+        def counted(self, *a, **k):
+            init(self, *a, **k)
+            made.append(self)
+        mp.setattr(Qwen4ExpGraph, "__init__", counted)
+        assert answers() == want
+    assert len({id(g.state) for g in made}) == len(prompts) and all(g.T == 1 for g in made)
