@@ -289,7 +289,8 @@ class Qwen4ExpGraph:
     @torch.inference_mode()
     def __init__(self, model, state, T: int = 1, capacity: int | None = None):
         self.model, self.state, self.T = model, state, T
-        want = capacity or _capacity(state.length + T)
+        # a context of known length (AttentionState.reserve) held at once, else doubled as it grows
+        want = capacity or _capacity(max([state.length + T, *(st._reserved for _, st in self._attention())]))
         self.mode = invariant.enabled()
         dev = model.device
         for m, st in self._attention():
