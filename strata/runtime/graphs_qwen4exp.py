@@ -382,6 +382,7 @@ class Qwen4ExpGraph:
         if self.graph is not None:
             self.graph.replay()
             logits, x, kept = self.out
+            logits = logits.clone()  # the caller's: the next replay rewrites the graph's
         else:
             logits, x, kept = step(model, self.tok, self.pos, state, self.prev)
         start = state.length
