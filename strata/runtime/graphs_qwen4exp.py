@@ -338,14 +338,27 @@ class Qwen4ExpGraph:
         out = [t for st in self.state.layers if not isinstance(st, AttentionState) for t in (st.conv, st.rec)]
         if self.state.ple is not None:
             out += [self.state.ple.history, self.state.ple.conv]
-        for layer in self.model.layers:
-            s = layer.moe.experts
+        for s in self._stores():
             dc = getattr(s, "device_cache", None)
             out += [t for t in (getattr(s, "hits", None), getattr(dc, "routed", None), getattr(dc, "missed", None))
                     if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
         return out
 
+    def _counters(self) -> list[dict]:
+        """The host's counters a step adds to (the expert stores', the PLE table's reads):
+        a replay runs no Python, so each replay adds what the captured step added."""
+        table = getattr(getattr(self.model.ple, "table", None), "table", None)
+        return [c for c in [*(getattr(s, "_counts", None) for s in self._stores()), getattr(table, "_counts", None)]
+                if isinstance(c, dict)]
+
+    def _stores(self) -> list:
+        """The expert stores a step runs: the layers', and the MTP block's where it writes keys."""
+        mtp = [self.model.mtp.block] if self.state.mtp is not None else []
+        return [layer.moe.experts for layer in [*self.model.layers, *mtp]]
+
     def _capture(self, dev) -> None:
+        counters = self._counters()
+        counted = [dict(c) for c in counters]
         changed = self._changed()
         keep = [t.clone() for t in changed]  # the warm-up steps change the state: put it back
         self.pos.fill_(self.state.length)
@@ -357,9 +370,16 @@ class Qwen4ExpGraph:
         torch.cuda.current_stream(dev).wait_stream(side)
         for t, k in zip(changed, keep):
             t.copy_(k)
+        for c, was in zip(counters, counted):
+            c.update(was)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = step(self.model, self.tok, self.pos, self.state, self.prev)
+        # what one step adds (not times: a replay's are not the capture's), then undone
+        self.counts = [{k: v - was[k] for k, v in c.items() if k in was and not k.endswith("_s")
+                        and isinstance(v, (int, float)) and v != was[k]} for c, was in zip(counters, counted)]
+        for c, was in zip(counters, counted):
+            c.update(was)
 
     @torch.inference_mode()
     def __call__(self, tokens) -> torch.Tensor:
@@ -367,8 +387,8 @@ class Qwen4ExpGraph:
         `Qwen4ExpState.keep` needs is left as the eager forward leaves it."""
         model, state, T = self.model, self.state, self.T
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        for layer in [*model.layers, *([model.mtp.block] if state.mtp is not None else [])]:
-            layer.moe.experts.rebalance()  # between steps: the device caches' promotions
+        for store in self._stores():
+            store.rebalance()  # between steps: the device caches' promotions
         if T == 1:
             self.tok.fill_(int(tokens[0]))
         else:
@@ -383,6 +403,9 @@ class Qwen4ExpGraph:
             self.graph.replay()
             logits, x, kept = self.out
             logits = logits.clone()  # the caller's: the next replay rewrites the graph's
+            for c, add in zip(self._counters(), self.counts):
+                for k, v in add.items():
+                    c[k] += v
         else:
             logits, x, kept = step(model, self.tok, self.pos, state, self.prev)
         start = state.length
