@@ -276,6 +276,11 @@ def holds(model, state, T: int) -> bool:
     return True
 
 
+def captures(dev: torch.device) -> bool:
+    """Whether a graph is captured on `dev` (a real GPU), rather than its step run as is."""
+    return dev.type == "cuda" and backend._fake is None
+
+
 def _capacity(need: int) -> int:
     return max(256, 1 << (need - 1).bit_length())
 
@@ -306,7 +311,7 @@ class Qwen4ExpGraph:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.prev = torch.zeros(1, model.cfg.streams * model.cfg.dim, device=dev) if state.mtp is not None else None
         self.graph = None
-        if dev.type == "cuda" and backend._fake is None:
+        if captures(dev):
             self._capture(dev)
 
     def _attention(self):

@@ -266,3 +266,99 @@ def test_the_servers_slots_replay_their_own_graphs_and_answer_as_eagerly(model, 
         mp.setattr(Qwen4ExpGraph, "__init__", counted)
         assert answers() == want
     assert len({id(g.state) for g in made}) == len(prompts) and all(g.T == 1 for g in made)
+
+
+class _Captured:
+    """A stand-in for torch.cuda.CUDAGraph on the CPU: capturing records the step's
+    arguments and leaves the state as it was (a capture runs nothing); `replay` runs the
+    step on them and writes its results into the tensors the capture returned."""
+    now = None
+
+    def __init__(self):
+        self.args = self.out = None
+
+    def replay(self):
+        counters = self.runner._counters()
+        counted = [dict(c) for c in counters]
+        fresh = _Captured.real(*self.args)
+        for c, was in zip(counters, counted):  # (a replay runs no Python)
+            c.update(was)
+        for a, b in zip(_flat(self.out), _flat(fresh)):
+            a.copy_(b)
+
+
+def _flat(out):
+    logits, x, kept = out
+    return [logits, x, *([kept["ple_input"]] if "ple_input" in kept else []),
+            *(t for rows in kept.get("rows", []) for t in rows)]
+
+
+def test_the_capture_and_its_replays_on_a_stand_in_for_cuda(model, graphs_on_the_cpu, monkeypatch):
+    """The capture's bookkeeping run on the CPU: warm-up steps undone, the step recorded,
+    each replay's outputs handed over (the logits copied, a verify's rows), the host's
+    counters advanced as eager steps advance them. Decode and verify logits as eager."""
+    import contextlib
+    real = _Captured.real = graphs_qwen4exp.step
+    state_of = {}
+
+    def step(model_, tok, pos, state, prev=None):
+        g = _Captured.now
+        if g is None:
+            return real(model_, tok, pos, state, prev)
+        held = [t.clone() for t in state_of["runner"]._changed()]
+        g.args, g.out = (model_, tok, pos, state, prev), real(model_, tok, pos, state, prev)
+        g.runner = state_of["runner"]
+        for t, h in zip(state_of["runner"]._changed(), held):
+            t.copy_(h)
+        return g.out
+
+    @contextlib.contextmanager
+    def graph(g):
+        _Captured.now = g
+        yield
+        _Captured.now = None
+
+    class Stream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            pass
+    init = Qwen4ExpGraph.__init__
+
+    def remember(self, *a, **k):
+        state_of["runner"] = self
+        self.model, self.state = a[0], a[1]
+        init(self, *a, **k)
+    monkeypatch.setattr(Qwen4ExpGraph, "__init__", remember)
+    monkeypatch.setattr(graphs_qwen4exp, "step", step)
+    monkeypatch.setattr(graphs_qwen4exp, "captures", lambda dev: True)
+    for name, f in (("Stream", Stream), ("current_stream", lambda *a: Stream()), ("CUDAGraph", _Captured),
+                    ("graph", graph), ("stream", lambda s: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, f)
+
+    extra = [1234, 2345, 3456, 4567]
+    base = model.new_cache(mtp=True)
+    model([1, 504, 3458], base)
+    eager, want = base.copy(), []
+
+    def calls():
+        return model.io_stats()["experts"]["calls"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphs_qwen4exp, "usable", lambda *a: False)
+        before = calls()
+        for t in extra:
+            want.append(model([t], eager))
+        eager_calls = calls() - before
+    one = base.copy()
+    model([extra[0]], one)  # captures
+    before = calls()
+    got = [model([t], one) for t in extra[1:]]
+    assert isinstance(one.graphs[1].graph, _Captured)
+    assert _rel(torch.cat(got), torch.cat(want[1:])) < 1e-5  # copies: each step's own logits
+    assert calls() - before == eager_calls * 3 // 4 > 0  # a replay counts as an eager step
+    v = base.copy()
+    rows = model.verify(extra, v)
+    assert isinstance(v.graphs[4].graph, _Captured) and _rel(rows, torch.cat(want)) < 1e-5
+    v.keep(2)
+    assert _rel(model([extra[2]], v), want[2]) < 1e-5
