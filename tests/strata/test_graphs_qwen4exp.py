@@ -183,6 +183,7 @@ def test_a_verify_through_the_graph_keeps_what_single_steps_leave(model, graphs_
             assert a.shape == b.shape and _rel(a, b) < 1e-5
 
 
+@pytest.mark.slow
 def test_greedy_spec_through_the_graphs_gives_the_plain_answer(model, flash_tiny_gguf, graphs_on_the_cpu):
     """Drafts accepted 0 to 3 at a time (a drafter that knows the answer, wrong at one place):
     decode and verifies through their graphs give --spec 0's eager tokens."""
