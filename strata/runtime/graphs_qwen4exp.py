@@ -49,6 +49,7 @@ is the one-token graph's at that position, bit for bit.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -293,7 +294,9 @@ class Qwen4ExpGraph:
 
     @torch.inference_mode()
     def __init__(self, model, state, T: int = 1, capacity: int | None = None):
-        self.model, self.state, self.T = model, state, T
+        # the state holds its graphs; a graph refers back weakly, so that a dropped state
+        # frees its graphs' memory pools at once, not at the next cycle collection
+        self.model, self._state, self.T = model, weakref.ref(state), T
         # a context of known length (AttentionState.reserve) held at once, else doubled as it grows
         want = capacity or _capacity(max([state.length + T, *(st._reserved for _, st in self._attention())]))
         self.mode = invariant.enabled()
@@ -313,6 +316,10 @@ class Qwen4ExpGraph:
         self.graph = None
         if captures(dev):
             self._capture(dev)
+
+    @property
+    def state(self):
+        return self._state()
 
     def _attention(self):
         """(mixer, its AttentionState) of every attention layer, the MTP block's too."""

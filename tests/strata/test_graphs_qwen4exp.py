@@ -329,7 +329,6 @@ def test_the_capture_and_its_replays_on_a_stand_in_for_cuda(model, graphs_on_the
 
     def remember(self, *a, **k):
         state_of["runner"] = self
-        self.model, self.state = a[0], a[1]
         init(self, *a, **k)
     monkeypatch.setattr(Qwen4ExpGraph, "__init__", remember)
     monkeypatch.setattr(graphs_qwen4exp, "step", step)
@@ -363,3 +362,18 @@ def test_the_capture_and_its_replays_on_a_stand_in_for_cuda(model, graphs_on_the
     assert isinstance(v.graphs[4].graph, _Captured) and _rel(rows, torch.cat(want)) < 1e-5
     v.keep(2)
     assert _rel(model([extra[2]], v), want[2]) < 1e-5
+
+
+def test_a_dropped_state_takes_its_graphs_with_it(model):
+    import gc
+    import weakref
+    state = model.new_cache()
+    model([1, 2], state)
+    state.graphs = {1: Qwen4ExpGraph(model, state)}
+    gone = weakref.ref(state.graphs[1])
+    gc.disable()
+    try:
+        del state
+        assert gone() is None  # no cycle left for the collector
+    finally:
+        gc.enable()
