@@ -91,6 +91,8 @@ def to_device(t: torch.Tensor, device, non_blocking: bool = False) -> torch.Tens
     device = torch.device(device)
     if _fake is not None and device.type != "cpu" and t.device.type == "cpu":
         return _fake.copy(t, device)
+    if _fake is not None and t.device.type == device.type:  # (a CPU-only torch cannot move a fake tensor)
+        return t
     return t.to(device, non_blocking=non_blocking)
 
 

@@ -37,15 +37,20 @@ Tensor = torch.Tensor
 
 
 @contextlib.contextmanager
-def stubbed_launches(on_launch=None):
+def stubbed_launches(on_launch=None, on_args=None):
     """Triton kernel launches skipped for the block's duration (`on_launch(name)` told of
-    each): launchers then run only their torch ops, on fake tensors where they are fake."""
+    each; `on_args(name, grid, scalars)` too, with the launch's grid and its number
+    arguments): launchers then run only their torch ops, on fake tensors where they are fake."""
     import triton.runtime.interpreter as interpreter
     import triton.runtime.jit as jit
 
     def run(self, *args, grid, warmup, **kwargs):
+        name = getattr(self, "__name__", None) or self.fn.__name__
         if not warmup and on_launch is not None:
-            on_launch(getattr(self, "__name__", None) or self.fn.__name__)
+            on_launch(name)
+        if not warmup and on_args is not None:
+            on_args(name, grid if isinstance(grid, tuple) else None,
+                    tuple(a for a in [*args, *kwargs.values()] if isinstance(a, (int, float))))
 
     saved = jit.JITFunction.run, interpreter.InterpretedFunction.run
     jit.JITFunction.run = interpreter.InterpretedFunction.run = run

@@ -34,6 +34,7 @@ from strata.nn.hyperconn import HyperConnection
 from strata.nn.mrope import Positions
 from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
+from strata.runtime import graphs_qwen4exp
 from strata.tensors import QTensor, host_tensor, module_to
 from triton_kernels.backend import to_device
 from triton_kernels.dequant import dequantize_torch
@@ -88,6 +89,7 @@ class Qwen4ExpState:
     can be cut back to any prefix of the verified tokens (see `keep`)."""
 
     rewindable = False  # the DeltaNet and conv states cannot be cut back to fewer tokens
+    graphs: dict | None = None  # on CUDA, its graphs by window (strata.runtime.graphs_qwen4exp)
 
     def __init__(self, model: "Qwen4Exp", mtp: bool = False):
         dev = model.device
@@ -154,10 +156,14 @@ class Qwen4ExpState:
         if self.mtp is not None:
             self.mtp.truncate(v.start + n)
             self.hidden = v.streams[n - 1].clone()
-        if n < T and self.ple is not None:
-            self.ple = v.ple
+        if n < T and self.ple is not None:  # in place: a decode graph reads these tensors
+            st, held = self.ple, (self.ple.history, self.ple.conv)
+            st.history, st.conv = v.ple.history, v.ple.conv
             ple, tokens = self._model_ple, v.tokens[:n]
-            ple(v.ple_input[:n], tokens, self.ple, ple.ids(tokens, self.ple))
+            ple(v.ple_input[:n], tokens, st, ple.ids(tokens, st))
+            held[0].copy_(st.history)
+            held[1].copy_(st.conv)
+            st.history, st.conv = held
         self.length = v.start + n
         self.positions.truncate(self.length)
 
@@ -330,8 +336,16 @@ class Qwen4Exp(torch.nn.Module):
         pipe, out = self.pipe, []
         for tokens, state in items:
             tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-            x = self._trunk(tokens, state)
             rows = 1 if last_only else tokens.numel()
+            T = tokens.numel()
+            if graphs_qwen4exp.usable(self, state, T):  # CUDA: the state's graph for T tokens
+                state.graphs = state.graphs or {}
+                g = state.graphs.get(T)
+                if g is None or not g.fits(state, T):
+                    g = state.graphs[T] = graphs_qwen4exp.Qwen4ExpGraph(self, state, T)
+                out.append(g(tokens)[-rows:])
+                continue
+            x = self._trunk(tokens, state)
             if pipe is None or pipe.last:
                 out.append(self.logits(x[-rows:]))
             else:

@@ -105,9 +105,9 @@ class DeltaNetState:
         return c
 
     def begin(self) -> None:
-        """The next forward is a verify: keep what `keep` needs to cut it back."""
-        self.trail = _Trail(self.conv, self.rec)
-        self.rec = self.rec.clone()
+        """The next forward is a verify: keep what `keep` needs to cut it back (copies: the
+        state's own tensors stay where they are, as a decode graph reads them)."""
+        self.trail = _Trail(self.conv.clone(), self.rec.clone())
 
     @torch.inference_mode()
     def keep(self, n: int) -> None:
@@ -119,8 +119,8 @@ class DeltaNetState:
         if n == x.shape[0]:
             return
         span = t.conv.shape[1]
-        self.conv = torch.cat([t.conv, x.T], dim=1)[:, n:n + span].clone()
-        self.rec = t.rec
+        self.conv.copy_(torch.cat([t.conv, x.T], dim=1)[:, n:n + span])
+        self.rec.copy_(t.rec)
         recurrent(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec, t.step)
 
 

@@ -84,6 +84,41 @@ class AttentionState:
                 setattr(self, f"_{name}s", self._grow(getattr(self, f"_{name}s"), scale, n, r))
         self.n = n + k.shape[-2]
 
+    def hold(self, capacity: int, kv_heads: int, head_dim: int, idx_dim: int = 0, ratio: int = 0,
+             device=None) -> None:
+        """Buffers of exactly `capacity` rows (and capacity // ratio + 1 pooled block keys),
+        the rows held kept and the rest zero: a decode graph reads the whole capacity,
+        masked, and writes in place (a zero row under the mask adds nothing; garbage
+        could be NaN, which a mask does not silence)."""
+        if (self._held is not None and self._held is self._k and self._k.shape[-2] >= capacity
+                and (not (idx_dim and ratio) or self._blocks.shape[0] > capacity // ratio)):
+            return  # held already (a graph of another window shares the buffers)
+        dev = device if device is not None else (self._k.device if self._k is not None else "cpu")
+        store, n = kv.store_dtype(self.kind), self.n
+
+        def sized(buf, shape, dtype, rows):
+            new = torch.zeros(shape, dtype=dtype, device=dev)
+            if buf is not None and rows:
+                new[..., :rows, :] = buf[..., :rows, :]
+            return new
+
+        int8 = self.kind == "int8"
+        for name, shape in (("k", (kv_heads, capacity, head_dim)), ("v", (kv_heads, capacity, head_dim)),
+                            ("idx", (capacity, idx_dim) if idx_dim else None)):
+            if shape is None:
+                continue
+            setattr(self, "_" + name, sized(getattr(self, "_" + name), shape, store, n))
+            if int8:
+                s = "_is" if name == "idx" else f"_{name}s"
+                setattr(self, s, sized(getattr(self, s), (*shape[:-1], 1), kv.SCALE_DTYPE, n))
+        if idx_dim and ratio:
+            self._blocks = sized(self._blocks, (capacity // ratio + 1, idx_dim), torch.float32, self.n_blocks)
+            self._block_ratio = ratio
+        self._reserved = max(self._reserved, capacity)
+        self._held = self._k
+
+    _held = None  # the K buffer `hold` made (a buffer grown since is not held)
+
     def truncate(self, n: int) -> None:
         """Roll back to the first n tokens (drafted tokens rejected): the rows past n and
         every pooled block key that read them are dropped; the buffers stay allocated."""

@@ -12,8 +12,7 @@ position; the embedding row is gathered from the blocks on the device. `step` is
 torch and Triton, so on the CPU it runs as is (the tests check it against the model's
 own decode); only the capture needs CUDA.
 
-Kept to the `llama` architecture: Flash-Next's expert tiers and PLE reads consult the host
-each step (which experts a token routes to), which a graph cannot.
+This is the `llama` architecture's step; Flash-Next's is strata.runtime.graphs_qwen4exp.
 """
 from __future__ import annotations
 

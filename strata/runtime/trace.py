@@ -82,6 +82,9 @@ class Trace:
     triton: collections.Counter = field(default_factory=collections.Counter)
     torch_ops: collections.Counter = field(default_factory=collections.Counter)
     host_to_device: int = 0
+    # every launch in order: (torch op, its arguments' and outputs' shapes), or (Triton kernel, its grid
+    # and its number arguments): a step a graph can hold has the same list at any position
+    ops: list = field(default_factory=list)
 
     @property
     def launches(self) -> int:
@@ -120,6 +123,8 @@ class _Count(TorchDispatchMode):
         if device or _on_device(out) or (isinstance(out, (list, tuple)) and any(map(_on_device, out))):
             if not func.is_view and name not in _NO_LAUNCH:
                 self.t.torch_ops[name.split("::")[-1]] += 1
+                outs = out if isinstance(out, (list, tuple)) else [out]
+                self.t.ops.append((name, tuple(tuple(o.shape) for o in [*flat, *outs] if isinstance(o, torch.Tensor))))
         return out
 
 
@@ -268,7 +273,8 @@ def trace(step) -> Trace:
         raise RuntimeError("trace() runs inside fake_cuda(): a real step would run its kernels")
     t = Trace()
     copies = backend._fake.copies
-    with stubbed_launches(lambda name: t.triton.update([name])), _Count(t):
+    with stubbed_launches(lambda name: t.triton.update([name]),
+                          lambda name, grid, scalars: t.ops.append((name, (grid, scalars)))), _Count(t):
         step()
     t.host_to_device = backend._fake.copies - copies
     return t

@@ -208,14 +208,18 @@ class ExpertStore(torch.nn.Module):
         if self.partial:  # -1: another rank's expert (--ep), which counts nothing here
             self.hits.index_add_(0, flat.clamp(min=0), (flat >= 0).long())
         else:
-            if self._ones is None or self._ones.numel() != flat.numel():
-                self._ones = torch.ones(flat.numel(), dtype=torch.long, device=flat.device)
-            self.hits.index_add_(0, flat, self._ones)
+            # one tensor of ones a size, kept: a CUDA graph of each window reads its own
+            if self._ones is None:
+                self._ones = {}
+            ones = self._ones.get(flat.numel())
+            if ones is None:
+                ones = self._ones[flat.numel()] = torch.ones(flat.numel(), dtype=torch.long, device=flat.device)
+            self.hits.index_add_(0, flat, ones)
         self._counts["calls"] += 1
         self._counts["experts"] += flat.numel()  # slots (under --ep, with other ranks' too)
         self._counts["hits"] += flat.numel()
 
-    _ones = None  # a slot's count, kept on the device
+    _ones = None  # a slot's count by the number of slots, kept on the device
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.hits.device.type != "cpu":  # a GPU's resident tier: no host read in the step

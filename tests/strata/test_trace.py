@@ -63,10 +63,14 @@ def test_triton_launches_are_counted_not_run():
     ("device", None, "PLE table in memory (6 MiB F32 on cuda)"),
     ("cache:16:host", "ram", "read by the GPU over PCIe"),
 ])
-def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tiny_gguf, experts, ple_io, where):
+def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tiny_gguf, experts, ple_io, where,
+                                                                      monkeypatch):
     """Experts resident with the PLE table in VRAM, and experts in a cache of 16 slots a
     layer over host RAM with the table in RAM: two steps from an empty state (a step of
-    more routed slots than a cache's staging rows fetches on the host: prefill)."""
+    more routed slots than a cache's staging rows fetches on the host: prefill). The eager
+    step: with graphs on, a one-token step on CUDA replays the state's decode graph, whose
+    step tests/strata/test_graphs_qwen4exp.py traces."""
+    monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")
     with fake_cuda():
         model = load_model(flash_tiny_gguf, dtype=torch.bfloat16, device="cuda", kernels="triton",
                            experts=experts, ple_io=ple_io)

@@ -1,0 +1,443 @@
+"""Flash-Next's (`qwen4exp`) decode step as one CUDA graph: captured once per state and
+window of T tokens, then replayed each step.
+
+As for llama (strata.runtime.graphs), the graph fixes every address and shape, so the step
+it holds is written for that (`step`):
+
+- the tokens and the first one's position are device tensors the replay reads; the
+  embedding rows are gathered on the device (Qwen4Exp.embed);
+- attention layers write keys, values and indexer keys at the device positions by
+  `index_copy_` into buffers of the graph's whole capacity (AttentionState.hold: the spare
+  rows zero); dense attention runs over the whole capacity with the positions past each
+  query masked out;
+- QSA: each query pools the indexer keys of the block its position lies in and writes
+  that block's key at its index (complete once the block is: a block is visible to a
+  query only then); it scores every block of the capacity, the ones it cannot see at
+  -inf, keeps the `budget / ratio` best, and attends to their tokens and the
+  open tail's, gathered into budget + ratio slots, those past it or not chosen masked.
+  Within the budget that is every visible block: dense attention, as the eager step's.
+  Among blocks of exactly equal score (relu makes zeros common) the lower block is kept:
+  the eager step's topk over a row of exactly the visible blocks chooses by its own
+  order, which moves with the row's length (triton_kernels.qsa), so where a tie straddles
+  the cut the two may keep different blocks;
+- DeltaNet conv windows, recurrent states and the PLE block's n-gram history and conv
+  window are written in place (`copy_`), not replaced;
+- RoPE rows are taken by device position from tables that cover the capacity;
+- with the MTP head tracking the state (`--spec`), the step also writes the MTP block's
+  keys, from the trunk's streams at the position before (a buffer the runner fills from
+  `Qwen4ExpState.hidden` before each replay).
+
+What stays on the host happens between replays: the expert caches' promotions
+(`rebalance`, which updates their device tables), the states' lengths, and for a verify
+what `Qwen4ExpState.keep` reads (the rows' streams, the PLE block's input, each DeltaNet
+layer's inputs: copies of the graph's outputs).
+
+`step` is plain torch and Triton, so on the CPU it runs as is (the tests check it against
+the model's own decode); only the capture needs CUDA. A state has a graph per window: one
+token (a decode, a server slot's step), or the T = N + 1 rows of a speculative verify,
+all reading the same held buffers. The graph is taken for a state holding text alone
+(no image positions), with the PLE table and the experts readable from the device
+without the host (`holds`: resident experts, or a device cache whose staging rows take
+the window's routed slots); anything else, prefill included, runs eagerly.
+
+Batch-invariant mode (triton_kernels.invariant) is read when the graph is captured: a
+graph captured in one mode is not replayed in the other (`Qwen4ExpGraph.fits`). In it
+every part of the step computes a row as a one-token step does (the modules' own
+batch-invariant calls; attention a query at a time), so a verify's row through its graph
+is the one-token graph's at that position, bit for bit.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from strata.nn import deltanet, kv
+from strata.nn.gated_attention import AttentionState, _heads_norm, finish, project
+from strata.nn.hyperconn import HyperConnection
+from strata.nn.ple import mix
+from strata.nn.rope import rotate
+from strata.runtime.graphs import enabled
+from triton_kernels import backend, invariant
+from triton_kernels.ops import impl
+
+
+def _write(st: AttentionState, name: str, x: torch.Tensor, at: torch.Tensor) -> None:
+    """Rows x (..., T, d) stored at positions `at` (T,) of buffer `name` (k, v, idx)."""
+    data, scale = kv.encode(x, st.kind)
+    buf = st._idx if name == "idx" else getattr(st, "_" + name)
+    buf.index_copy_(buf.dim() - 2, at, data)
+    if scale is not None:
+        s = st._is if name == "idx" else getattr(st, f"_{name}s")
+        s.index_copy_(s.dim() - 2, at, scale)
+
+
+def _rows(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return data.float() if scale is None else kv.decode(data, scale)
+
+
+class _Where:
+    """What every attention layer of a step reads at the step's positions P (T,), computed
+    once a step for each (RoPE table, QSA block size, capacity): RoPE's rows, the causal
+    mask over the capacity, and QSA's indices (see the module)."""
+
+    def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int, nb: int = 0):
+        dev, C = P.device, capacity
+        self.cos, self.sin = rope.cos[P], rope.sin[P]
+        self.P, self.C, self._causal = P, C, None
+        if not ratio:
+            return
+        r, span = ratio, torch.arange(ratio, device=dev)
+        self.block = P // r                                                      # the block p lies in
+        first = self.block * r
+        self.pool_at = (first[:, None] + span).clamp(max=C - 1)                  # (T, r)
+        self.pool_cos, self.pool_sin = rope.cos[first], rope.sin[first]
+        seen = (P + 1) // r                                                      # complete blocks a query sees
+        self.unseen = torch.arange(nb, device=dev)[None, :] >= seen[:, None]     # (T, NB)
+        self.block_rows = (torch.arange(nb, device=dev)[:, None] * r + span).clamp(max=C - 1)  # (NB, r)
+        tail = seen[:, None] * r + span                                          # the open tail, (T, r)
+        self.tail_ok, self.tail_at = tail <= P[:, None], tail.clamp(max=C - 1)
+
+    def causal(self) -> torch.Tensor:
+        """(T, C): True where a query attends (its position and those before)."""
+        if self._causal is None:
+            self._causal = torch.arange(self.C, device=self.P.device)[None, :] <= self.P[:, None]
+        return self._causal
+
+
+def _pool(m, st: AttentionState, at: _Where) -> None:
+    """Write the pooled indexer key of the block each position lies in: the mean of its
+    raw keys, normed, roped at its first position (GatedAttention._blocks)."""
+    rows = at.pool_at                                                            # (T, r)
+    raw = _rows(st._idx[rows], None if st._is is None else st._is[rows]).mean(dim=1)  # (T, d)
+    key = rotate(_heads_norm(raw, m.idx_k_norm, m.eps).unsqueeze(0), at.pool_cos, at.pool_sin, m.rope.dim)[0]
+    st._blocks.index_copy_(0, at.block, key)
+
+
+def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
+    """QSA for the step's queries: (H, T, D) (see the module)."""
+    T, keep = q.shape[1], min(m.budget // m.ratio, st._blocks.shape[0])
+    _pool(m, st, at)
+    qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
+    qi = rotate(_heads_norm(qi, m.idx_q_norm, m.eps).transpose(0, 1), at.cos, at.sin, m.rope.dim)
+    blocks = st._blocks                                                          # (NB, d)
+    if invariant.enabled():
+        scores = invariant.scores(qi, blocks)
+    else:
+        scores = (qi.float() @ blocks.T).relu().sum(dim=0)                      # (T, NB)
+    scores = (scores / math.sqrt(m.idx_dim)).masked_fill(at.unseen, float("-inf"))
+    # the best `keep`, ties to the lower block (a fixed rule: topk's choice among equal
+    # scores moves with the row's length, and the graph's row is the capacity's)
+    best, sel = (t[:, :keep] for t in scores.sort(dim=-1, descending=True, stable=True))  # (T, keep)
+    tokens = torch.cat([at.block_rows[sel].reshape(T, -1), at.tail_at], dim=1)  # (T, S)
+    chosen = (best > float("-inf"))[:, :, None].expand(T, keep, m.ratio).reshape(T, -1)
+    ok = torch.cat([chosen, at.tail_ok], dim=1)
+    scales = st.kv_scales()
+    k = _rows(st._k[:, tokens], None if scales is None else scales[0][:, tokens])  # (Hkv, T, S, D)
+    v = _rows(st._v[:, tokens], None if scales is None else scales[1][:, tokens])
+    return _rowwise(q, k.transpose(0, 1), v.transpose(0, 1), ok)
+
+
+def _rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Attention of queries q (H, T, D), query t over its own keys and values k[t], v[t]
+    (Hkv, S, D) where ok[t] (S,): (H, T, D). Batch-invariant mode runs the queries one by
+    one, each by the very ops of a one-token step (a verify's row is that step's, bit for
+    bit); otherwise in one call."""
+    if invariant.enabled() and q.shape[1] > 1:
+        return torch.cat([_rowwise(q[:, t:t + 1], k[t:t + 1], v[t:t + 1], ok[t:t + 1])
+                          for t in range(q.shape[1])], dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), k, v, attn_mask=ok[:, None, None, :],
+                                         enable_gqa=True)  # (T, H, 1, D)
+    return out[:, :, 0].transpose(0, 1)
+
+
+def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> torch.Tensor:
+    """The gated attention of rows a (T, dim) at device positions P (T,), the state's
+    buffers written in place."""
+    q, k, v, idx_q, idx_k, gate = project(m.proj(a).float(), *m.project_args(), at.cos, at.sin)
+    _write(st, "k", k, P)
+    _write(st, "v", v, P)
+    if idx_k is not None:
+        _write(st, "idx", idx_k, P)
+    if m.qsa and not m.dense_only:
+        out = _sparse(m, q, idx_q, st, at)
+    else:
+        scales = st.kv_scales()
+        keys = _rows(st._k, None if scales is None else scales[0])
+        vals = _rows(st._v, None if scales is None else scales[1])
+        T = q.shape[1]
+        out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal())
+    return m.o(finish(out, gate))
+
+
+def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:
+    """Only the keys, values and indexer keys of rows a written (the MTP block's, which a
+    draft attends to; MTPHead.keys)."""
+    _, k, v, _, idx_k, _ = project(m.proj(a).float(), *m.project_args(), at.cos, at.sin)
+    _write(st, "k", k, P)
+    _write(st, "v", v, P)
+    if idx_k is not None:
+        _write(st, "idx", idx_k, P)
+
+
+def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
+    """GatedDeltaNet.forward for rows a (T, dim) token by token, its conv window written in
+    place; the recurrent state is updated in place by the one-token op. `rows`: where a
+    verify's inputs go (DeltaNetState.keep replays them)."""
+    Hk, Hv, dk, dv = heads = m.k_heads, m.v_heads, m.dk, m.dv
+    qkv, z, b, g = m.proj(a).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
+    q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
+                                                gpu=m.proj.kernels == "triton")
+    o = deltanet.recurrent(q, k, v, g, beta, st.rec, impl("deltanet_step", m.proj.kernels))
+    st.conv.copy_(window)
+    if rows is not None:
+        rows.append((qkv, q, k, v, g, beta))
+    return m.out(deltanet._gated_norm(o, z, m.norm, dv, m.eps))
+
+
+def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
+    """NgramPLE.forward with the n-gram history and the conv window written in place."""
+    history = st.history
+    ids = p.ids(tok, st)
+    history.copy_(st.history)
+    st.history = history
+    e = p.table.gather(ids)
+    step = impl("conv_step", "triton") if p.key.kernels == "triton" else None
+    x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, conv_step=step)
+    st.conv.copy_(window)
+    return x
+
+
+def _where(where: dict, P: torch.Tensor, m, st: AttentionState, pool: bool) -> _Where:
+    ratio = m.ratio if pool and m.qsa and not m.dense_only else 0
+    C, nb = st._k.shape[1], st._blocks.shape[0] if ratio else 0
+    key = (id(m.rope), ratio, C, nb)
+    if key not in where:
+        where[key] = _Where(P, m.rope, ratio, C, nb)
+    return where[key]
+
+
+def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor | None = None):
+    """(logits (T, vocab), the streams after the last layer (T, S*H), what a verify keeps)
+    for tokens `tok` (T,) at positions pos.. (`pos`: shape (1,)), both device tensors; the
+    state's tensors written in place (its lengths the caller advances). The state's
+    attention buffers must hold the positions (AttentionState.hold). With the state's MTP
+    keys, `prev` (1, S*H) holds the streams at the position before. What a verify keeps
+    (T > 1): {"ple_input": the PLE block's input, "rows": each DeltaNet layer's inputs}."""
+    T = tok.numel()
+    P = pos + torch.arange(T, device=pos.device)
+    x = model.embed(tok).repeat(1, model.cfg.streams)
+    where: dict = {}
+    kept: dict = {"rows": []} if T > 1 else {}
+    for layer, st in zip(model.layers, state.layers):
+        if layer.ple is not None:
+            if kept:
+                kept["ple_input"] = x
+            x = _ple(layer.ple, x, tok, state.ple)
+        a, w = layer.attn_hc.read(x)
+        if layer.recurrent:
+            y = _deltanet(layer.mixer, a, st, kept.get("rows"))
+        else:
+            y = _attention(layer.mixer, a, st, P, _where(where, P, layer.mixer, st, True))
+        x = HyperConnection.write(x, y, w)
+        m, w = layer.ffn_hc.read(x)
+        x = HyperConnection.write(x, layer.moe(m), w)
+    if state.mtp is not None:
+        mtp = model.mtp
+        a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]])))
+        _keys(mtp.block.mixer, a, state.mtp, P, _where(where, P, mtp.block.mixer, state.mtp, False))
+    return model.logits(x), x, kept
+
+
+def usable(model, state, T: int) -> bool:
+    """Whether the graph takes this forward: on CUDA, where `holds` does."""
+    return model.device.type == "cuda" and holds(model, state, T)
+
+
+def holds(model, state, T: int) -> bool:
+    """Whether a graph can hold this forward (see the module): one token, or a verify's
+    window; graphs on; the step's parts readable on the device without the host."""
+    if not enabled() or model.pipe is not None:
+        return False
+    if (T > 1) != (state._verify is not None) or state.media is not None or state.positions.rows is not None:
+        return False
+    gpu = model.device.type != "cpu"  # (on the CPU every part is where the step runs)
+    if gpu and model.ple is not None and getattr(model.ple.table, "host", True) is None:
+        return False  # the table's rows come from a file through the host (mmap, direct)
+    for layer in [*model.layers, *([model.mtp.block] if state.mtp is not None else [])]:
+        s = layer.moe.experts
+        dc = getattr(s, "device_cache", None)
+        resident = getattr(getattr(s, "hits", None), "device", None)
+        if layer.moe.share is not None or (gpu and not (
+                (resident is not None and resident.type != "cpu")
+                or (dc is not None and T * model.cfg.top_k <= dc.staging))):
+            return False
+    return True
+
+
+def captures(dev: torch.device) -> bool:
+    """Whether a graph is captured on `dev` (a real GPU), rather than its step run as is."""
+    return dev.type == "cuda" and backend._fake is None
+
+
+def _capacity(need: int) -> int:
+    return max(256, 1 << (need - 1).bit_length())
+
+
+class Qwen4ExpGraph:
+    """`step` for one state and T tokens (a decode, or a verify of T - 1 drafts), captured
+    as a CUDA graph (on CUDA) or run as is (elsewhere). The attention buffers are held at
+    `capacity` positions, shared by the state's graphs of other windows; a forward past
+    them, or an eager forward that moved a state tensor, needs a new one (`fits`)."""
+
+    @torch.inference_mode()
+    def __init__(self, model, state, T: int = 1, capacity: int | None = None):
+        # the state holds its graphs; a graph refers back weakly, so that a dropped state
+        # frees its graphs' memory pools at once, not at the next cycle collection
+        self.model, self._state, self.T = model, weakref.ref(state), T
+        # a context of known length (AttentionState.reserve) held at once, else doubled as it grows
+        want = capacity or _capacity(max([state.length + T, *(st._reserved for _, st in self._attention())]))
+        self.mode = invariant.enabled()
+        dev = model.device
+        for m, st in self._attention():
+            st.hold(want, m.n_kv_heads, m.head_dim, m.idx_dim if m.n_idx else 0, m.ratio if m.qsa else 0, dev)
+            if m.qsa and st is not state.mtp:
+                m._blocks(st, state.positions)  # the complete blocks not pooled yet: the step pools its own
+        self.capacity = min(st._k.shape[1] for _, st in self._attention())
+        for m, _ in self._attention():
+            if m.rope.cos.shape[0] < self.capacity + T:
+                m.rope._table(self.capacity + T)
+        self.tensors = self._tensors()
+        self.tok = torch.zeros(T, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.prev = torch.zeros(1, model.cfg.streams * model.cfg.dim, device=dev) if state.mtp is not None else None
+        self.graph = None
+        if captures(dev):
+            self._capture(dev)
+
+    @property
+    def state(self):
+        return self._state()
+
+    def _attention(self):
+        """(mixer, its AttentionState) of every attention layer, the MTP block's too."""
+        out = [(layer.mixer, st) for layer, st in zip(self.model.layers, self.state.layers) if not layer.recurrent]
+        if self.state.mtp is not None:
+            out.append((self.model.mtp.block.mixer, self.state.mtp))
+        return out
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every state tensor and table the step reads by address: kept alive, and checked."""
+        out = [t for st in self.state.layers if not isinstance(st, AttentionState) for t in (st.conv, st.rec)]
+        for m, st in self._attention():
+            out += [t for t in (st._k, st._v, st._idx, st._blocks, st._ks, st._vs, st._is) if t is not None]
+            out += [m.rope.cos, m.rope.sin]
+        if self.state.ple is not None:
+            out += [self.state.ple.history, self.state.ple.conv]
+        return out
+
+    def fits(self, state, T: int) -> bool:
+        """Whether this graph can run T tokens of `state` now."""
+        return (state is self.state and T == self.T and state.length + T <= self.capacity
+                and self.mode == invariant.enabled()
+                and all(a is b for a, b in zip(self._tensors(), self.tensors)))
+
+    def _changed(self) -> list[torch.Tensor]:
+        """What a warm-up step changes for good: the recurrent states, the PLE block's, and
+        the experts' counters (the rows it writes at the position the next step rewrites)."""
+        out = [t for st in self.state.layers if not isinstance(st, AttentionState) for t in (st.conv, st.rec)]
+        if self.state.ple is not None:
+            out += [self.state.ple.history, self.state.ple.conv]
+        for s in self._stores():
+            dc = getattr(s, "device_cache", None)
+            out += [t for t in (getattr(s, "hits", None), getattr(dc, "routed", None), getattr(dc, "missed", None))
+                    if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+        return out
+
+    def _counters(self) -> list[dict]:
+        """The host's counters a step adds to (the expert stores', the PLE table's reads):
+        a replay runs no Python, so each replay adds what the captured step added."""
+        table = getattr(getattr(self.model.ple, "table", None), "table", None)
+        return [c for c in [*(getattr(s, "_counts", None) for s in self._stores()), getattr(table, "_counts", None)]
+                if isinstance(c, dict)]
+
+    def _stores(self) -> list:
+        """The expert stores a step runs: the layers', and the MTP block's where it writes keys."""
+        mtp = [self.model.mtp.block] if self.state.mtp is not None else []
+        return [layer.moe.experts for layer in [*self.model.layers, *mtp]]
+
+    def _capture(self, dev) -> None:
+        counters = self._counters()
+        counted = [dict(c) for c in counters]
+        changed = self._changed()
+        keep = [t.clone() for t in changed]  # the warm-up steps change the state: put it back
+        self.pos.fill_(self.state.length)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compiles every kernel and sizes the allocator's pool
+            for _ in range(2):
+                step(self.model, self.tok, self.pos, self.state, self.prev)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        for t, k in zip(changed, keep):
+            t.copy_(k)
+        for c, was in zip(counters, counted):
+            c.update(was)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = step(self.model, self.tok, self.pos, self.state, self.prev)
+        # what one step adds (not times: a replay's are not the capture's), then undone
+        self.counts = [{k: v - was[k] for k, v in c.items() if k in was and not k.endswith("_s")
+                        and isinstance(v, (int, float)) and v != was[k]} for c, was in zip(counters, counted)]
+        for c, was in zip(counters, counted):
+            c.update(was)
+
+    @torch.inference_mode()
+    def __call__(self, tokens) -> torch.Tensor:
+        """Logits (T, vocab) of `tokens` (T ids) continuing the state; for a verify, what
+        `Qwen4ExpState.keep` needs is left as the eager forward leaves it."""
+        model, state, T = self.model, self.state, self.T
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        for store in self._stores():
+            store.rebalance()  # between steps: the device caches' promotions
+        if T == 1:
+            self.tok.fill_(int(tokens[0]))
+        else:
+            self.tok.copy_(tokens)
+        self.pos.fill_(state.length)
+        if self.prev is not None:
+            if state.hidden is None:
+                self.prev.zero_()
+            else:
+                self.prev.copy_(state.hidden.reshape(1, -1))
+        if self.graph is not None:
+            self.graph.replay()
+            logits, x, kept = self.out
+            logits = logits.clone()  # the caller's: the next replay rewrites the graph's
+            for c, add in zip(self._counters(), self.counts):
+                for k, v in add.items():
+                    c[k] += v
+        else:
+            logits, x, kept = step(model, self.tok, self.pos, state, self.prev)
+        start = state.length
+        state.length += T
+        for layer, st in zip(model.layers, state.layers):
+            if not layer.recurrent:
+                st.n = state.length
+                if layer.mixer.qsa:
+                    st.n_blocks = state.length // layer.mixer.ratio
+        if state.mtp is not None:
+            state.mtp.n = state.length
+            state.hidden = x[-1].clone()
+        v = state._verify
+        if v is not None and v.start == start:
+            v.tokens, v.streams = tokens, x.clone()
+            if "ple_input" in kept:
+                v.ple_input = kept["ple_input"].clone()
+            rows = iter(kept["rows"])
+            for layer, st in zip(model.layers, state.layers):
+                if layer.recurrent:
+                    st.trail.rows = tuple(t.clone() for t in next(rows))
+                    st.trail.step = impl("deltanet_step", layer.mixer.proj.kernels)
+        return logits
