@@ -56,7 +56,6 @@ import torch.nn.functional as F
 
 from strata.nn import deltanet, kv
 from strata.nn.gated_attention import AttentionState, _heads_norm, finish, project
-from strata.nn.hyperconn import HyperConnection
 from strata.nn.ple import mix
 from strata.nn.rope import rotate
 from strata.runtime.graphs import enabled
@@ -241,9 +240,9 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
             y = _deltanet(layer.mixer, a, st, kept.get("rows"))
         else:
             y = _attention(layer.mixer, a, st, P, _where(where, P, layer.mixer, st, True))
-        x = HyperConnection.write(x, y, w)
+        x = layer.attn_hc.write(x, y, w)
         m, w = layer.ffn_hc.read(x)
-        x = HyperConnection.write(x, layer.moe(m), w)
+        x = layer.ffn_hc.write(x, layer.moe(m), w)
     if state.mtp is not None:
         mtp = model.mtp
         a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]])))
