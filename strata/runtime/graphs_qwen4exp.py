@@ -304,7 +304,8 @@ class Qwen4ExpGraph:
             st.hold(want, m.n_kv_heads, m.head_dim, m.idx_dim if m.n_idx else 0, m.ratio if m.qsa else 0, dev)
             if m.qsa and st is not state.mtp:
                 m._blocks(st, state.positions)  # the complete blocks not pooled yet: the step pools its own
-        self.capacity = min(st._k.shape[1] for _, st in self._attention())
+        # (a model of DeltaNet layers alone holds no positions: the wanted capacity bounds it)
+        self.capacity = min((st._k.shape[1] for _, st in self._attention()), default=want)
         for m, _ in self._attention():
             if m.rope.cos.shape[0] < self.capacity + T:
                 m.rope._table(self.capacity + T)
