@@ -3,6 +3,7 @@ test_imatrix.py and test_quantize.py.
 
     scripts/build_llama_cpp.sh --tools /tmp/llama-tools        # about 5 minutes on 2 cores
     python scripts/golden_llama_tools.py /tmp/llama-tools       # about 2 minutes
+    python scripts/golden_llama_tools.py /tmp/llama-tools --quantize-only   # the mixes alone
 
 The tools are llama-perplexity, llama-imatrix and llama-quantize of the llama.cpp that the
 llama-cpp-python 0.3.36 sdist vendors (the llama.cpp Strata compares itself with), built for
@@ -209,8 +210,13 @@ def tensor_sha256(path: Path, pattern: str) -> dict[str, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("tools_dir", type=Path, help="scripts/build_llama_cpp.sh --tools DIR's DIR")
+    p.add_argument("--quantize-only", action="store_true",
+                   help="recompute the quantize mixes alone (llama-imatrix and llama-quantize), keeping the "
+                        "rest of the golden file as it is")
     args = p.parse_args()
     bins = args.tools_dir.resolve() / "build" / "bin"
+    if args.quantize_only:
+        return quantize_only(bins)
     for tool in ("llama-perplexity", "llama-imatrix", "llama-quantize"):
         if not (bins / tool).is_file():
             raise SystemExit(f"{bins / tool}: missing; build it with scripts/build_llama_cpp.sh --tools {args.tools_dir}")
@@ -245,6 +251,24 @@ def main() -> None:
     np.savez_compressed(OUT_NPZ, **arrays)
     print(f"wrote {OUT_JSON} ({OUT_JSON.stat().st_size} bytes) and {OUT_NPZ} ({OUT_NPZ.stat().st_size} bytes)",
           file=sys.stderr)
+
+
+def quantize_only(bins: Path) -> None:
+    """The "quantize" section again (after FTYPES grew), the rest of the file as it was."""
+    from strata.hub import pull_smollm2, synth_flash_tiny
+    from strata.perplexity import stdlib_text
+    golden = json.loads(OUT_JSON.read_text())
+    smollm2, flash_tiny = pull_smollm2(), synth_flash_tiny()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / TEXT_NAME).write_text(stdlib_text()[:TEXT_CHARS], encoding="utf-8")
+        print("llama-imatrix ...", file=sys.stderr)
+        imatrix_golden(bins, smollm2, work)
+        print("llama-quantize --dry-run ...", file=sys.stderr)
+        golden["quantize"] = quantize_golden(bins, {"smollm2": smollm2, "flash-tiny": flash_tiny},
+                                             work / "imatrix.gguf", work)
+    OUT_JSON.write_text(json.dumps(golden, ensure_ascii=False, separators=(",", ":")) + "\n")
+    print(f"wrote {OUT_JSON} ({OUT_JSON.stat().st_size} bytes)", file=sys.stderr)
 
 
 if __name__ == "__main__":

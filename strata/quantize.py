@@ -11,8 +11,12 @@ for the mixes Strata names here; its main rules:
   - attn_v: Q4_K (IQ3_XXS/IQ3_S) or Q5_K (IQ4_NL) with grouped-query factor >= 4, and for
     IQ3_XXS without an imatrix IQ3_S;
   - attn_q, attn_k: IQ2_S for IQ3_XXS; attn_output: IQ3_S for IQ3_XXS;
+  - attn_v, the i-th of n: Q5_K (Q3_K_M, i < 2, else Q4_K); Q6_K (Q4_K_M, Q5_K_M) where
+    "more bits" (i < n/8, i >= 7n/8, or every third between);
   - ffn_down, layer i of n: for IQ3_XXS without an imatrix Q4_K (i < n/8) else Q3_K; for
-    IQ4_NL without an imatrix Q5_K (i < n/8); for Q4_0 with an imatrix Q4_1 (i < n/8);
+    IQ4_NL and IQ4_XS without an imatrix Q5_K (i < n/8); for Q4_0 with an imatrix Q4_1 (i < n/8);
+    Q5_K (Q3_K_M, i < n/16, else Q4_K); Q6_K (Q4_K_M, Q5_K_M) where "more bits";
+  - attn_output: Q4_K for Q3_K_M;
   - --pure skips all of the above, --tensor-type REGEX=TYPE overrides them (first match);
   - then the fallback: rows not divisible by the type's block take IQ4_NL (IQ and 256-block
     IQ types), Q4_0 (Q2_K, Q3_K), Q5_0 (Q4_K), Q5_1 (Q5_K), Q8_0 (Q6_K), F16 if even that
@@ -42,7 +46,10 @@ from strata.names import OUTPUT, TOKEN_EMBD
 from strata.tensors import QTensor
 
 # llama_ftype ids written to general.file_type (include/llama.h)
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "IQ3_XXS": 23, "IQ4_NL": 25, "IQ3_S": 26}
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
+          "IQ3_XXS": 23, "IQ4_NL": 25, "IQ3_S": 26, "IQ4_XS": 30}
+# an ftype's base format (llama_ftype_get_default_type), where it is not the ftype's own name
+BASE_TYPE = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 FALLBACK = {"IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL",
             "IQ2_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL",
             "Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -89,6 +96,10 @@ class Plan:
     # mix rules have seen before this one (one given a type by --tensor-type is not counted,
     # so an override on the first layers moves the "first eighth" on); absent: the block number
     ffn_down_index: dict[str, int] = field(default_factory=dict)
+    # attn_v (and attn_qkv, attn_kv_b) likewise: the index among those the mix rules see, and
+    # how many the model has (overridden ones included, as llama-quantize counts them)
+    attn_v_index: dict[str, int] = field(default_factory=dict)
+    n_attn_v: int = 0
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
@@ -99,6 +110,15 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
 def _layer(name: str) -> int | None:
     m = re.match(r"blk\.(\d+)\.", name)
     return int(m.group(1)) if m else None
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama-quant.cpp's use_more_bits: the first and last eighth, and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _is_attn_v(name: str) -> bool:
+    return "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name
 
 
 def _mix_type(plan: Plan, name: str, shape: tuple[int, ...], t: str) -> str:
@@ -114,23 +134,34 @@ def _mix_type(plan: Plan, name: str, shape: tuple[int, ...], t: str) -> str:
     if name == TOKEN_EMBD:
         return "IQ3_S" if f == "IQ3_XXS" else t
     i, n = plan.ffn_down_index.get(name, _layer(name)), plan.n_layer
-    if "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name:
+    if _is_attn_v(name):
+        iv = plan.attn_v_index.get(name, _layer(name) or 0)
         if f == "IQ3_XXS":
             return "Q4_K" if plan.n_gqa >= 4 else ("IQ3_XXS" if plan.has_imatrix else "IQ3_S")
         if f == "IQ3_S" and plan.n_gqa >= 4:
             return "Q4_K"
-        if f == "IQ4_NL" and plan.n_gqa >= 4:
+        if f == "Q3_K_M":
+            return "Q5_K" if iv < 2 else "Q4_K"
+        if f in ("IQ4_NL", "IQ4_XS") and plan.n_gqa >= 4:
             return "Q5_K"
+        if f in ("Q4_K_M", "Q5_K_M") and _more_bits(iv, plan.n_attn_v):
+            return "Q6_K"
         return t
     if "attn_k.weight" in name or "attn_q.weight" in name:
         return "IQ2_S" if f == "IQ3_XXS" else t
     if "attn_output.weight" in name:
-        return "IQ3_S" if f == "IQ3_XXS" else t
+        return {"IQ3_XXS": "IQ3_S", "Q3_K_M": "Q4_K"}.get(f, t)
     if "ffn_down" in name and i is not None:
         if f == "IQ3_XXS" and not plan.has_imatrix:
             return "Q4_K" if i < n // 8 else "Q3_K"
-        if f == "IQ4_NL" and not plan.has_imatrix and i < n // 8:
+        if f == "Q3_K_M":  # Q3_K only where the architecture is Falcon
+            return "Q5_K" if i < n // 16 else "Q4_K"
+        if f == "Q4_K_M":
+            return "Q6_K" if _more_bits(i, n) else t
+        if f in ("IQ4_NL", "IQ4_XS") and not plan.has_imatrix and i < n // 8:
             return "Q5_K"
+        if f == "Q5_K_M" and _more_bits(i, n):
+            return "Q6_K"
         if f == "Q4_0" and plan.has_imatrix and i < n // 8:
             return "Q4_1"
     return t
@@ -140,7 +171,7 @@ def choose_type(plan: Plan, name: str, shape: tuple[int, ...]) -> tuple[str | No
     """(target format name or None to copy, fallback note or None) for one tensor."""
     if not quantizable(name, shape):
         return None, None
-    t = plan.ftype
+    t = BASE_TYPE.get(plan.ftype, plan.ftype)
     manual = next((ty for rx, ty in plan.overrides if rx.search(name)), None)
     if manual is not None:
         t = manual
@@ -220,6 +251,10 @@ def make_plan(g, ftype: str, *, has_imatrix: bool = False, tensor_types: list[st
                         and not any(rx.search(n) for rx, _ in plan.overrides)),
                        key=lambda n: _layer(n) if _layer(n) is not None else -1)
         plan.ffn_down_index = {n: i for i, n in enumerate(downs)}
+    vs = sorted((n for n, t in g.tensors.items() if _is_attn_v(n) and quantizable(n, t.shape)),
+                key=lambda n: _layer(n) if _layer(n) is not None else -1)
+    plan.n_attn_v = len(vs)
+    plan.attn_v_index = {n: i for i, n in enumerate(n for n in vs if not any(rx.search(n) for rx, _ in plan.overrides))}
     return plan
 
 
