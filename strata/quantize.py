@@ -22,7 +22,10 @@ for the mixes Strata names here; its main rules:
     IQ types), Q4_0 (Q2_K, Q3_K), Q5_0 (Q4_K), Q5_1 (Q5_K), Q8_0 (Q6_K), F16 if even that
     does not fit.
 A quantized source is dequantized to float32 first. One progress line per tensor, as
-llama-quantize prints it, and the size summary at the end.
+llama-quantize prints it, and the size summary at the end. The file is laid out as
+llama-quantize's: its tensor order (by block, then name) and its header's keys (the source's,
+then general.quantization_version and general.file_type), so that where the quantizers give
+ggml's bytes the whole file is llama-quantize's, byte for byte.
 
 The quantizers are the `quant` codecs: IQ3_XXS and IQ3_S search as llama.cpp does, then
 refine (quant/search/iq3.py); the K-quants, IQ4_NL and IQ4_XS run llama.cpp's searches
@@ -264,6 +267,13 @@ def target_types(g, plan: Plan) -> dict[str, str]:
     return {name: choose_type(plan, name, t.shape)[0] or t.fmt.name for name, t in g.tensors.items()}
 
 
+def _file_order(name: str) -> tuple[int, str]:
+    """llama-quantize's tensor order (llama_model_loader's weight_name_comparer): by block,
+    the tensors of no block first, then by name."""
+    i = _layer(name)
+    return (-1 if i is None else i, name)
+
+
 def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str | Path | None = None,
                    tensor_types: list[str] = (), pure: bool = False, threads: int = 1,
                    log: Callable[[str], None] = print) -> dict:
@@ -276,7 +286,7 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
     plan = make_plan(g, ftype, has_imatrix=imat is not None, tensor_types=tensor_types, pure=pure)
 
     jobs = []
-    for name, t in g.tensors.items():
+    for name, t in sorted(g.tensors.items(), key=lambda kv: _file_order(kv[0])):
         target, note = choose_type(plan, name, t.shape)
         if target == t.fmt.name:
             target = None
@@ -314,9 +324,13 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
             size_in += t.nbytes
             size_out += q.nbytes
 
+    # llama-quantize's header: the source's keys, less the split ones, then these two last
     meta = g.typed_metadata()
+    for key in ("general.quantization_version", "general.file_type", "split.no", "split.count",
+                "split.tensors.count"):
+        meta.pop(key, None)
+    meta["general.quantization_version"] = (2, GGUFValueType.UINT32)
     meta["general.file_type"] = (FTYPES[ftype], GGUFValueType.UINT32)
-    meta.setdefault("general.quantization_version", (2, GGUFValueType.UINT32))
     write_gguf(dst, arch, meta, out)
     n_elem = sum(int(np.prod(t.shape)) for t in g.tensors.values())
     log(f"model size  = {size_in / 2**20:8.2f} MiB ({size_in * 8 / n_elem:.2f} BPW)")

@@ -190,10 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--threads", "-t", type=int, default=None)
     add_device_args(im)
 
-    qz = sub.add_parser("quantize", help="llama-quantize: requantize a GGUF (IQ3_XXS, IQ3_S, Q4_0, ...)")
+    qz = sub.add_parser("quantize", help="llama-quantize: requantize a GGUF (Q4_K_M, IQ4_XS, IQ3_XXS, ...)")
     qz.add_argument("input", help="source .gguf (a quantized source is dequantized first)")
     qz.add_argument("output", help=".gguf to write")
-    qz.add_argument("type", help="IQ3_XXS, IQ3_S, Q4_0, Q4_1, Q8_0 or IQ4_NL (llama.cpp's mix for it)")
+    qz.add_argument("type", help="Q4_K_M, Q5_K_M, Q3_K_M, Q6_K, IQ4_XS, IQ4_NL, IQ3_XXS, IQ3_S, Q4_0, Q4_1 or Q8_0 "
+                    "(llama.cpp's mix for it)")
     qz.add_argument("--imatrix", default=None, help="importance matrix, llama.cpp's GGUF imatrix format")
     qz.add_argument("--tensor-type", action="append", metavar="REGEX=TYPE",
                     help="type of the tensors whose name matches REGEX (repeatable; first match wins)")

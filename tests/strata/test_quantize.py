@@ -91,7 +91,10 @@ def test_synthetic_model_progress_lines_and_round_trip(tmp_path):
     quantize_model(src, tmp_path / "q.gguf", "IQ3_S", pure=True, log=lines.append)
     tensor_lines = [l for l in lines if l.startswith("[")]
     assert len(tensor_lines) == 3 and all(LINE.match(l) for l in tensor_lines), lines
-    assert "converting to iq3_s" in tensor_lines[0] and "converting to iq4_nl" in tensor_lines[1]
+    # llama-quantize's order: by block, then by name
+    assert [l.split("] ", 1)[1].split()[0] for l in tensor_lines] == ["blk.0.attn_norm.weight", "blk.0.ffn_down.weight",
+                                                    "blk.0.ffn_up.weight"]
+    assert "converting to iq3_s" in tensor_lines[1] and "converting to iq4_nl" in tensor_lines[2]
     assert any(l.startswith("quant size  =") for l in lines)
     g, q = open_gguf(src), open_gguf(tmp_path / "q.gguf")
     assert q.tensors["blk.0.ffn_down.weight"].fmt.name == "IQ3_S"
