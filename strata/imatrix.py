@@ -22,6 +22,17 @@ inside `collect()`, so normal inference runs exactly as before (no hook: torch's
 A fused QuantLinear (Q, K and V in one) has one input, shared by the weights it holds, so
 each of them gets the same sums. Strata permutes the rows (outputs) of Q and K at load; the
 input columns, which the imatrix describes, are in file order.
+
+Routed experts (a MoE layer's merged `ffn_{gate,up,down}_exps`, which llama.cpp multiplies
+with MUL_MAT_ID) are collected per expert, as imatrix.cpp does: each (token, expert) pair
+the router chose adds the token's input to that expert's row of the sums and 1 to its
+count, whatever the batch's size (the 16-row rule is MUL_MAT's alone). Gate and up read the
+hidden state the store is given; down reads silu(gate_e x) * up_e x, which the hook
+computes in float32 from the expert's weights (the dense tier's own, else the file's blocks
+dequantized). The file then holds, per expert tensor, `.in_sum2` ne
+[in, n_expert] and `.counts` ne [1, n_expert]; an expert no token reached has count 0 and
+llama-quantize weighs its columns alike. The MTP head (blk.N past the trunk, from its own
+file) is not collected: llama-imatrix never runs it.
 """
 from __future__ import annotations
 
@@ -32,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from strata.names import OUTPUT
 from strata.perplexity import (
@@ -78,10 +90,79 @@ class _Stat:
         self.sums = sq if self.sums is None else self.sums + sq
         self.count += rows
 
-    def numpy(self) -> np.ndarray:
+    def matrix(self) -> np.ndarray:
+        """(1, in): the sums as one matrix of the file."""
         if self.sums is None:
-            return np.zeros(self.n_in, dtype=np.float32)
+            return np.zeros((1, self.n_in), dtype=np.float32)
+        return self.sums.float().cpu().numpy()[None, :]
+
+    def counts(self) -> np.ndarray:
+        return np.array([self.count], dtype=np.int64)
+
+
+class _ExpertStat:
+    """A merged-experts tensor's sums, one row per expert, and its per-expert counts."""
+    __slots__ = ("count", "sums")
+
+    def __init__(self, n_experts: int, n_in: int, device):
+        self.sums = torch.zeros((n_experts, n_in), dtype=torch.float64, device=device)
+        self.count = torch.zeros(n_experts, dtype=torch.long)
+
+    def add(self, e: int, sq: torch.Tensor, rows: int) -> None:
+        self.sums[e] += sq
+        self.count[e] += rows
+
+    def matrix(self) -> np.ndarray:
         return self.sums.float().cpu().numpy()
+
+    def counts(self) -> np.ndarray:
+        return self.count.numpy().astype(np.int64)
+
+
+def expert_rows(t, e: int, device="cpu") -> torch.Tensor:
+    """Expert `e`'s matrix of a merged-experts QTensor (E, rows, in), float32 (rows, in)."""
+    from strata.tensors import QTensor
+    rows = t.data.shape[0] // t.shape[0]
+    return QTensor(t.name, t.fmt, tuple(t.shape[1:]), t.data[e * rows:(e + 1) * rows]).dequantize(
+        torch.float32, device)
+
+
+def _gate_up(store, e: int, device) -> torch.Tensor:
+    """Expert `e`'s gate and up stacked (2I, H), float32: the dense tier's own weights where it
+    holds them, else dequantized from the file's blocks."""
+    w13 = getattr(store, "w13", None)
+    if w13 is not None:
+        return w13[e].to(device=device, dtype=torch.float32)
+    gate, up = store.tensors[:2]
+    return torch.cat([expert_rows(gate, e, device), expert_rows(up, e, device)])
+
+
+def _expert_hook(stats: dict, store):
+    """The forward pre-hook of an ExpertStore: store(x (T, H), weights (T, k), ids (T, k))."""
+    gate_s, up_s, down_s = (stats[n] for n in store.names)
+
+    def hook(_module, args):
+        x, _weights, ids = args
+        x = x.float().reshape(-1, x.shape[-1])
+        k = ids.shape[-1]
+        flat = ids.reshape(-1).long().to(x.device)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+        keep = flat >= 0  # -1: an expert another rank holds (--ep)
+        flat, token = flat[keep], token[keep]
+        counts = torch.bincount(flat, minlength=store.n_experts).cpu()
+        sq = x.square().double()[token]  # a row per (token, expert) pair
+        for st in (gate_s, up_s):
+            st.sums.index_add_(0, flat.to(st.sums.device), sq.to(st.sums.device))
+            st.count += counts
+        order = torch.argsort(flat, stable=True)
+        at = 0
+        for e in torch.nonzero(counts).flatten().tolist():
+            c = int(counts[e])
+            xe = x[token[order[at:at + c]]]
+            at += c
+            g, u = (xe @ _gate_up(store, e, x.device).T).chunk(2, dim=-1)
+            down_s.add(e, (F.silu(g) * u).square().sum(0, dtype=torch.float64), c)
+    return hook
 
 
 def _collected_names(layer, process_output: bool) -> list[str]:
@@ -94,9 +175,12 @@ def collect(model: torch.nn.Module, process_output: bool = False) -> Iterator[di
     """Within the block, every QuantLinear of `model` adds its input's squared columns to
     the dict yielded (weight name -> sums, count); the hooks go when the block ends."""
     from strata.nn import QuantLinear
-    stats: dict[str, _Stat] = {}
+    from strata.storage.experts import ExpertStore
+    stats: dict[str, _Stat | _ExpertStat] = {}
     names_of: dict[torch.nn.Module, list[str]] = {}
     handles = []
+    mtp = getattr(model, "mtp", None)
+    skip = set(mtp.modules()) if isinstance(mtp, torch.nn.Module) else set()
 
     def hook(layer, args):
         x = args[0].reshape(-1, layer.in_features)
@@ -107,6 +191,13 @@ def collect(model: torch.nn.Module, process_output: bool = False) -> Iterator[di
             stats[name].add(sq, x.shape[0])
 
     for m in model.modules():
+        if m in skip:
+            continue
+        if isinstance(m, ExpertStore):
+            for n, t in zip(m.names, m.tensors):
+                stats[n] = _ExpertStat(m.n_experts, t.shape[-1], "cpu" if m.device is None else m.device)
+            handles.append(m.register_forward_pre_hook(_expert_hook(stats, m)))
+            continue
         # a "parts" layer (mixed formats) passes its input to QuantLinears of its own
         if not isinstance(m, QuantLinear) or m.mode == "parts":
             continue
@@ -141,12 +232,12 @@ def compute_imatrix(model: LogitsModel, tokens, n_ctx: int = 512, n_chunks: int 
             nlls.append(token_nll(logits, torch.as_tensor(chunk[n_ctx // 2 + 1:])))
             if on_chunk:
                 on_chunk(i, float(np.exp(np.concatenate(nlls).mean())))
-    sums = {k: s.numpy()[None, :] for k, s in sorted(stats.items())}
+    sums = {k: s.matrix() for k, s in sorted(stats.items())}
     for name, v in sums.items():
         if not np.isfinite(v).all():
             raise ValueError(f"non-finite activations reached {name}; the model overflows on this text")
     return IMatrix(sums=sums,
-                   counts={k: np.array([s.count], dtype=np.int64) for k, s in sorted(stats.items())},
+                   counts={k: s.counts() for k, s in sorted(stats.items())},
                    datasets=list(datasets), chunk_count=n, chunk_size=n_ctx,
                    ppl=float(np.exp(np.concatenate(nlls).mean())))
 

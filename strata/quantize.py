@@ -300,11 +300,20 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
         x = t.fmt.dequantize(t.data).reshape(-1, t.shape[-1]).astype(np.float32, copy=False)
         imp = None
         if imat is not None and name in imat:
-            imp = imat[name].reshape(-1)
-            if imp.size != t.shape[-1]:
-                raise QuantizeError(f"--imatrix {imatrix}: {name} has {imp.size} values for rows of "
-                                    f"{t.shape[-1]}; was it computed for another model?")
-        data = fmt.quantize(x, imp)
+            # one row of importance per matrix: a merged-experts tensor (E, rows, in) has one per
+            # expert, and each expert's rows are quantized with its own (llama-quantize's
+            # imatrix_for_row)
+            n_mat = int(np.prod(t.shape[:-2])) if len(t.shape) > 2 else 1
+            imp = imat[name].reshape(-1, t.shape[-1]) if imat[name].size % t.shape[-1] == 0 else None
+            if imp is None or imp.shape[0] != n_mat:
+                raise QuantizeError(f"--imatrix {imatrix}: {name} has {imat[name].size} values for {n_mat} "
+                                    f"matrices of rows of {t.shape[-1]}; was it computed for another model?")
+        if imp is None or imp.shape[0] == 1:
+            data = fmt.quantize(x, None if imp is None else imp[0])
+        else:
+            per = x.reshape(imp.shape[0], -1, x.shape[-1])
+            data = np.concatenate([fmt.quantize(per[e], imp[e]).reshape(per.shape[1], -1)
+                                   for e in range(imp.shape[0])])
         return QTensor(name, fmt, t.shape, data.reshape(x.shape[0], -1))
 
     out, size_in, size_out, n_fallback, n = {}, 0, 0, 0, len(jobs)
