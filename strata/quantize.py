@@ -72,7 +72,7 @@ class QuantizeError(ValueError):
 def read_imatrix(path: str | Path) -> dict[str, np.ndarray]:
     """llama.cpp's GGUF imatrix -> {weight name: float32 mean squared activation per input
     column}, read by strata.imatrix (the writer of the same format)."""
-    from strata.imatrix import load_imatrix
+    from strata.imatrix_file import load_imatrix
     try:
         out = load_imatrix(path)
     except (ValueError, OSError) as e:
