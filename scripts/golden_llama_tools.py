@@ -3,6 +3,7 @@ test_imatrix.py and test_quantize.py.
 
     scripts/build_llama_cpp.sh --tools /tmp/llama-tools        # about 5 minutes on 2 cores
     python scripts/golden_llama_tools.py /tmp/llama-tools       # about 2 minutes
+    python scripts/golden_llama_tools.py /tmp/llama-tools --only quantize   # one part again
 
 The tools are llama-perplexity, llama-imatrix and llama-quantize of the llama.cpp that the
 llama-cpp-python 0.3.36 sdist vendors (the llama.cpp Strata compares itself with), built for
@@ -21,10 +22,15 @@ tests/data/llama_tools_golden.json and tests/data/llama_imatrix.npz:
   the test can check that it evaluates the same weights);
 - imatrix: llama-imatrix's GGUF as gguf-py reads it: metadata, every tensor's name, shape
   and type in file order, the header's bytes, every `.counts`, and the `.in_sum2` of blocks
-  0, 15 and 29 (the whole file is 600 KB);
+  0, 15 and 29 (the whole file is 600 KB); and its file for flash-tiny (strata.hub, qwen4exp),
+  whose routed experts it collects per expert: every `.counts`, and block 0's experts'
+  `.in_sum2` (tests/data/llama_imatrix_moe.npz);
 - quantize: llama-quantize --dry-run's type for every tensor, for each ftype
   strata.quantize.FTYPES names, without and with that importance matrix, --pure, and
   with a --tensor-type override; on SmolLM2 and on flash-tiny (strata.hub, qwen4exp).
+  And the size and sha256 of the whole file llama-quantize writes from SmolLM2 for Q4_K_M,
+  Q5_K_M, Q3_K_M, Q6_K and IQ4_XS (FILE_FTYPES), which `strata quantize` repeats byte for
+  byte.
 
 The converter's golden data is scripts/golden_convert.py's (same llama.cpp tree:
 `python scripts/golden_convert.py /tmp/llama-tools/llama.cpp`).
@@ -46,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT_JSON = ROOT / "tests" / "data" / "llama_tools_golden.json"
 OUT_NPZ = ROOT / "tests" / "data" / "llama_imatrix.npz"
+OUT_MOE_NPZ = ROOT / "tests" / "data" / "llama_imatrix_moe.npz"
 
 TEXT_CHARS = 20000
 N_CTX, N_CHUNKS, THREADS = 128, 2, 2
@@ -155,6 +162,30 @@ def imatrix_golden(bins: Path, model: Path, work: Path) -> tuple[dict, dict[str,
              "bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}, arrays)
 
 
+MOE_LAYERS = (0,)  # flash-tiny's block whose experts' sums are kept
+
+
+def moe_imatrix_golden(bins: Path, model: Path, work: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """llama-imatrix on flash-tiny (qwen4exp: 64 routed experts a layer, 8 a token), same text
+    and chunks: the metadata, every tensor's name, shape and type, the header's bytes, every
+    `.counts` (per expert for the merged-experts tensors), and the experts' `.in_sum2` of
+    MOE_LAYERS (256 x 64 floats each)."""
+    from gguf import GGUFReader
+    run([bins / "llama-imatrix", "-m", model, "-f", TEXT_NAME, "-c", N_CTX, "-b", N_CTX, "--chunks", N_CHUNKS,
+         "-t", THREADS, "-o", "imatrix-moe.gguf", "--output-frequency", 1000], work)
+    path = work / "imatrix-moe.gguf"
+    r = GGUFReader(path)
+    meta = {k: {"type": f.types[0].name, "value": f.contents()} for k, f in r.fields.items()
+            if not k.startswith("GGUF.")}
+    tensors = [{"name": t.name, "shape": [int(n) for n in t.shape], "type": t.tensor_type.name} for t in r.tensors]
+    arrays = {"header": np.frombuffer(path.read_bytes()[:r.data_offset], np.uint8)}
+    for t in r.tensors:
+        if t.name.endswith(".counts") or ("_exps." in t.name and int(t.name.split(".")[1]) in MOE_LAYERS):
+            arrays[t.name] = np.array(t.data, dtype=np.float32)
+    return ({"model": model.name, "metadata": meta, "tensors": tensors, "layers": list(MOE_LAYERS),
+             "bytes": path.stat().st_size}, arrays)
+
+
 # -- llama-quantize --------------------------------------------------------------------------
 
 _DRY_LINE = re.compile(r"^\[\s*\d+/\s*\d+\]\s+(\S+)\s+- \[[^\]]*\], type =\s+(\w+), size = .*?(?:\((\w+)\))?$", re.M)
@@ -199,6 +230,22 @@ def quantize_golden(bins: Path, models: dict[str, Path], imatrix: Path, work: Pa
     return {"tensors": names, "mixes": mixes}
 
 
+# the mixes whose whole file Strata writes as llama-quantize does, byte for byte
+FILE_FTYPES = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "IQ4_XS")
+
+
+def quantized_files(bins: Path, model: Path, work: Path) -> dict:
+    """{ftype: {"bytes", "sha256"}} of the file llama-quantize writes from `model` for each
+    of FILE_FTYPES (no importance matrix)."""
+    out = {}
+    for ftype in FILE_FTYPES:
+        dst = work / f"q-{ftype}.gguf"
+        run([bins / "llama-quantize", "--allow-requantize", model, dst, ftype, THREADS], work)
+        out[ftype] = {"bytes": dst.stat().st_size, "sha256": hashlib.sha256(dst.read_bytes()).hexdigest()}
+        dst.unlink()
+    return out
+
+
 def tensor_sha256(path: Path, pattern: str) -> dict[str, str]:
     from gguf import GGUFReader
     r = GGUFReader(path)
@@ -209,8 +256,13 @@ def tensor_sha256(path: Path, pattern: str) -> dict[str, str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("tools_dir", type=Path, help="scripts/build_llama_cpp.sh --tools DIR's DIR")
+    p.add_argument("--only", choices=("quantize", "imatrix_moe"), action="append",
+                   help="recompute this part alone (llama-imatrix and llama-quantize), keeping the rest "
+                        "of the golden data as it is (repeatable)")
     args = p.parse_args()
     bins = args.tools_dir.resolve() / "build" / "bin"
+    if args.only:
+        return only(bins, set(args.only))
     for tool in ("llama-perplexity", "llama-imatrix", "llama-quantize"):
         if not (bins / tool).is_file():
             raise SystemExit(f"{bins / tool}: missing; build it with scripts/build_llama_cpp.sh --tools {args.tools_dir}")
@@ -224,8 +276,12 @@ def main() -> None:
         (work / TEXT_NAME).write_text(text, encoding="utf-8")
         print("llama-imatrix ...", file=sys.stderr)
         imatrix, arrays = imatrix_golden(bins, smollm2, work)
+        print("llama-imatrix (flash-tiny) ...", file=sys.stderr)
+        moe_imatrix, moe_arrays = moe_imatrix_golden(bins, flash_tiny, work)
         print("llama-quantize --dry-run ...", file=sys.stderr)
         mixes = quantize_golden(bins, {"smollm2": smollm2, "flash-tiny": flash_tiny}, work / "imatrix.gguf", work)
+        print("llama-quantize (whole files) ...", file=sys.stderr)
+        mixes["files"] = {"model": smollm2.name, **quantized_files(bins, smollm2, work)}
         print("llama-quantize (the KLD run's Q model) ...", file=sys.stderr)
         q_model = work / "smollm2-q4_1-ffn_down-q4_0.gguf"
         run([bins / "llama-quantize", "--allow-requantize", "--tensor-type", KLD_OVERRIDE,
@@ -239,12 +295,38 @@ def main() -> None:
         "text": {"source": f"strata.perplexity.stdlib_text()[:{TEXT_CHARS}]", "file": TEXT_NAME,
                  "sha256": text_sha256(text)},
         "n_ctx": N_CTX, "n_chunks": N_CHUNKS, "model": smollm2.name,
-        "perplexity": ppl, "imatrix": imatrix, "quantize": mixes,
+        "perplexity": ppl, "imatrix": imatrix, "imatrix_moe": moe_imatrix, "quantize": mixes,
     }
     OUT_JSON.write_text(json.dumps(golden, ensure_ascii=False, separators=(",", ":")) + "\n")
     np.savez_compressed(OUT_NPZ, **arrays)
+    np.savez_compressed(OUT_MOE_NPZ, **moe_arrays)
     print(f"wrote {OUT_JSON} ({OUT_JSON.stat().st_size} bytes) and {OUT_NPZ} ({OUT_NPZ.stat().st_size} bytes)",
           file=sys.stderr)
+
+
+def only(bins: Path, parts: set[str]) -> None:
+    """Some parts again (the quantize mixes after FTYPES grew, ...), the rest as it was."""
+    from strata.hub import pull_smollm2, synth_flash_tiny
+    from strata.perplexity import stdlib_text
+    golden = json.loads(OUT_JSON.read_text())
+    smollm2, flash_tiny = pull_smollm2(), synth_flash_tiny()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / TEXT_NAME).write_text(stdlib_text()[:TEXT_CHARS], encoding="utf-8")
+        if "imatrix_moe" in parts:
+            print("llama-imatrix (flash-tiny) ...", file=sys.stderr)
+            golden["imatrix_moe"], moe_arrays = moe_imatrix_golden(bins, flash_tiny, work)
+            np.savez_compressed(OUT_MOE_NPZ, **moe_arrays)
+        if "quantize" in parts:
+            print("llama-imatrix ...", file=sys.stderr)
+            imatrix_golden(bins, smollm2, work)
+            print("llama-quantize --dry-run ...", file=sys.stderr)
+            golden["quantize"] = quantize_golden(bins, {"smollm2": smollm2, "flash-tiny": flash_tiny},
+                                                 work / "imatrix.gguf", work)
+            print("llama-quantize (whole files) ...", file=sys.stderr)
+            golden["quantize"]["files"] = {"model": smollm2.name, **quantized_files(bins, smollm2, work)}
+    OUT_JSON.write_text(json.dumps(golden, ensure_ascii=False, separators=(",", ":")) + "\n")
+    print(f"wrote {OUT_JSON} ({OUT_JSON.stat().st_size} bytes)", file=sys.stderr)
 
 
 if __name__ == "__main__":

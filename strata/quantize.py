@@ -11,14 +11,21 @@ for the mixes Strata names here; its main rules:
   - attn_v: Q4_K (IQ3_XXS/IQ3_S) or Q5_K (IQ4_NL) with grouped-query factor >= 4, and for
     IQ3_XXS without an imatrix IQ3_S;
   - attn_q, attn_k: IQ2_S for IQ3_XXS; attn_output: IQ3_S for IQ3_XXS;
+  - attn_v, the i-th of n: Q5_K (Q3_K_M, i < 2, else Q4_K); Q6_K (Q4_K_M, Q5_K_M) where
+    "more bits" (i < n/8, i >= 7n/8, or every third between);
   - ffn_down, layer i of n: for IQ3_XXS without an imatrix Q4_K (i < n/8) else Q3_K; for
-    IQ4_NL without an imatrix Q5_K (i < n/8); for Q4_0 with an imatrix Q4_1 (i < n/8);
+    IQ4_NL and IQ4_XS without an imatrix Q5_K (i < n/8); for Q4_0 with an imatrix Q4_1 (i < n/8);
+    Q5_K (Q3_K_M, i < n/16, else Q4_K); Q6_K (Q4_K_M, Q5_K_M) where "more bits";
+  - attn_output: Q4_K for Q3_K_M;
   - --pure skips all of the above, --tensor-type REGEX=TYPE overrides them (first match);
   - then the fallback: rows not divisible by the type's block take IQ4_NL (IQ and 256-block
     IQ types), Q4_0 (Q2_K, Q3_K), Q5_0 (Q4_K), Q5_1 (Q5_K), Q8_0 (Q6_K), F16 if even that
     does not fit.
 A quantized source is dequantized to float32 first. One progress line per tensor, as
-llama-quantize prints it, and the size summary at the end.
+llama-quantize prints it, and the size summary at the end. The file is laid out as
+llama-quantize's: its tensor order (by block, then name) and its header's keys (the source's,
+then general.quantization_version and general.file_type), so that where the quantizers give
+ggml's bytes the whole file is llama-quantize's, byte for byte.
 
 The quantizers are the `quant` codecs: IQ3_XXS and IQ3_S search as llama.cpp does, then
 refine (quant/search/iq3.py); the K-quants, IQ4_NL and IQ4_XS run llama.cpp's searches
@@ -42,7 +49,10 @@ from strata.names import OUTPUT, TOKEN_EMBD
 from strata.tensors import QTensor
 
 # llama_ftype ids written to general.file_type (include/llama.h)
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "IQ3_XXS": 23, "IQ4_NL": 25, "IQ3_S": 26}
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18,
+          "IQ3_XXS": 23, "IQ4_NL": 25, "IQ3_S": 26, "IQ4_XS": 30}
+# an ftype's base format (llama_ftype_get_default_type), where it is not the ftype's own name
+BASE_TYPE = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 FALLBACK = {"IQ1_S": "IQ4_NL", "IQ1_M": "IQ4_NL", "IQ2_XXS": "IQ4_NL", "IQ2_XS": "IQ4_NL",
             "IQ2_S": "IQ4_NL", "IQ3_XXS": "IQ4_NL", "IQ3_S": "IQ4_NL", "IQ4_XS": "IQ4_NL",
             "Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -62,7 +72,7 @@ class QuantizeError(ValueError):
 def read_imatrix(path: str | Path) -> dict[str, np.ndarray]:
     """llama.cpp's GGUF imatrix -> {weight name: float32 mean squared activation per input
     column}, read by strata.imatrix (the writer of the same format)."""
-    from strata.imatrix import load_imatrix
+    from strata.imatrix_file import load_imatrix
     try:
         out = load_imatrix(path)
     except (ValueError, OSError) as e:
@@ -89,6 +99,10 @@ class Plan:
     # mix rules have seen before this one (one given a type by --tensor-type is not counted,
     # so an override on the first layers moves the "first eighth" on); absent: the block number
     ffn_down_index: dict[str, int] = field(default_factory=dict)
+    # attn_v (and attn_qkv, attn_kv_b) likewise: the index among those the mix rules see, and
+    # how many the model has (overridden ones included, as llama-quantize counts them)
+    attn_v_index: dict[str, int] = field(default_factory=dict)
+    n_attn_v: int = 0
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
@@ -99,6 +113,15 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
 def _layer(name: str) -> int | None:
     m = re.match(r"blk\.(\d+)\.", name)
     return int(m.group(1)) if m else None
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama-quant.cpp's use_more_bits: the first and last eighth, and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _is_attn_v(name: str) -> bool:
+    return "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name
 
 
 def _mix_type(plan: Plan, name: str, shape: tuple[int, ...], t: str) -> str:
@@ -114,23 +137,34 @@ def _mix_type(plan: Plan, name: str, shape: tuple[int, ...], t: str) -> str:
     if name == TOKEN_EMBD:
         return "IQ3_S" if f == "IQ3_XXS" else t
     i, n = plan.ffn_down_index.get(name, _layer(name)), plan.n_layer
-    if "attn_v.weight" in name or "attn_qkv.weight" in name or "attn_kv_b.weight" in name:
+    if _is_attn_v(name):
+        iv = plan.attn_v_index.get(name, _layer(name) or 0)
         if f == "IQ3_XXS":
             return "Q4_K" if plan.n_gqa >= 4 else ("IQ3_XXS" if plan.has_imatrix else "IQ3_S")
         if f == "IQ3_S" and plan.n_gqa >= 4:
             return "Q4_K"
-        if f == "IQ4_NL" and plan.n_gqa >= 4:
+        if f == "Q3_K_M":
+            return "Q5_K" if iv < 2 else "Q4_K"
+        if f in ("IQ4_NL", "IQ4_XS") and plan.n_gqa >= 4:
             return "Q5_K"
+        if f in ("Q4_K_M", "Q5_K_M") and _more_bits(iv, plan.n_attn_v):
+            return "Q6_K"
         return t
     if "attn_k.weight" in name or "attn_q.weight" in name:
         return "IQ2_S" if f == "IQ3_XXS" else t
     if "attn_output.weight" in name:
-        return "IQ3_S" if f == "IQ3_XXS" else t
+        return {"IQ3_XXS": "IQ3_S", "Q3_K_M": "Q4_K"}.get(f, t)
     if "ffn_down" in name and i is not None:
         if f == "IQ3_XXS" and not plan.has_imatrix:
             return "Q4_K" if i < n // 8 else "Q3_K"
-        if f == "IQ4_NL" and not plan.has_imatrix and i < n // 8:
+        if f == "Q3_K_M":  # Q3_K only where the architecture is Falcon
+            return "Q5_K" if i < n // 16 else "Q4_K"
+        if f == "Q4_K_M":
+            return "Q6_K" if _more_bits(i, n) else t
+        if f in ("IQ4_NL", "IQ4_XS") and not plan.has_imatrix and i < n // 8:
             return "Q5_K"
+        if f == "Q5_K_M" and _more_bits(i, n):
+            return "Q6_K"
         if f == "Q4_0" and plan.has_imatrix and i < n // 8:
             return "Q4_1"
     return t
@@ -140,7 +174,7 @@ def choose_type(plan: Plan, name: str, shape: tuple[int, ...]) -> tuple[str | No
     """(target format name or None to copy, fallback note or None) for one tensor."""
     if not quantizable(name, shape):
         return None, None
-    t = plan.ftype
+    t = BASE_TYPE.get(plan.ftype, plan.ftype)
     manual = next((ty for rx, ty in plan.overrides if rx.search(name)), None)
     if manual is not None:
         t = manual
@@ -220,6 +254,10 @@ def make_plan(g, ftype: str, *, has_imatrix: bool = False, tensor_types: list[st
                         and not any(rx.search(n) for rx, _ in plan.overrides)),
                        key=lambda n: _layer(n) if _layer(n) is not None else -1)
         plan.ffn_down_index = {n: i for i, n in enumerate(downs)}
+    vs = sorted((n for n, t in g.tensors.items() if _is_attn_v(n) and quantizable(n, t.shape)),
+                key=lambda n: _layer(n) if _layer(n) is not None else -1)
+    plan.n_attn_v = len(vs)
+    plan.attn_v_index = {n: i for i, n in enumerate(n for n in vs if not any(rx.search(n) for rx, _ in plan.overrides))}
     return plan
 
 
@@ -227,6 +265,13 @@ def target_types(g, plan: Plan) -> dict[str, str]:
     """Tensor name -> the format it has after quantizing (its own where it is copied), in
     file order: what llama-quantize --dry-run lists."""
     return {name: choose_type(plan, name, t.shape)[0] or t.fmt.name for name, t in g.tensors.items()}
+
+
+def _file_order(name: str) -> tuple[int, str]:
+    """llama-quantize's tensor order (llama_model_loader's weight_name_comparer): by block,
+    the tensors of no block first, then by name."""
+    i = _layer(name)
+    return (-1 if i is None else i, name)
 
 
 def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str | Path | None = None,
@@ -241,7 +286,7 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
     plan = make_plan(g, ftype, has_imatrix=imat is not None, tensor_types=tensor_types, pure=pure)
 
     jobs = []
-    for name, t in g.tensors.items():
+    for name, t in sorted(g.tensors.items(), key=lambda kv: _file_order(kv[0])):
         target, note = choose_type(plan, name, t.shape)
         if target == t.fmt.name:
             target = None
@@ -255,11 +300,20 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
         x = t.fmt.dequantize(t.data).reshape(-1, t.shape[-1]).astype(np.float32, copy=False)
         imp = None
         if imat is not None and name in imat:
-            imp = imat[name].reshape(-1)
-            if imp.size != t.shape[-1]:
-                raise QuantizeError(f"--imatrix {imatrix}: {name} has {imp.size} values for rows of "
-                                    f"{t.shape[-1]}; was it computed for another model?")
-        data = fmt.quantize(x, imp)
+            # one row of importance per matrix: a merged-experts tensor (E, rows, in) has one per
+            # expert, and each expert's rows are quantized with its own (llama-quantize's
+            # imatrix_for_row)
+            n_mat = int(np.prod(t.shape[:-2])) if len(t.shape) > 2 else 1
+            imp = imat[name].reshape(-1, t.shape[-1]) if imat[name].size % t.shape[-1] == 0 else None
+            if imp is None or imp.shape[0] != n_mat:
+                raise QuantizeError(f"--imatrix {imatrix}: {name} has {imat[name].size} values for {n_mat} "
+                                    f"matrices of rows of {t.shape[-1]}; was it computed for another model?")
+        if imp is None or imp.shape[0] == 1:
+            data = fmt.quantize(x, None if imp is None else imp[0])
+        else:
+            per = x.reshape(imp.shape[0], -1, x.shape[-1])
+            data = np.concatenate([fmt.quantize(per[e], imp[e]).reshape(per.shape[1], -1)
+                                   for e in range(imp.shape[0])])
         return QTensor(name, fmt, t.shape, data.reshape(x.shape[0], -1))
 
     out, size_in, size_out, n_fallback, n = {}, 0, 0, 0, len(jobs)
@@ -279,9 +333,13 @@ def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str
             size_in += t.nbytes
             size_out += q.nbytes
 
+    # llama-quantize's header: the source's keys, less the split ones, then these two last
     meta = g.typed_metadata()
+    for key in ("general.quantization_version", "general.file_type", "split.no", "split.count",
+                "split.tensors.count"):
+        meta.pop(key, None)
+    meta["general.quantization_version"] = (2, GGUFValueType.UINT32)
     meta["general.file_type"] = (FTYPES[ftype], GGUFValueType.UINT32)
-    meta.setdefault("general.quantization_version", (2, GGUFValueType.UINT32))
     write_gguf(dst, arch, meta, out)
     n_elem = sum(int(np.prod(t.shape)) for t in g.tensors.values())
     log(f"model size  = {size_in / 2**20:8.2f} MiB ({size_in * 8 / n_elem:.2f} BPW)")

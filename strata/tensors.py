@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 import quant
-from triton_kernels.backend import to_device
+
+if TYPE_CHECKING:  # torch at first use: `strata quantize` (numpy alone) never imports it
+    import torch
 
 
 def host_tensor(a: np.ndarray) -> torch.Tensor:
     """A contiguous torch view of blocks `a` (a copy only where `a` is strided). A file's
     blocks are a read-only mapping, which torch warns about: nothing writes them."""
+    import torch
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(np.ascontiguousarray(a))
@@ -22,6 +25,9 @@ def host_tensor(a: np.ndarray) -> torch.Tensor:
 def module_to(module: torch.nn.Module, device) -> torch.nn.Module:
     """`module.to(device)` for parameters and buffers, through `to_device` (the one door
     from the host to a device, which a fake-CUDA trace replaces: strata.runtime.trace)."""
+    import torch
+
+    from triton_kernels.backend import to_device
     device = torch.device(device)
     if device.type == "cpu":
         return module.to(device)
@@ -56,15 +62,20 @@ class QTensor:
     def blocks(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The raw blocks as a uint8 torch tensor (rows, row_bytes); zero-copy on the CPU."""
         t = host_tensor(self.data)
-        return t if str(device) == "cpu" else to_device(t, device)
+        if str(device) == "cpu":
+            return t
+        from triton_kernels.backend import to_device
+        return to_device(t, device)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None, device="cpu") -> torch.Tensor:
         """Dequantized in `dtype` on `device`, by the device's default kernels (Triton on a
-        GPU, torch on the CPU: see triton_kernels.backend.choose_kernels)."""
+        GPU, torch on the CPU: see triton_kernels.backend.choose_kernels); float32 by default."""
+        import torch
+
         from triton_kernels.backend import choose_kernels
         from triton_kernels.ops import impl
         fn = impl("dequantize", choose_kernels(None, device))
-        return fn(self.blocks(device), self.fmt, dtype).reshape(self.shape)
+        return fn(self.blocks(device), self.fmt, torch.float32 if dtype is None else dtype).reshape(self.shape)
 
     def __repr__(self) -> str:
         return f"QTensor({self.name!r}, {self.fmt.name}, shape={self.shape}, {self.nbytes / 2**20:.2f} MiB)"

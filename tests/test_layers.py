@@ -17,8 +17,8 @@ LAYERS = [  # bottom first
     ("strata.nn", "strata.runtime", "strata.dist"),  # modules; generation over any model; several processes
     ("strata.storage", "strata.models"),  # where weights live; models as structure
     ("strata.load",),  # the plan and the loaders
-    ("strata.perplexity", "strata.imatrix", "strata.quantize", "strata.convert", "strata.server",
-     "strata.bench", "strata.vision"),  # library tools, each with plain arguments
+    ("strata.perplexity", "strata.imatrix", "strata.imatrix_file", "strata.quantize", "strata.convert",
+     "strata.server", "strata.bench", "strata.vision"),  # library tools, each with plain arguments
     ("strata.hub",),  # the known models
     ("strata.cli", "strata.__main__", "argparse"),  # the command line
 ]

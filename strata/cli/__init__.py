@@ -22,6 +22,11 @@ def _interpret(argv: list[str] | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["quantize"]:
+        # numpy alone: neither the full parser nor the torch setup below (seconds of imports)
+        from strata.cli.parser import quantize_parser
+        from strata.cli.quantize import quantize
+        return quantize(quantize_parser().parse_args(argv))
     args = build_parser().parse_args(argv)
     from strata.cli.args import DTYPES
     from triton_kernels import configs
@@ -148,9 +153,9 @@ def _run(args) -> int:
             from strata.convert import convert
             convert(args.hf_dir, args.output, args.outtype, mmproj=args.mmproj)
             return 0
-        if args.command in ("perplexity", "imatrix", "quantize"):
+        if args.command in ("perplexity", "imatrix"):
             from strata.cli import eval as ev
-            return {"perplexity": ev.perplexity, "imatrix": ev.imatrix, "quantize": ev.quantize}[args.command](args)
+            return {"perplexity": ev.perplexity, "imatrix": ev.imatrix}[args.command](args)
         if args.command == "bench":
             return _bench(args)
         from strata.cli import text

@@ -99,9 +99,13 @@ def add_context_args(p: argparse.ArgumentParser) -> None:
     add_kv_args(p)
 
 
+# strata.nn.kv.KV_TYPES, spelt here so that building the parser imports no torch (seconds,
+# which `strata quantize` never needs)
+KV_CHOICES = ("f32", "bf16", "f16", "int8")
+
+
 def add_kv_args(p: argparse.ArgumentParser) -> None:
-    from strata.nn.kv import KV_TYPES
-    p.add_argument("--kv", choices=KV_TYPES, default=None,
+    p.add_argument("--kv", choices=KV_CHOICES, default=None,
                    help="how the attention cache stores keys and values: f32 (default, exact), bf16, f16, "
                         "or int8 (codes and a float16 scale per head and token: about half of bf16)")
 

@@ -11,7 +11,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from strata.gguf import GGUFError
 from strata.imatrix import compute_imatrix, write_imatrix
 from strata.perplexity import (
     DEFAULT_TOP_K,
@@ -25,7 +24,6 @@ from strata.perplexity import (
     text_sha256,
 )
 from strata.perplexity import perplexity as score_perplexity
-from strata.quantize import QuantizeError, quantize_model
 
 
 def _load(args, name: str, dtype, **override):
@@ -153,16 +151,4 @@ def imatrix(args) -> int:
     write_imatrix(args.output, im)
     print(f"strata: stored {len(im.sums)} weights' importance after {im.chunk_count} chunks of "
           f"{im.chunk_size} tokens in {args.output} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    return 0
-
-
-def quantize(args) -> int:
-    """`strata quantize IN.gguf OUT.gguf TYPE`; a bad type, flag or file: exit status 2."""
-    try:
-        quantize_model(args.input, args.output, args.type, imatrix=args.imatrix,
-                       tensor_types=args.tensor_type or [], pure=args.pure,
-                       threads=args.threads or 1)
-    except (QuantizeError, GGUFError) as e:
-        print(f"strata quantize: {e}", file=sys.stderr)
-        return 2
     return 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from strata.cli.args import (add_chat_args, add_device_args, add_expert_args, add_kv_args, add_model_args,
+from strata.cli.args import (KV_CHOICES, add_chat_args, add_device_args, add_expert_args, add_kv_args, add_model_args,
                              add_parallel_args, add_ple_args, add_sampling_args, add_spec_args, add_vision_args,
                              formats)
 
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="log-probs kept per token in a saved file (default 1024; 0: all)")
     pp.add_argument("--base-dtype", choices=("bf16", "f32"), default="f32",
                     help="compute dtype of a base model run side by side")
-    pp.add_argument("--base-kv", choices=("f32", "bf16", "f16", "int8"), default=None,
+    pp.add_argument("--base-kv", choices=KV_CHOICES, default=None,
                     help="KV cache of a base model run side by side (default f32: exact), e.g. "
                          "--kv int8 --base-kv bf16 for what int8 costs against a bf16 cache")
     pp.add_argument("--make-text", default=None, metavar="OUT",
@@ -190,15 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--threads", "-t", type=int, default=None)
     add_device_args(im)
 
-    qz = sub.add_parser("quantize", help="llama-quantize: requantize a GGUF (IQ3_XXS, IQ3_S, Q4_0, ...)")
-    qz.add_argument("input", help="source .gguf (a quantized source is dequantized first)")
-    qz.add_argument("output", help=".gguf to write")
-    qz.add_argument("type", help="IQ3_XXS, IQ3_S, Q4_0, Q4_1, Q8_0 or IQ4_NL (llama.cpp's mix for it)")
-    qz.add_argument("--imatrix", default=None, help="importance matrix, llama.cpp's GGUF imatrix format")
-    qz.add_argument("--tensor-type", action="append", metavar="REGEX=TYPE",
-                    help="type of the tensors whose name matches REGEX (repeatable; first match wins)")
-    qz.add_argument("--pure", action="store_true", help="TYPE for every tensor: no mix (fallback still applies)")
-    qz.add_argument("--threads", "-t", type=int, default=2, help="tensors quantized at once")
+    add_quantize(sub)
 
     cv = sub.add_parser("convert", help="Hugging Face Qwen3.8-Flash-Next checkpoint -> GGUF, as llama.cpp writes it")
     cv.add_argument("hf_dir", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
@@ -245,4 +237,25 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the model would compute")
     pr.add_argument("--seconds", type=float, default=0.2, help="seconds a drive reading (8 readings)")
     pr.add_argument("--json", action="store_true")
+    return p
+
+
+def add_quantize(sub) -> None:
+    qz = sub.add_parser("quantize", help="llama-quantize: requantize a GGUF (Q4_K_M, IQ4_XS, IQ3_XXS, ...)")
+    qz.add_argument("input", help="source .gguf (a quantized source is dequantized first)")
+    qz.add_argument("output", help=".gguf to write")
+    qz.add_argument("type", help="Q4_K_M, Q5_K_M, Q3_K_M, Q6_K, IQ4_XS, IQ4_NL, IQ3_XXS, IQ3_S, Q4_0, Q4_1 or Q8_0 "
+                    "(llama.cpp's mix for it)")
+    qz.add_argument("--imatrix", default=None, help="importance matrix, llama.cpp's GGUF imatrix format")
+    qz.add_argument("--tensor-type", action="append", metavar="REGEX=TYPE",
+                    help="type of the tensors whose name matches REGEX (repeatable; first match wins)")
+    qz.add_argument("--pure", action="store_true", help="TYPE for every tensor: no mix (fallback still applies)")
+    qz.add_argument("--threads", "-t", type=int, default=2, help="tensors quantized at once")
+
+
+def quantize_parser() -> argparse.ArgumentParser:
+    """The parser of `strata quantize` alone: the full one imports torch (the bench and KV
+    flags' choices), which quantize, numpy alone, does without."""
+    p = argparse.ArgumentParser(prog="strata", description="Strata: quantized GGUF models on Triton kernels")
+    add_quantize(p.add_subparsers(dest="command", required=True))
     return p

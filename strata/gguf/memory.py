@@ -14,7 +14,6 @@ from gguf import GGUFValueType
 
 import quant
 from strata.tensors import QTensor
-from triton_kernels import backend
 
 from .reader import GGUFFile
 
@@ -59,6 +58,7 @@ class MemoryGGUF(GGUFFile):
 
     def tensor(self, name: str) -> QTensor:
         t = super().tensor(name)  # a missing name: GGUFFile's error
+        from triton_kernels import backend  # torch: at first use, not on import
         data = _untouched_zeros(t.data.shape) if backend.faking() else self._make(name)
         if data.shape != t.data.shape or data.dtype != np.uint8:
             raise ValueError(f"{self.path}: tensor {name!r} was made as {data.dtype} {data.shape}, "

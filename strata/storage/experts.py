@@ -68,6 +68,7 @@ class ExpertStore(torch.nn.Module):
             gate, up, down = (_experts_of(t, experts) for t in (gate, up, down))
         self.kernels = choose_kernels(kernels, device)
         self.names = (gate.name, up.name, down.name)
+        self.tensors = (gate, up, down)  # as the file holds them (strata.imatrix reads them)
         self.fmts = (gate.fmt, up.fmt, down.fmt)
         self.n_experts, self.inter, self.hidden = gate.shape
         self.dtype, self.device = dtype, device

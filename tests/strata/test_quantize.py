@@ -91,7 +91,10 @@ def test_synthetic_model_progress_lines_and_round_trip(tmp_path):
     quantize_model(src, tmp_path / "q.gguf", "IQ3_S", pure=True, log=lines.append)
     tensor_lines = [l for l in lines if l.startswith("[")]
     assert len(tensor_lines) == 3 and all(LINE.match(l) for l in tensor_lines), lines
-    assert "converting to iq3_s" in tensor_lines[0] and "converting to iq4_nl" in tensor_lines[1]
+    # llama-quantize's order: by block, then by name
+    assert [l.split("] ", 1)[1].split()[0] for l in tensor_lines] == ["blk.0.attn_norm.weight", "blk.0.ffn_down.weight",
+                                                    "blk.0.ffn_up.weight"]
+    assert "converting to iq3_s" in tensor_lines[1] and "converting to iq4_nl" in tensor_lines[2]
     assert any(l.startswith("quant size  =") for l in lines)
     g, q = open_gguf(src), open_gguf(tmp_path / "q.gguf")
     assert q.tensors["blk.0.ffn_down.weight"].fmt.name == "IQ3_S"
@@ -147,3 +150,52 @@ def test_smollm2_requantized_generates_in_llama_cpp(smollm2_quantized):
     out = llm.create_chat_completion([{"role": "user", "content": "What is the capital of France?"}],
                                      max_tokens=12, temperature=0)
     assert "Paris" in out["choices"][0]["message"]["content"]
+
+
+FILES = GOLDEN["quantize"]["files"]
+
+
+@pytest.mark.parametrize("ftype", [pytest.param(f, marks=() if f == "Q4_K_M" else pytest.mark.slow)
+                                   for f in ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "IQ4_XS")])
+def test_smollm2_file_is_llama_quantizes_byte_for_byte(ftype, smollm2_gguf, tmp_path):
+    """The whole file llama-quantize writes from SmolLM2 for the mixes people download: the
+    same types, the same blocks (ggml's quantizers), the same header and tensor order."""
+    import hashlib
+    assert FILES["model"] == smollm2_gguf.path.name
+    out = tmp_path / f"{ftype}.gguf"
+    quantize_model(smollm2_gguf.path, out, ftype, threads=2, log=lambda _line: None)
+    assert out.stat().st_size == FILES[ftype]["bytes"]
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == FILES[ftype]["sha256"]
+
+
+def test_each_expert_is_quantized_with_its_own_importance(tmp_path):
+    """A merged-experts tensor (E, rows, in) and an imatrix with a row per expert (and an
+    expert no token reached, weighed all ones): each expert's rows are the quantizer's for
+    that expert's importance, as llama-quantize's imatrix_for_row hands it."""
+    from strata.imatrix import IMatrix, write_imatrix
+    rng = np.random.default_rng(1)
+    f32, q4k = quant.get("F32"), quant.get("Q4_K")
+    E, rows, cols = 4, 8, 512
+    w = rng.standard_normal((E, rows, cols)).astype(np.float32)
+    src = write_gguf(tmp_path / "moe.gguf", "llama", {"llama.block_count": 1},
+                     [QTensor("blk.0.ffn_down_exps.weight", f32, (E, rows, cols), f32.quantize(w).reshape(E * rows, -1))])
+    sums = rng.exponential(1.0, (E, cols)).astype(np.float32) ** 3  # columns that matter, per expert
+    counts = np.array([5, 3, 0, 7])
+    write_imatrix(tmp_path / "im.gguf", IMatrix(sums={"blk.0.ffn_down_exps.weight": sums},
+                                                counts={"blk.0.ffn_down_exps.weight": counts},
+                                                datasets=["x.txt"], chunk_count=1, chunk_size=16))
+    quantize_model(src, tmp_path / "q.gguf", "Q4_K_M", imatrix=tmp_path / "im.gguf", pure=True, log=lambda _l: None)
+    got = open_gguf(tmp_path / "q.gguf").tensors["blk.0.ffn_down_exps.weight"]
+    assert got.fmt.name == "Q4_K"
+    blocks = np.asarray(got.data).reshape(E, rows, -1)
+    imp = [sums[e] / counts[e] if counts[e] else np.ones(cols, np.float32) for e in range(E)]
+    for e in range(E):
+        np.testing.assert_array_equal(blocks[e], q4k.quantize(w[e], imp[e]).reshape(rows, -1))
+        other = q4k.quantize(w[e], imp[(e + 1) % E]).reshape(rows, -1)
+        assert not np.array_equal(blocks[e], other)  # another expert's importance: other blocks
+    with pytest.raises(Exception, match="matrices"):  # an imatrix of one row for E experts
+        write_imatrix(tmp_path / "one.gguf", IMatrix(sums={"blk.0.ffn_down_exps.weight": sums[:1]},
+                                                      counts={"blk.0.ffn_down_exps.weight": counts[:1]},
+                                                      datasets=["x.txt"], chunk_count=1, chunk_size=16))
+        quantize_model(src, tmp_path / "q1.gguf", "Q4_K_M", imatrix=tmp_path / "one.gguf", pure=True,
+                       log=lambda _l: None)
