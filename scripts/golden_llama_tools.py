@@ -140,15 +140,22 @@ def perplexity_golden(bins: Path, model: Path, q_model: Path, work: Path) -> dic
 
 # -- llama-imatrix ---------------------------------------------------------------------------
 
-def imatrix_golden(bins: Path, model: Path, work: Path) -> tuple[dict, dict[str, np.ndarray]]:
+def _run_imatrix(bins: Path, model: Path, work: Path, out: str):
+    """llama-imatrix on `model` over the text's chunks: (the file, its reader, its metadata,
+    every tensor's name, shape and type)."""
     from gguf import GGUFReader
     run([bins / "llama-imatrix", "-m", model, "-f", TEXT_NAME, "-c", N_CTX, "-b", N_CTX, "--chunks", N_CHUNKS,
-         "-t", THREADS, "-o", "imatrix.gguf", "--output-frequency", 1000], work)
-    path = work / "imatrix.gguf"
+         "-t", THREADS, "-o", out, "--output-frequency", 1000], work)
+    path = work / out
     r = GGUFReader(path)
     meta = {k: {"type": f.types[0].name, "value": f.contents()} for k, f in r.fields.items()
             if not k.startswith("GGUF.")}
     tensors = [{"name": t.name, "shape": [int(n) for n in t.shape], "type": t.tensor_type.name} for t in r.tensors]
+    return path, r, meta, tensors
+
+
+def imatrix_golden(bins: Path, model: Path, work: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    path, r, meta, tensors = _run_imatrix(bins, model, work, "imatrix.gguf")
     arrays = {}
     for t in r.tensors:
         if t.name.endswith(".counts"):
@@ -170,14 +177,7 @@ def moe_imatrix_golden(bins: Path, model: Path, work: Path) -> tuple[dict, dict[
     and chunks: the metadata, every tensor's name, shape and type, the header's bytes, every
     `.counts` (per expert for the merged-experts tensors), and the experts' `.in_sum2` of
     MOE_LAYERS (256 x 64 floats each)."""
-    from gguf import GGUFReader
-    run([bins / "llama-imatrix", "-m", model, "-f", TEXT_NAME, "-c", N_CTX, "-b", N_CTX, "--chunks", N_CHUNKS,
-         "-t", THREADS, "-o", "imatrix-moe.gguf", "--output-frequency", 1000], work)
-    path = work / "imatrix-moe.gguf"
-    r = GGUFReader(path)
-    meta = {k: {"type": f.types[0].name, "value": f.contents()} for k, f in r.fields.items()
-            if not k.startswith("GGUF.")}
-    tensors = [{"name": t.name, "shape": [int(n) for n in t.shape], "type": t.tensor_type.name} for t in r.tensors]
+    path, r, meta, tensors = _run_imatrix(bins, model, work, "imatrix-moe.gguf")
     arrays = {"header": np.frombuffer(path.read_bytes()[:r.data_offset], np.uint8)}
     for t in r.tensors:
         if t.name.endswith(".counts") or ("_exps." in t.name and int(t.name.split(".")[1]) in MOE_LAYERS):
