@@ -17,12 +17,13 @@ __strata__ = True
 _OPS = {
     "dequantize": "dequant", "dequantize_torch": "dequant",
     "qmatmul": "qmatmul", "qmatmul_torch": "qmatmul",
-    "moe": "moe", "moe_torch": "moe", "route": "moe", "moe_align_block_size": "moe",
+    "moe": "moe", "moe_torch": "moe", "route": "moe",
+    "moe_align_block_size": "moe_align", "moe_align_block_size_torch": "moe_align",
     "ngram_ids": "ple", "ngram_ids_torch": "ple", "ple_gather": "ple", "ple_gather_torch": "ple",
 }
 
 __all__ = ["dequantize", "dequantize_torch", "qmatmul", "qmatmul_torch",
-           "moe", "moe_torch", "route", "moe_align_block_size",
+           "moe", "moe_torch", "route", "moe_align_block_size", "moe_align_block_size_torch",
            "ngram_ids", "ngram_ids_torch", "ple_gather", "ple_gather_torch"]
 
 

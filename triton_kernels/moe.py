@@ -77,6 +77,7 @@ from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
 from .int8 import dot_units, quantize_x
+from .moe_align import moe_align_block_size
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -165,59 +166,6 @@ def route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
-
-
-# --- alignment ---------------------------------------------------------------------------
-
-def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
-    """Token slots grouped by expert, each group padded to a multiple of block_m.
-
-    ids: (T, k) expert ids (any integer dtype). Returns, all int32 on ids' device:
-    - sorted_token_ids (L,): the slots t * k + j of expert 0 in ascending order, padded
-      with the sentinel T * k up to a multiple of block_m, then expert 1's, ...; the tail
-      past num_tokens_post_padded is sentinel too;
-    - expert_ids (ceil(L / block_m),): the expert of each block of block_m entries; experts
-      without tokens own no block; blocks past num_tokens_post_padded hold -1;
-    - num_tokens_post_padded (1,): the used length, a multiple of block_m.
-    L = T*k + min(E, T*k) * (block_m - 1) bounds the used length without looking at the
-    ids (at most min(E, T*k) groups, each padded by fewer than block_m), so that CUDA
-    callers size their grids without a host sync. Slots whose id lies outside
-    [0, num_experts) are left out (expert parallelism marks other ranks' experts -1).
-    """
-    if num_experts < 1:
-        raise ValueError(f"moe_align_block_size: num_experts must be >= 1, got {num_experts}")
-    if block_m < 1:
-        raise ValueError(f"moe_align_block_size: block_m must be >= 1, got {block_m}")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"moe_align_block_size: ids must be an integer tensor, got {ids.dtype}")
-    dev = ids.device
-    flat = ids.reshape(-1).to(torch.int64)
-    n = flat.numel()
-    length = n + min(num_experts, n) * (block_m - 1)
-    # dropped slots take the key num_experts: they sort after every expert's group
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    # counted into a fixed size: bincount's size is the largest id's, which CUDA reads back
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).index_add_(
-        0, key, torch.ones_like(key))[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)                           # end of each expert's padded group
-    order = torch.argsort(key, stable=True)           # slots by expert, ascending within one
-    sorted_key = key[order]
-    kept = sorted_key < num_experts
-    e = sorted_key.clamp(max=num_experts - 1)
-    first = counts.cumsum(0) - counts                 # each expert's first place in `order`
-    rank = torch.arange(n, device=dev) - first[e]
-    # dropped slots land in n spare entries past `length`, cut off below (distinct
-    # destinations: a scatter with repeated indices is not deterministic on CUDA)
-    dest = torch.where(kept, ends[e] - padded[e] + rank, length + torch.arange(n, device=dev))
-    sorted_ids = torch.full((length + n,), n, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    n_blocks = -(-length // block_m)
-    starts = torch.arange(n_blocks, device=dev) * block_m
-    # the block starting at p belongs to the first expert whose group ends after p
-    block_expert = torch.searchsorted(ends, starts, right=True)
-    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return sorted_ids[:length], expert_ids, ends[-1:].to(torch.int32)
 
 
 # --- expert matmuls ----------------------------------------------------------------------

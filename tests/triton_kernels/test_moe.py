@@ -50,7 +50,7 @@ from tests.tiers import examples
 
 import quant
 from tests.blocks import has_scales
-from triton_kernels import moe, moe_align_block_size, moe_torch, route
+from triton_kernels import moe, moe_align_block_size, moe_align_block_size_torch, moe_torch, route
 from triton_kernels.backend import interpreter_on
 from triton_kernels.moe import route_torch
 
@@ -446,13 +446,19 @@ def test_route_bad_input():
 
 # --- alignment ---------------------------------------------------------------------------
 
+ALIGNS = {"triton": moe_align_block_size, "torch": moe_align_block_size_torch}
+
+
+@pytest.mark.parametrize("impl", ALIGNS)
 @given(E=st.integers(1, 12), T=st.integers(0, 20), k=st.integers(1, 4),
        block_m=st.sampled_from([1, 2, 4, 16, 64]), data=st.data())
 @settings(max_examples=examples(100))
-def test_align_groups_every_slot_once_in_blocks_of_one_expert(E, T, k, block_m, data):
+def test_align_groups_every_slot_once_in_blocks_of_one_expert(impl, E, T, k, block_m, data):
+    """The one-program kernel (at most ALIGN_MAX_SLOTS slots: T * k <= 80 here) and the
+    torch version each against the definition."""
     ids = torch.tensor(data.draw(st.lists(st.lists(st.integers(-1, E - 1), min_size=k, max_size=k),
                                           min_size=T, max_size=T)), dtype=torch.int32).reshape(T, k)
-    sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m)
+    sorted_ids, expert_ids, n_post = ALIGNS[impl](ids, E, block_m)
     n = T * k
     flat = ids.reshape(-1).tolist()
     counts = [flat.count(e) for e in range(E)]
@@ -477,6 +483,21 @@ def test_align_groups_every_slot_once_in_blocks_of_one_expert(E, T, k, block_m, 
     # every slot with an expert id in range appears exactly once; -1 slots never
     live = sorted(s for s in sorted_ids.tolist() if s != n)
     assert live == [s for s in range(n) if flat[s] >= 0]
+
+
+@given(E=st.integers(1, 600), n=st.integers(1, 128), block_m=st.sampled_from([1, 16, 64]),
+       out_of_range=st.integers(0, 3), seed=st.integers(0, 2 ** 32 - 1), dtype=st.sampled_from([torch.int32, torch.int64]))
+@settings(max_examples=examples(60))
+def test_the_align_kernel_gives_the_torch_tensors(E, n, block_m, out_of_range, seed, dtype):
+    """Up to ALIGN_MAX_SLOTS slots over as many experts as Flash-Next's 512 and more, ids out
+    of range on both sides (dropped): the same three tensors, bit for bit."""
+    from triton_kernels.moe_align import ALIGN_MAX_SLOTS
+    assert n <= ALIGN_MAX_SLOTS
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(-out_of_range, E + out_of_range, (n,), generator=g, dtype=dtype)
+    got, want = moe_align_block_size(ids, E, block_m), moe_align_block_size_torch(ids, E, block_m)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), (ids, a, b)
 
 
 def test_align_matches_vllms_documented_example():
