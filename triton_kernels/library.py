@@ -31,6 +31,8 @@ from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
+from .rope import norm_rope
+from .shared_expert import gated_add, silu_mul
 from .stage import stage_rows
 
 Tensor = torch.Tensor
@@ -164,8 +166,21 @@ def _hc_write(x: Tensor, out: Tensor, inj: Tensor) -> Tensor:
     return hc_write(x, out, inj)
 
 
+def _norm_rope(x: Tensor, w: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
+    return norm_rope(x, w, eps, cos, sin)
+
+
+def _silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    return silu_mul(g, u)
+
+
+def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
+    return gated_add(a, gate, b)
+
+
 for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine),
-                  ("hc_write", _hc_write)):
+                  ("hc_write", _hc_write), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul),
+                  ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)
 
 
@@ -211,4 +226,7 @@ _CALLS = {
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
     "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
+    "norm_rope": lambda x, w, eps, cos, sin: OPS["norm_rope"](x, w, eps, cos, sin),
+    "silu_mul": lambda g, u: OPS["silu_mul"](g, u),
+    "gated_add": lambda a, gate, b: OPS["gated_add"](a, gate, b),
 }

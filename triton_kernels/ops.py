@@ -19,6 +19,8 @@ from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
 from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
+from .rope import norm_rope, norm_rope_torch
+from .shared_expert import gated_add, gated_add_torch, silu_mul, silu_mul_torch
 from .stage import stage_rows, stage_rows_torch
 
 OPS = {
@@ -38,6 +40,9 @@ OPS = {
     "hc_gates": (hc_gates, hc_gates_torch),
     "hc_combine": (hc_combine, hc_combine_torch),
     "hc_write": (hc_write, hc_write_torch),
+    "norm_rope": (norm_rope, norm_rope_torch),
+    "silu_mul": (silu_mul, silu_mul_torch),
+    "gated_add": (gated_add, gated_add_torch),
 }
 
 recorder: list | None = None  # set by launches.record(): the calls made while it is open

@@ -200,19 +200,24 @@ def _heads_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def project(parts: torch.Tensor, splits, q_norm, k_norm, eps: float, n_heads: int, n_kv: int,
-            head_dim: int, rope_dim: int, cos: torch.Tensor, sin: torch.Tensor):
+            head_dim: int, rope_dim: int, norm_rope, cos: torch.Tensor, sin: torch.Tensor):
     """The fused projection's rows (T, sum(splits)) as the attention's inputs: q (H, T, D)
     and k (Hkv, T, D) normed per head and roped by `cos`/`sin` (Rope._rows), v (Hkv, T, D),
     the indexer's queries (T, n_idx*d) and key (T, d) (None without an indexer), and the
-    output gate (T, H*D). A function of tensors: a compiled decode step traces it too
-    (strata.models.qwen4exp_step)."""
+    output gate (T, H*D). `norm_rope`: the Triton op that norms and ropes q or k in one
+    launch (triton_kernels.rope), or None for torch's ops. A function of tensors: a
+    compiled decode step traces it too (strata.models.qwen4exp_step)."""
     T = parts.shape[0]
     H, Hkv, D = n_heads, n_kv, head_dim
     parts = parts.split(splits, dim=-1)
     qg = parts[0].reshape(T, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
-    q = rotate(_heads_norm(q, q_norm, eps).transpose(0, 1), cos, sin, rope_dim)               # (H, T, D)
-    k = rotate(_heads_norm(parts[1].reshape(T, Hkv, D), k_norm, eps).transpose(0, 1), cos, sin, rope_dim)
+    if norm_rope is not None:
+        q = norm_rope(q, q_norm, eps, cos, sin)                                                # (H, T, D)
+        k = norm_rope(parts[1].reshape(T, Hkv, D), k_norm, eps, cos, sin)
+    else:
+        q = rotate(_heads_norm(q, q_norm, eps).transpose(0, 1), cos, sin, rope_dim)           # (H, T, D)
+        k = rotate(_heads_norm(parts[1].reshape(T, Hkv, D), k_norm, eps).transpose(0, 1), cos, sin, rope_dim)
     v = parts[2].reshape(T, Hkv, D).transpose(0, 1)
     idx_q, idx_k = (parts[3], parts[4]) if len(parts) > 3 else (None, None)
     return q, k, v, idx_q, idx_k, gate
@@ -269,7 +274,7 @@ class GatedAttention(torch.nn.Module):
     def project_args(self) -> tuple:
         """`project`'s arguments between the projection and RoPE's rows."""
         return (self.splits, self.q_norm, self.k_norm, self.eps, self.n_heads, self.n_kv_heads,
-                self.head_dim, self.rope.dim)
+                self.head_dim, self.rope.dim, impl("norm_rope", "triton") if self.kernels == "triton" else None)
 
     def attend(self, q, k, v, idx_q, idx_k, st: AttentionState, start: int, pos: torch.Tensor,
                positions: Positions | None = None) -> torch.Tensor:

@@ -10,9 +10,7 @@ the batch needs, and sums.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from triton_kernels import invariant
 
 from .linear import QuantLinear
 
@@ -27,6 +25,7 @@ class MoE(torch.nn.Module):
         from triton_kernels.ops import impl
         self.proj, self.experts, self.shared_down = proj, experts, shared_down
         self.route = impl("route", proj.kernels)
+        self.silu_mul, self.gated_add = impl("silu_mul", proj.kernels), impl("gated_add", proj.kernels)
         self.splits = [n_experts, shared_dim, shared_dim, 1]
         self.top_k, self.norm_topk = top_k, norm_topk
         self.share = None  # strata.dist.ExpertShare under --ep: this rank holds some experts
@@ -44,7 +43,7 @@ class MoE(torch.nn.Module):
             routed, summed = self.experts(x.float(), weights, ids), None
         else:  # the shares' sum travels while this rank computes the shared expert
             routed, summed = self.share.reduce_start(self.experts(x.float(), weights, self.share.local(ids)))
-        shared = self.shared_down(F.silu(g) * u).float()
+        shared = self.shared_down(self.silu_mul(g, u)).float()
         if summed is not None:
             summed()
-        return routed + invariant.pointwise(torch.sigmoid, gate) * shared
+        return self.gated_add(routed, gate, shared)

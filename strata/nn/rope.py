@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from triton_kernels.backend import to_device
+from triton_kernels.rope import rotate  # noqa: F401 (strata.nn.rope.rotate: the model code's name)
 
 
 @dataclass(frozen=True)
@@ -132,12 +133,3 @@ class Rope(torch.nn.Module):
         the host, preferably)."""
         cos, sin = self._rows(pos, x.device)
         return rotate(x, cos, sin, self.dim)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
-    """RoPE in the rotate-half layout on the first `dim` dims of x (..., head_dim), by the
-    positions' cos and sin rows (Rope's, or a compiled step's)."""
-    r, rest = x[..., :dim], x[..., dim:]
-    half = dim // 2
-    out = r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin
-    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out

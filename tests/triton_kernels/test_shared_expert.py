@@ -1,0 +1,67 @@
+"""The shared expert's kernels (triton_kernels/shared_expert.py) through the interpreter,
+and their torch twins, against float64 (u = 2^-24, gamma(n) = n u / (1 - n u)):
+
+- silu_mul: exp(-g) carries g's magnitude as a relative error |g| u (its derivative is
+  itself; g is exact here) with a few ulp of exp's own; 1 + e, the division and the
+  product round once each: within gamma(8 + |g|) of |y64|, plus 1e-36 absolute (exp(-g)
+  overflows below g = -88.7, where both give 0 for a value under 3e-37).
+- gated_add: s = sigmoid(gate) within gamma(6 + |gate|) of itself (as above), the product
+  and the sum round once each: |y - y64| <= gamma(2) (|a| + |s b|) + gamma(8 + |gate|) |s b|.
+Each token's row is its own program: a row's result is the same in any batch (checked bit
+for bit).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.tiers import examples
+from triton_kernels.backend import interpreter_on
+from triton_kernels.shared_expert import gated_add, gated_add_torch, silu_mul, silu_mul_torch
+
+U = 2.0 ** -24
+
+
+def gamma(n):
+    return n * U / (1 - n * U)
+
+
+def data(seed: int, *shape, scale: float = 1.0) -> torch.Tensor:
+    return torch.from_numpy((np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32))
+
+
+shapes = dict(T=st.integers(1, 3), N=st.integers(1, 2100), seed=st.integers(0, 2 ** 32 - 1),
+              scale=st.sampled_from([0.1, 1.0, 30.0]))
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(**shapes)
+def test_silu_mul_within_the_float32_bound(T, N, seed, scale):
+    assert interpreter_on()
+    gu = data(seed, T, 2 * N, scale=scale)   # g and u: the two halves of a fused projection's rows
+    g, u = gu[:, :N], gu[:, N:]
+    g64, u64 = g.double(), u.double()
+    ref = g64 / (1 + torch.exp(-g64)) * u64
+    bound = gamma(8) * ref.abs() + (g64.abs() * U / (1 - (8 + g64.abs()) * U)) * ref.abs() + 1e-36
+    for f in (silu_mul, silu_mul_torch):
+        y = f(g, u)
+        assert y.shape == (T, N) and bool(((y.double() - ref).abs() <= bound).all()), f.__name__
+    assert torch.equal(silu_mul(g[:1], u[:1]), silu_mul(g, u)[:1])
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(**shapes)
+def test_gated_add_within_the_float32_bound(T, N, seed, scale):
+    a, b = data(seed, T, N), data(seed + 1, T, N)
+    gate = data(seed + 2, T, N + 1, scale=scale)[:, N:]   # the fused projection's last column
+    s64 = 1 / (1 + torch.exp(-gate.double()))
+    ref = a.double() + s64 * b.double()
+    sb = (s64 * b.double()).abs()
+    g = gate.double().abs()
+    bound = gamma(2) * (a.double().abs() + sb) + ((8 + g) * U / (1 - (8 + g) * U)) * sb
+    for f in (gated_add, gated_add_torch):
+        y = f(a, gate, b)
+        assert y.shape == (T, N) and bool(((y.double() - ref).abs() <= bound).all()), f.__name__
+    assert torch.equal(gated_add(a[:1], gate[:1], b[:1]), gated_add(a, gate, b)[:1])

@@ -1,0 +1,89 @@
+"""q and k of the gated attention (strata.nn.gated_attention.project) normed per head and
+roped, one kernel:
+
+    norm_rope(x (T, Hx, D), w (D,), eps, cos (T, R), sin (T, R)) -> (Hx, T, D)
+
+each head's row RMS-normalised times w, then rotate-half RoPE on its first R dims by its
+token's cos and sin rows (strata.nn.rope.rotate), written head-major. In torch this is an
+rms_norm and six launches of RoPE (two products, a negation, two concatenations, a sum)
+for q and again for k: twelve launches an attention layer become two. x may be a strided
+view (q is every other half of the fused projection's rows). Each program reads one
+(token, head) row, so a row's result does not depend on the batch. Float32; within a
+bound of the float64 result, not bit for bit with the torch twin (the norm's sum adds in
+another order; tests/triton_kernels/test_rope.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, D, R, stride_t, stride_h, eps,
+                      BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # output row r = head * T + token
+    h, t = r // T, r % T
+    c = tl.arange(0, BD)
+    live = c < D
+    row = x_ptr + t * stride_t + h * stride_h
+    x = tl.load(row + c, mask=live, other=0.0)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+    y = x * inv * tl.load(w_ptr + c, mask=live, other=0.0)
+    # rotate-half: dim c < R/2 pairs with c + R/2 (taken negated), c < R with c - R/2
+    half = R // 2
+    roped = c < R
+    partner = tl.where(c < half, c + half, c - half)
+    yp = tl.load(row + partner, mask=roped, other=0.0) * inv * tl.load(w_ptr + partner, mask=roped, other=0.0)
+    yp = tl.where(c < half, -yp, yp)
+    cos = tl.load(cos_ptr + t * R + c, mask=roped, other=1.0)
+    sin = tl.load(sin_ptr + t * R + c, mask=roped, other=0.0)
+    out = tl.where(roped, y * cos + yp * sin, y)
+    tl.store(out_ptr + r * D + c, out, mask=live)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if x.dim() != 3 or w.shape != (x.shape[2],):
+        raise ValueError(f"norm_rope: x must be (tokens, heads, head_dim) with w (head_dim,), "
+                         f"got {tuple(x.shape)} and {tuple(w.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0] or cos.shape[1] % 2 \
+            or cos.shape[1] > x.shape[2]:
+        raise ValueError(f"norm_rope: cos and sin must be (tokens, rope_dim), rope_dim even and at most "
+                         f"head_dim {x.shape[2]}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    for t in (x, w, cos, sin):
+        if t.dtype != torch.float32:
+            raise ValueError(f"norm_rope: expects float32 tensors, got {t.dtype}")
+
+
+def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, Hx, D) RMS-normed per head times w (D,), roped on its first R dims by cos and
+    sin (T, R): (Hx, T, D) float32."""
+    _check(x, w, cos, sin)
+    if not use_triton(x):
+        return norm_rope_torch(x, w, eps, cos, sin)
+    T, Hx, D = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    w, cos, sin = w.contiguous(), cos.contiguous(), sin.contiguous()
+    out = x.new_empty(Hx, T, D)
+    if out.numel():
+        _norm_rope_kernel[(Hx * T,)](x, w, cos, sin, out, T, D, cos.shape[1], x.stride(0), x.stride(1), eps,
+                                     BD=triton.next_power_of_2(D))
+    return out
+
+
+def norm_rope_torch(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """norm_rope in torch: F.rms_norm, then `rotate`."""
+    return rotate(F.rms_norm(x, w.shape, w, eps).transpose(0, 1), cos, sin, cos.shape[-1])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    """RoPE in the rotate-half layout on the first `dim` dims of x (..., head_dim), by the
+    positions' cos and sin rows (strata.nn.rope.Rope's, or a compiled step's)."""
+    r, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    out = r * cos + torch.cat([-r[..., half:], r[..., :half]], dim=-1) * sin
+    return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out

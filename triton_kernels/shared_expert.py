@@ -1,0 +1,94 @@
+"""The MoE block's elementwise work around its shared expert's GEMVs (strata.nn.moe), one
+kernel each:
+
+    silu_mul(g (T, I), u (T, I))                          -> silu(g) * u (T, I), float32
+    gated_add(routed (T, H), gate (T, 1), shared (T, H))  -> routed + sigmoid(gate) * shared
+
+In torch these are two and three launches a layer (silu, mul; sigmoid, mul, add). The
+inputs may be strided views (g, u and gate are column ranges of the block's fused
+projection). Each program reads one token's row, so a row's result does not depend on
+the batch. The torch twins are the CPU's path as it was (the sigmoid through
+invariant.pointwise). Float32; within a bound of the float64 result, not bit for bit with the torch
+twins (exp may round otherwise; tests/triton_kernels/test_shared_expert.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import invariant
+from .backend import use_triton
+
+BLOCK = 1024  # columns a program
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = c < N
+    g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0)
+    u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0)
+    tl.store(out_ptr + t * N + c, g / (1.0 + tl.exp(-g)) * u, mask=live)
+
+
+@triton.jit
+def _gated_add_kernel(a_ptr, gate_ptr, b_ptr, out_ptr, N, stride_a, stride_gate, stride_b,
+                      BLOCK_N: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = c < N
+    s = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + t * stride_gate)))
+    a = tl.load(a_ptr + t * stride_a + c, mask=live, other=0.0)
+    b = tl.load(b_ptr + t * stride_b + c, mask=live, other=0.0)
+    tl.store(out_ptr + t * N + c, a + s * b, mask=live)
+
+
+def _rows(name: str, *ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dtype != torch.float32 or t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name}: expects float32 (tokens, n) rows with unit column stride, got "
+                             f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for g, u (T, N): (T, N) float32."""
+    if not use_triton(g):
+        return silu_mul_torch(g, u)
+    _rows("silu_mul", g, u)
+    if g.shape != u.shape:
+        raise ValueError(f"silu_mul: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
+    T, N = g.shape
+    out = g.new_empty(T, N)
+    if out.numel():
+        bn = min(BLOCK, triton.next_power_of_2(N))
+        _silu_mul_kernel[(T, triton.cdiv(N, bn))](g, u, out, N, g.stride(0), u.stride(0), BLOCK_N=bn)
+    return out
+
+
+def silu_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+def gated_add(a: torch.Tensor, gate: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + sigmoid(gate) * b for a, b (T, N) and gate (T, 1): (T, N) float32."""
+    if not use_triton(a):
+        return gated_add_torch(a, gate, b)
+    _rows("gated_add", a, gate, b)
+    if a.shape != b.shape or gate.shape != (a.shape[0], 1):
+        raise ValueError(f"gated_add: a {tuple(a.shape)}, b {tuple(b.shape)} and gate {tuple(gate.shape)} "
+                         f"must be (T, N), (T, N) and (T, 1)")
+    T, N = a.shape
+    out = a.new_empty(T, N)
+    if out.numel():
+        bn = min(BLOCK, triton.next_power_of_2(N))
+        _gated_add_kernel[(T, triton.cdiv(N, bn))](a, gate, b, out, N, a.stride(0), gate.stride(0), b.stride(0),
+                                                   BLOCK_N=bn)
+    return out
+
+
+def gated_add_torch(a: torch.Tensor, gate: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # the sigmoid through invariant.pointwise: a narrow (T, 1) column in batch-invariant mode
+    return a + invariant.pointwise(torch.sigmoid, gate) * b
