@@ -93,7 +93,16 @@ def to_device(t: torch.Tensor, device, non_blocking: bool = False) -> torch.Tens
         return _fake.copy(t, device)
     if _fake is not None and t.device.type == device.type:  # (a CPU-only torch cannot move a fake tensor)
         return t
+    if device.type == "cuda" and t.device.type == "cpu" and t.numel() * t.element_size() <= ASYNC_BYTES:
+        # a step's few indices (tokens, positions): from pinned memory, asynchronously. A
+        # pageable copy makes the host wait for the GPU's queue (and raises under
+        # torch.cuda.set_sync_debug_mode("error")); the pinned block is the caching host
+        # allocator's, kept until the copy has run
+        return t.pin_memory().to(device, non_blocking=True)
     return t.to(device, non_blocking=non_blocking)
+
+
+ASYNC_BYTES = 1 << 16  # host-to-device copies this small go through pinned memory (to_device)
 
 
 def choose_device(device: str | None) -> str:

@@ -32,3 +32,34 @@ def test_smollm2_on_the_gpu_gives_the_torch_logits(smollm2_gguf):
     print("SmolLM2, CUDA against the CPU's torch path:", rels)
     assert getattr(cg, "graph", None) is not None  # decode went through the graph
     assert max(rels) <= REL, rels
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("experts, ple_io", [("device", None), ("cache:16:host", "ram")])
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_flash_tiny_decodes_on_the_gpu_without_waiting_for_it(flash_tiny_gguf, experts, ple_io, graphs, monkeypatch):
+    """Decode steps (the captured graph's replays, and the eager step) under
+    torch.cuda.set_sync_debug_mode("error"): a host read of device data or a copy that
+    waits for the GPU raises inside a step. The first two steps (the graph's capture, the
+    cache's first fills) run before the mode is set. The tokens are the CPU torch path's,
+    greedy; the bound on the logits is test_gpu_path's."""
+    monkeypatch.setenv("STRATA_CUDA_GRAPHS", graphs)
+    ref = load_model(flash_tiny_gguf, dtype=torch.float32, kernels="torch")
+    got = load_model(flash_tiny_gguf, dtype=torch.float32, device="cuda", experts=experts, ple_io=ple_io)
+    cr, cg = ref.new_cache(), got.new_cache()
+    toks, rels = [1, 504, 3458, 314], []
+    for step in range(6):
+        a = ref(torch.tensor(toks), cr)[-1]
+        x = torch.tensor(toks)  # on the host, as the engine passes them
+        torch.cuda.synchronize()
+        if step >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            b = got(x, cg)[-1]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        rels.append(_rel(b, a))
+        assert int(b.argmax()) == int(a.argmax()), rels
+        toks = [int(a.argmax())]
+    print(f"flash-tiny on the GPU ({experts}, graphs {graphs}), CUDA against the CPU's torch path:", rels)
+    assert max(rels) <= REL, rels

@@ -139,3 +139,42 @@ def test_batch_invariant_rows_on_the_gpu(fmt):
             one = moe(xe[cut:cut + 1].cuda(), *args, *fmts, w[cut:cut + 1].cuda(), ids[cut:cut + 1].cuda())
             assert torch.equal(one, full[cut:cut + 1])
     prop()
+
+
+def test_the_align_kernel_on_the_gpu_gives_the_torch_tensors():
+    from triton_kernels.moe_align import ALIGN_MAX_SLOTS, moe_align_block_size, moe_align_block_size_torch
+
+    @given(E=st.integers(1, 600), n=st.integers(1, ALIGN_MAX_SLOTS), block_m=st.sampled_from([1, 16, 64]),
+           seed=st.integers(0, 2 ** 32 - 1))
+    @settings(max_examples=examples(50))
+    def prop(E, n, block_m, seed):
+        ids = torch.randint(-1, E + 1, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+        for a, b in zip(moe_align_block_size(ids.cuda(), E, block_m), moe_align_block_size_torch(ids, E, block_m)):
+            assert torch.equal(a.cpu(), b)
+    prop()
+
+
+def test_the_elementwise_kernels_on_the_gpu_within_their_bounds():
+    """norm_rope, silu_mul and gated_add against their torch twins on the CPU, within the
+    interpreter tests' float64 bounds doubled (both sides err; test_rope.py,
+    test_shared_expert.py), with exp's few ulp on a GPU inside the gamma(8) margin."""
+    from triton_kernels.rope import norm_rope, norm_rope_torch
+    from triton_kernels.shared_expert import gated_add, gated_add_torch, silu_mul, silu_mul_torch
+
+    @given(T=st.integers(1, 4), H=st.integers(1, 8), D=st.sampled_from([64, 128, 256]),
+           N=st.integers(1, 3000), seed=st.integers(0, 2 ** 32 - 1))
+    @settings(max_examples=examples(30))
+    def prop(T, H, D, N, seed):
+        g = torch.Generator().manual_seed(seed)
+        x, w, ang = torch.randn(T, H, D, generator=g), torch.randn(D, generator=g), torch.randn(T, D // 2, generator=g)
+        cos, sin = ang.cos(), ang.sin()
+        want = norm_rope_torch(x, w, 1e-6, cos, sin)
+        got = norm_rope(*(t.cuda() for t in (x, w)), 1e-6, cos.cuda(), sin.cuda()).cpu()
+        assert ((got - want).abs() <= 2 * (D + 9) * U * (want.abs() + 1)).all()
+        a, b, gate = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g), torch.randn(T, 1, generator=g)
+        s = silu_mul_torch(a, b)
+        assert ((silu_mul(a.cuda(), b.cuda()).cpu() - s).abs() <= 2 * (8 + a.abs()) * U * s.abs() + 1e-36).all()
+        y = gated_add_torch(a, gate, b)
+        tol = 2 * (10 + gate.abs()) * U * (a.abs() + b.abs())
+        assert ((gated_add(a.cuda(), gate.cuda(), b.cuda()).cpu() - y).abs() <= tol).all()
+    prop()
