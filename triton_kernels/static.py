@@ -328,8 +328,16 @@ def _parse_sass(sass: str) -> tuple[list[str], tuple[int, int] | None]:
     # drop the padding after the last EXIT: the self-branch and NOPs that align the code
     while ins and (_opcode(ins[-1]) in ("NOP", "BRA")):
         ins.pop()
-    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i < len(ins)]
-    return ins, (max(loops, key=lambda lo_hi: lo_hi[1] - lo_hi[0]) if loops else None)
+    return ins, _main_loop(ins, labels, branches, "EXIT")
+
+
+def _main_loop(ins, labels, branches, end: str) -> tuple[int, int] | None:
+    """The longest span closed by a backward branch, of those that hold no unconditional
+    end of the program (`end`): code placed after the exit that branches back into the
+    kernel is no loop."""
+    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i < len(ins)
+             and end not in ins[labels[t]:i]]
+    return max(loops, key=lambda lo_hi: lo_hi[1] - lo_hi[0]) if loops else None
 
 
 def _parse_gcn(text: str) -> tuple[list[str], tuple[int, int] | None]:
@@ -345,7 +353,10 @@ def _parse_gcn(text: str) -> tuple[list[str], tuple[int, int] | None]:
             continue
         m = _GCN_LABEL.match(line)
         if m:
-            labels[m.group(1)] = len(ins)
+            # LLVM marks a loop's blocks ("; =>This Inner Loop Header", ";   in Loop:"):
+            # a backward branch to any other block is the layout's, not a loop's
+            if "Loop Header" in line or "in Loop:" in line:
+                labels[m.group(1)] = len(ins)
             continue
         m = _GCN_INSTR.match(line)
         if m and not m.group(1).startswith("."):
@@ -355,8 +366,7 @@ def _parse_gcn(text: str) -> tuple[list[str], tuple[int, int] | None]:
                 if t:
                     branches.append((len(ins), t.group(1)))
             ins.append(f"{op} {operands}".strip())
-    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i]
-    return ins, (max(loops, key=lambda lo_hi: lo_hi[1] - lo_hi[0]) if loops else None)
+    return ins, _main_loop(ins, labels, branches, "s_endpgm")
 
 
 def _nvidia_resources(cubin: bytes) -> tuple[str, dict]:

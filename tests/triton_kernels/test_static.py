@@ -145,7 +145,7 @@ SASS = """
 GCN = """
 _kernel:
 	s_load_dwordx2 s[0:1], s[0:1], 0x0
-.LBB0_1:
+.LBB0_1:                                ; =>This Inner Loop Header: Depth=1
 	global_load_dword v1, v[2:3], off
 	v_dot4_i32_i8 v4, v1, v5, v4
 	s_add_i32 s2, s2, 1
@@ -164,6 +164,23 @@ def test_the_readers_find_the_loop_and_drop_the_padding():
     ins, loop = static._parse_gcn(GCN)
     assert ins[loop[0]] == "global_load_dword v1, v[2:3], off" and ins[loop[1]].startswith("s_cbranch_scc1")
     assert loop[1] - loop[0] + 1 == 5 and ins[-1] == "s_endpgm"
+
+    # AMD's cold blocks after s_endpgm branch back into the kernel: no loop header, no loop
+    ins, loop = static._parse_gcn(GCN_COLD)
+    assert loop is None and ins[2] == "s_endpgm"
+
+
+GCN_COLD = """
+_kernel:
+	global_load_ubyte v1, v[2:3], off
+.LBB0_1:
+	global_store_short v[4:5], v1, off
+	s_endpgm
+.LBB0_2:
+	v_mov_b32_e32 v1, 0
+	s_branch .LBB0_1
+.Lfunc_end0:
+"""
 
 
 # a main loop's body: three 16-bit weight loads, two 32-bit activation words, a 16-byte
