@@ -1,7 +1,7 @@
 """`strata bench kernels`: what every weight-streaming kernel costs, statically and measured.
 
 --static (no GPU needed): every op x format compiled for each --target at the engine's
-configuration (triton_kernels.static): registers, spills, shared memory, main-loop and
+configuration (triton_kernels.analysis.static): registers, spills, shared memory, main-loop and
 whole-kernel instructions per weight, the main loop's global loads (bytes a lane per load,
 the share of bytes in loads of 8 bytes or more, loads in flight before the first use), the
 matrix instructions (HGMMA, HMMA, MFMA or none), and the predicted fraction of bandwidth on
@@ -19,7 +19,8 @@ import torch
 
 import quant
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
-from triton_kernels import configs, static
+from triton_kernels import configs
+from triton_kernels.analysis import static
 from triton_kernels.decode import unit
 
 TABLE_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "IQ4_NL", "IQ3_S", "IQ3_XXS")

@@ -50,9 +50,9 @@ from triton.compiler import ASTSource
 
 import quant
 
-from . import configs
-from .backend import interpreter_on
-from .decode import decoder, launch_args, unit
+from .. import configs
+from ..backend import interpreter_on
+from ..decode import decoder, launch_args, unit
 
 OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather")
 # QSA's kernels; their "format" is the dtype of the keys they read (F32, BF16, F16)
@@ -530,7 +530,7 @@ def rows(ops=OPS, formats=None, targets=("sm_90",), config: dict | None = None) 
 def _rows_in_child(ops, formats, targets, config) -> list[Row]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     arg = json.dumps({"ops": ops, "formats": formats, "targets": targets, "config": config})
-    done = subprocess.run([sys.executable, "-m", "triton_kernels.static", arg], env=env,
+    done = subprocess.run([sys.executable, "-m", "triton_kernels.analysis.static", arg], env=env,
                           capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"static analysis failed in its child process:\n{done.stderr[-4000:]}")

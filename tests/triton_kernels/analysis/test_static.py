@@ -1,4 +1,4 @@
-"""The static GPU check (triton_kernels.static), with no GPU: every kernel compiles for
+"""The static GPU check (triton_kernels.analysis.static), with no GPU: every kernel compiles for
 sm_90 and gfx942 at the engine's configuration with no spills, the decode kernels stay
 within llama.cpp's instructions per weight, the machine-code reader finds main loops and
 reads their global loads' widths, and the GEMM's tl.dot reaches the matrix units.
@@ -12,7 +12,7 @@ suite pins none, so a new release that costs more fails here, which is the point
 import pytest
 
 import quant
-from triton_kernels import static
+from triton_kernels.analysis import static
 
 LOOP_BOUND = {"Q8_0": 3.66, "Q4_0": 2.72, "IQ4_NL": 4.75, "IQ3_S": 5.84, "IQ3_XXS": 5.66, "Q4_K": 5.0}
 WHOLE_BOUND = {"Q8_0": 4.8, "Q4_0": 3.6, "IQ4_NL": 5.5, "IQ3_S": 6.7, "IQ3_XXS": 6.5, "Q4_K": 5.0}
