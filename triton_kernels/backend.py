@@ -153,7 +153,7 @@ COMPILE_MODES = ("auto", "on", "off")
 
 
 def cpu_compile_mode() -> str:
-    """How the CPU path uses torch.compile (triton_kernels.compiled: the llama decode step,
+    """How the CPU path uses torch.compile (triton_kernels.cpu.compiled: the llama decode step,
     a Flash-Next layer's halves, the int8-code matmul, the DeltaNet step, the dense
     experts' decode, a head's one-row loop), from STRATA_CPU_COMPILE:
 

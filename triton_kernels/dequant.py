@@ -9,9 +9,9 @@ IQ4_NL, Q4_K, IQ3_XXS, IQ3_S) run `_dequant_units_kernel`: each thread decodes w
 units (32 or 64 weights) from whole-word loads and scales each code once. The others run
 `_dequant_kernel`, one weight a lane through the format's per-weight decode function.
 `dequantize_torch` is the same computation in vectorised torch, the CPU fast path, with
-torch.compile's one-pass loops for Q8_0, Q4_0 and IQ4_NL on request (dequant_compiled.py).
+torch.compile's one-pass loops for Q8_0, Q4_0 and IQ4_NL on request (cpu/dequant_compiled.py).
 `int8_parts` gives a weight of the int8-code formats as codes and group scales from the same
-decoders (the CPU's held form: triton_kernels.codes).
+decoders (the CPU's held form: triton_kernels.cpu.codes).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .asm import asm_for
 from .backend import use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .decode.common import round_to_bf16_bits
-from .dequant_compiled import dequantize_fused, has_fused
+from .cpu.dequant_compiled import dequantize_fused, has_fused
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # units a program of _dequant_units_kernel: one a thread at 4 warps
@@ -587,7 +587,7 @@ def int8_parts(q: torch.Tensor, fmt: str | int | quant.Format) -> tuple[torch.Te
     """A weight of whole blocks (rows of k blocks) as int8 codes and float32 group scales:
     (codes (n, k * block_elems) int8, scale (n, groups), offset (n, groups) or None), with
     w = scale * code (+ offset) in float32 equal bit for bit to `dequantize_torch` (the
-    same float operations; tests/triton_kernels/test_codes.py). A group is 32 weights,
+    same float operations; tests/triton_kernels/cpu/test_codes.py). A group is 32 weights,
     16 for Q2_K, Q3_K and Q6_K. Formats: INT8_FORMATS."""
     fmt = quant.get(fmt)
     if fmt.name not in _PARTS:
@@ -611,7 +611,7 @@ _compile_broken: list[str] = []  # why the compiled path failed once under STRAT
 
 
 def _fused(blocks: torch.Tensor, fmt: quant.Format, out: torch.Tensor, compiled: bool | None) -> bool:
-    """Run the compiled one-pass dequant (triton_kernels/dequant_compiled.py) if asked and
+    """Run the compiled one-pass dequant (triton_kernels/cpu/dequant_compiled.py) if asked and
     possible; True when it did."""
     if compiled is False or not has_fused(fmt) or blocks.device.type != "cpu" or blocks.shape[0] < 2:
         return False
@@ -637,7 +637,7 @@ def dequantize_torch(q: torch.Tensor, fmt: str | int | quant.Format,
     """`dequantize` in torch. `out`: a contiguous `dtype` tensor of the result's shape to
     write, as ggml's to_float writes its caller's buffer (a fresh 256 MB float32 tensor costs
     more in first-touch page faults than dequantizing into it); returned. `compiled`: Q8_0,
-    Q4_0 and IQ4_NL through torch.compile's one-pass loop (dequant_compiled.py) for at least
+    Q4_0 and IQ4_NL through torch.compile's one-pass loop (cpu/dequant_compiled.py) for at least
     2 blocks on the CPU: True always, None when STRATA_DEQUANT_COMPILE=1, False never."""
     fmt = quant.get(fmt)
     check_blocks(q, fmt)

@@ -22,7 +22,7 @@ Where it is on (the model's modules ask `enabled()` on every call):
   keeps the plain GEMMs, which cost it least, and so does a model without a draft head;
 - nowhere with `STRATA_BATCH_INVARIANT=0` or after `set_enabled(False)`
   (`--no-batch-invariant`): a decode's plain steps (compiled on the CPU, where they may be:
-  triton_kernels.compiled), and greedy `--spec N` keeps `--spec 0`'s tokens only where a
+  triton_kernels.cpu.compiled), and greedy `--spec N` keeps `--spec 0`'s tokens only where a
   row's rounding does not move with the batch (float32). The other
 order-dependent steps switch with it: strata.nn.deltanet runs its recurrence token by
 token (a chunk's WY form sums in another order than single steps), strata.nn.gated_

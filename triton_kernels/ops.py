@@ -1,7 +1,7 @@
 """Each op's two implementations, Triton and torch, and the one lookup that the model's
 modules make: `impl(op, kernels)`, with `kernels` from backend.choose_kernels.
 
-While `triton_kernels.launches.record()` is open, every call of a Triton op is recorded
+While `triton_kernels.analysis.launches.record()` is open, every call of a Triton op is recorded
 (its arguments' shapes, dtypes and strides), so that the launches a model makes can be
 compiled for a GPU afterwards.
 """
@@ -62,7 +62,7 @@ class _Triton:
             return call(self.op, *args, **kwargs)
         calls += 1
         if recorder is not None:
-            from .launches import describe
+            from .analysis.launches import describe
             recorder.append(describe(self.op, args, kwargs))
         return self.fn(*args, **kwargs)
 

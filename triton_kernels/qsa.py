@@ -47,7 +47,7 @@ import triton.language as tl
 from . import invariant
 from .backend import use_triton
 
-# Tiles, 4 warps (tests/triton_kernels/test_static.py: no spills on sm_90 and gfx942): the
+# Tiles, 4 warps (tests/triton_kernels/analysis/test_static.py: no spills on sm_90 and gfx942): the
 # scores' program reads 64 block keys, its dot has the n_idx heads padded to 4 columns, not
 # 16 (sm_90: 15 instructions a key value; padded to 16, about twice that); the attention
 # reads 16 token slots an iteration

@@ -7,7 +7,7 @@ C `to_float` through ctypes (`--peer ggml`, strata/bench/ggml.py; needs llama-cp
 The torch path writes into a float32 buffer allocated once, as ggml's to_float writes its
 caller's (a fresh buffer's first-touch page faults would cost more than the dequant);
 gguf-py allocates its result, as its API does. `--compile` adds the one-pass loops of
-torch.compile (triton_kernels/dequant_compiled.py: Q8_0, Q4_0, IQ4_NL), with the seconds
+torch.compile (triton_kernels/cpu/dequant_compiled.py: Q8_0, Q4_0, IQ4_NL), with the seconds
 their first call took (Inductor's compile; far less when its disk cache is warm).
 `--threads 1` is the single-core comparison (ggml's to_float runs on the calling thread
 only). CUDA (`--device cuda`): the Triton kernel is
@@ -26,7 +26,7 @@ import torch
 import quant
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
 from triton_kernels import dequantize, dequantize_torch
-from triton_kernels.dequant_compiled import has_fused
+from triton_kernels.cpu.dequant_compiled import has_fused
 
 
 def random_blocks(fmt: quant.Format, n_blocks: int, rng: np.random.Generator) -> np.ndarray:

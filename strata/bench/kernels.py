@@ -1,9 +1,11 @@
 """`strata bench kernels`: what every weight-streaming kernel costs, statically and measured.
 
 --static (no GPU needed): every op x format compiled for each --target at the engine's
-configuration (triton_kernels.static): registers, spills, shared memory, main-loop and
-whole-kernel instructions per weight, and the predicted fraction of bandwidth on named
-GPUs. On CUDA without --static: the decode GEMV of a 4096 x 14336 weight per format,
+configuration (triton_kernels.analysis.static): registers, spills, shared memory, main-loop and
+whole-kernel instructions per weight, the main loop's global loads (bytes a lane per load,
+the share of bytes in loads of 8 bytes or more, loads in flight before the first use), the
+matrix instructions (HGMMA, HMMA, MFMA or none), and the predicted fraction of bandwidth on
+named GPUs. On CUDA without --static: the decode GEMV of a 4096 x 14336 weight per format,
 checked against the torch path and timed replayed from a CUDA graph (the kernels' time:
 int8 activations, then the GEMV) and as launched from Python, as GB/s of weight bytes
 read (graph time) against the device-to-device copy measured in the same run, the static
@@ -17,7 +19,8 @@ import torch
 
 import quant
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
-from triton_kernels import configs, static
+from triton_kernels import configs
+from triton_kernels.analysis import static
 from triton_kernels.decode import unit
 
 TABLE_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "IQ4_NL", "IQ3_S", "IQ3_XXS")
@@ -84,7 +87,8 @@ def _run_static(args, formats) -> int:
             r["top"] = " ".join(f"{k}:{v}" for k, v in top)
         cols = [("op", "op"), ("format", "format"), ("kernel", "kernel"), ("regs", "regs"),
                 ("spill_bytes", "spill B"), ("instr_per_weight", "instr/w loop"),
-                ("instr_per_weight_whole", "instr/w 4096x14336")]
+                ("instr_per_weight_whole", "instr/w 4096x14336"), ("bytes_per_load", "B/load"),
+                ("wide_load_share", ">=8B share"), ("loads_in_flight", "in flight"), ("mma", "mma")]
         cols += [(f"bw_{g}", f"{g} bw") for g in gpus] + [("top", "loop mix")]
         print(f"## {t}\n")
         print(markdown(sel, cols))

@@ -7,7 +7,7 @@ from strata.cli.load import load, load_vision, say
 from strata.hub import resolve_model
 from strata.runtime import SamplingParams, generate
 from strata.runtime.background import compile_in_background
-from triton_kernels import compiled
+from triton_kernels.cpu import compiled
 
 
 def pull(args) -> int:

@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from strata.nn import deltanet, gated_attention, hyperconn, ple
 from strata.nn.hyperconn import HyperConnection
 from strata.storage.experts import _few_tokens
-from triton_kernels import compiled, invariant
-from triton_kernels.compiled import Compiled
+from triton_kernels import invariant
+from triton_kernels.cpu import compiled
+from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.moe import route_torch
 
 
@@ -214,7 +215,7 @@ def ple_block(layer, x: torch.Tensor, tokens: torch.Tensor, st, ids) -> torch.Te
 
 
 def warm(model) -> bool:
-    """Build the compiled halves on a scratch state (triton_kernels.compiled.background):
+    """Build the compiled halves on a scratch state (triton_kernels.cpu.compiled.background):
     one token through the model compiles every kind of layer, the PLE block and the head.
     Only where the scratch step shares nothing with the caller's steps but weights: one
     process, every layer's experts held dense (a cache tier's slots would move), the PLE

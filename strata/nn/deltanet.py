@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels import invariant
-from triton_kernels.compiled import Compiled
+from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.conv import causal_conv_torch
 from triton_kernels.deltanet import delta_rule_token
 from triton_kernels.norms import l2norm_torch

@@ -11,7 +11,7 @@ Where the weight goes and how it is multiplied (chosen once, at load):
 - torch kernels on an AVX-512 CPU with compiles on (STRATA_CPU_COMPILE), a weight of
   INT8_MIN_WEIGHTS or more in an int8-code format (triton_kernels.dequant.INT8_FORMATS:
   Q8_0, IQ4_NL, IQ3_XXS, IQ3_S, the K-quants, ...): int8 codes and float32 group scales
-  ("int8", triton_kernels.codes), the file's weights exactly in 1.125-1.5 bytes a weight;
+  ("int8", triton_kernels.cpu.codes), the file's weights exactly in 1.125-1.5 bytes a weight;
   decode multiplies them in one compiled pass a row, prefill dequantizes per call into the
   compute dtype.
 - torch kernels otherwise, mixed formats too: dequantized once into the compute dtype
@@ -31,8 +31,8 @@ import quant
 from strata.tensors import QTensor, host_tensor
 from triton_kernels import invariant
 from triton_kernels.backend import choose_kernels, cpu_compile_mode, cpu_int8_vectors, to_device, upcast
-from triton_kernels.codes import codes_matmul
-from triton_kernels.compiled import Compiled
+from triton_kernels.cpu.codes import codes_matmul
+from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
 from triton_kernels.ops import impl
 

@@ -1,4 +1,4 @@
-"""Which runs build the CPU's compiled decode, in the background (triton_kernels.compiled).
+"""Which runs build the CPU's compiled decode, in the background (triton_kernels.cpu.compiled).
 
 On 2 cores the compiles cost seconds with Inductor's cache warm and tens of seconds cold,
 and a compiled step saves some 10 ms a token (SmolLM2: 48.9 against 32.8 tok/s): it earns
@@ -13,7 +13,8 @@ eagerly; --no-batch-invariant turns that off).
 from __future__ import annotations
 
 from strata.runtime.spec import can_draft
-from triton_kernels import compiled, invariant
+from triton_kernels import invariant
+from triton_kernels.cpu import compiled
 
 # a generate's token budget from which its compile may pay (about a minute of eager decode
 # on 2 cores, against 10-45 s of compiles; their thread slows the eager steps beside it)

@@ -11,11 +11,11 @@ cores with Inductor's disk cache cold, 1-3 s warm.
 The step computes what Llama.forward computes for one token, op for op (the same RMSNorm,
 RoPE, matmul calls and softmax), so its logits equal eager decode's except where Inductor
 fuses an element-wise chain (float32 either way). When it compiles is
-triton_kernels.compiled's choice (by default only in the background, `warm`, and only for
+triton_kernels.cpu.compiled's choice (by default only in the background, `warm`, and only for
 a run whose decode steps are plain); taken only
 where every matmul has a compiled form (QuantLinear.pure), the KV cache stores floats and
 batch-invariant mode is off. A failing compile (no C++ compiler) warns once and decodes
-eagerly from then on (triton_kernels.compiled).
+eagerly from then on (triton_kernels.cpu.compiled).
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ import torch.nn.functional as F
 
 from strata.nn.attention import one_token
 from strata.nn.rope import rotate
-from triton_kernels import compiled, invariant
-from triton_kernels.compiled import Compiled
+from triton_kernels import invariant
+from triton_kernels.cpu import compiled
+from triton_kernels.cpu.compiled import Compiled
 
 
 def _attend(qkv, pos, end, keys, vals, cos, sin, n_heads, n_kv, head_dim, rope_dim):
@@ -120,7 +121,7 @@ def _step(model) -> CpuStep:
 
 
 def warm(model) -> bool:
-    """Build the compiled step on a scratch cache (triton_kernels.compiled.background): a few
+    """Build the compiled step on a scratch cache (triton_kernels.cpu.compiled.background): a few
     tokens, so that the sequence's length is symbolic as a real decode's (the first step
     compiles it fixed, the next ones symbolic, against the cache's capacity), and the head's
     one-row loop with them. The cache is made as generate's is (outside inference mode:

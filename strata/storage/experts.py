@@ -37,9 +37,10 @@ from strata.storage.expert_cache import DeviceCache
 from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
-from triton_kernels import compiled, invariant
+from triton_kernels import invariant
+from triton_kernels.cpu import compiled
 from triton_kernels.backend import choose_kernels, to_device, upcast
-from triton_kernels.compiled import Compiled
+from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.moe import choose_path
 from triton_kernels.ops import impl
 
@@ -339,7 +340,7 @@ class ExpertStore(torch.nn.Module):
             # decode: a compiled pass a token (a token's result whatever the batch beside it)
             ys = [_FEW_TOKENS(x[t:t + 1].float(), weights[t:t + 1].float(), ids[t:t + 1], self.w13, self.w2)
                   for t in range(T)]
-            if all(y is not None for y in ys):  # None: not compiled (triton_kernels.compiled)
+            if all(y is not None for y in ys):  # None: not compiled (triton_kernels.cpu.compiled)
                 return torch.cat(ys)
         flat = ids.reshape(-1).long()
         order = torch.argsort(flat, stable=True)

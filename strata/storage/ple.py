@@ -44,7 +44,7 @@ import quant
 from strata.storage import io
 from strata.storage.io import PAGE, gib
 from strata.storage.ple_source import PleSource, find_ple
-from triton_kernels import compiled
+from triton_kernels.cpu import compiled
 from triton_kernels.backend import to_device
 
 MODES = ("ram", "mmap", "direct")

@@ -3,7 +3,7 @@
 
 Tolerance, float32: 1e-5 of the largest |logit|, as the decode graph's test: the same
 weights and ops in float32; Inductor may fuse an element-wise chain (a different rounding
-of a few ops) and sums the int8-code head in its own order (triton_kernels.codes: gamma_K
+of a few ops) and sums the int8-code head in its own order (triton_kernels.cpu.codes: gamma_K
 sum |w x|, about 3e-5 relative at K = 576 in the worst case, far less on real logits;
 measured below 2e-6). bfloat16 (the int4 kernel's activations): where a fused norm rounds
 an activation to the other neighbouring bfloat16 (2^-8 relative), 30 layers carry it, and
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import strata.runtime.cpu_step as cpu_step
-import triton_kernels.compiled as compiled
+import triton_kernels.cpu.compiled as compiled
 from strata.load import load_model
 
 

@@ -230,7 +230,7 @@ def test_dense_tier_few_tokens_in_one_pass_equal_its_loop(tiny, dtype, monkeypat
     (experts._few_tokens); it equals the expert loop: float32 weights, to summation order
     (1e-5 of the output's scale); bfloat16, to the loop's own rounding of x and of the
     SwiGLU product to bfloat16 (2^-7 relative, a little more through silu: 2^-6)."""
-    import triton_kernels.compiled as compiled
+    import triton_kernels.cpu.compiled as compiled
     monkeypatch.setattr(compiled, "broken", [])
     ts = _layer(tiny)
     E, _, H = ts[0].shape

@@ -15,7 +15,7 @@ own size (ratio near 1), and most likely another token.
 The interpreter runs a vocabulary-sized GEMV in about a second with its own larger tiles
 (triton_kernels.configs.interpreter_tiles) and in minutes with a GPU's, so SmolLM2 runs
 two of its 30 layers. The launches are compiled with the GPU's tiles (see
-triton_kernels.launches).
+triton_kernels.analysis.launches).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from strata.storage.pack import pack as write_pack
 from strata.tensors import QTensor
 from triton_kernels import configs
 from triton_kernels.backend import interpreter_on
-from triton_kernels.launches import compile_calls, distinct, record
+from triton_kernels.analysis.launches import compile_calls, distinct, record
 
 REL = 3e-2
 

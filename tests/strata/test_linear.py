@@ -68,7 +68,7 @@ def test_large_int8_code_weights_are_held_as_codes(fmt, monkeypatch):
     assert lin.held_bytes() <= 1.5 * 64 * 256
     x = torch.randn(1, 256)
     ref = reference([part], x)
-    # one row: the file's weights in float32 (triton_kernels.codes: gamma_K sum |x||w|)
+    # one row: the file's weights in float32 (triton_kernels.cpu.codes: gamma_K sum |x||w|)
     k = 256
     gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
     bound = gamma * (x.abs().double().numpy() @ np.abs(part.numpy()).astype(np.float64).T)
@@ -117,7 +117,7 @@ def test_a_large_dense_weights_one_row_product_is_one_compiled_loop(monkeypatch)
     float32 sums of the held weight times x, x not rounded to bfloat16, so within float32's
     gamma_K sum |x||w| of float64's product with the held weight."""
     import strata.nn.linear as linear
-    import triton_kernels.compiled as compiled
+    import triton_kernels.cpu.compiled as compiled
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
     monkeypatch.setattr(compiled, "broken", [])
     monkeypatch.setattr(linear, "INT8_MIN_WEIGHTS", 64 * 256)

@@ -1,5 +1,5 @@
 """dequantize_torch's own paths: chunks, caller-given outputs, unaligned rows, and the
-compiled one-pass loops (dequant_compiled.py), each bit for bit against the numpy reference."""
+compiled one-pass loops (triton_kernels/cpu/dequant_compiled.py), each bit for bit against the numpy reference."""
 import os
 
 import numpy as np
@@ -13,7 +13,7 @@ import quant
 import triton_kernels.dequant as dq
 from tests.blocks import blocks, same_bits
 from triton_kernels import dequantize_torch
-from triton_kernels.dequant_compiled import FUSED
+from triton_kernels.cpu.dequant_compiled import FUSED
 
 FORMATS = list(quant.FORMATS.values())
 # the formats whose torch code is built for speed (int8 codes, in-place scaling)
@@ -102,7 +102,7 @@ def test_compiled_equals_reference(name, dtype):
 
 @compile_tests
 def test_the_environment_turns_compiling_on(monkeypatch):
-    from triton_kernels import dequant_compiled
+    from triton_kernels.cpu import dequant_compiled
     monkeypatch.setenv("STRATA_DEQUANT_COMPILE", "1")
     raw = np.random.default_rng(2).integers(0, 256, (8, 18), dtype=np.uint8)
     raw[:, :2] = np.array(0.125, np.float16).reshape(1).view(np.uint8)

@@ -22,6 +22,13 @@ predicted fraction of bandwidth is the smaller of 1 and their ratio:
 It bounds from above: memory latency, occupancy, the integer pipe's narrower width on
 Hopper and L1 traffic for table look-ups all cost more. It says which kernels cannot be
 memory-bound, and how far a change moves them, in seconds on a laptop.
+
+Few instructions are not enough: a memory-bound kernel must also keep enough bytes in
+flight. So each row also reads the main loop's global loads (`loads`): the bytes a lane
+per load instruction (from the opcode: LDG.E.U16 2, LDG.E 4, LDG.E.128 16;
+global_load_ushort 2, global_load_dwordx4 16), the share of bytes moved by loads of 8
+bytes or more a lane, and the loads issued before the first use of one; and which matrix
+instructions the kernel holds (`mma_kind`: HGMMA, HMMA, MFMA or none).
 """
 from __future__ import annotations
 
@@ -43,9 +50,9 @@ from triton.compiler import ASTSource
 
 import quant
 
-from . import configs
-from .backend import interpreter_on
-from .decode import decoder, launch_args, unit
+from .. import configs
+from ..backend import interpreter_on
+from ..decode import decoder, launch_args, unit
 
 OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather")
 # QSA's kernels; their "format" is the dtype of the keys they read (F32, BF16, F16)
@@ -110,6 +117,11 @@ class Row:
     instr_per_weight_whole: float  # prologue + iterations + epilogue for WHOLE_N x WHOLE_K
     mix: dict = field(default_factory=dict)
     pred_bw: dict = field(default_factory=dict)
+    # the main loop's global loads (the whole kernel's without a loop): see loads()
+    bytes_per_load: float = 0.0    # bytes a lane per load instruction, averaged over them
+    wide_load_share: float = 0.0   # share of their bytes moved by loads of >= 8 bytes a lane
+    loads_in_flight: int = 0       # issued before the first use of any of them
+    mma: str = "none"              # the kernel's matrix instructions: HGMMA, HMMA, MFMA, ...
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -316,8 +328,16 @@ def _parse_sass(sass: str) -> tuple[list[str], tuple[int, int] | None]:
     # drop the padding after the last EXIT: the self-branch and NOPs that align the code
     while ins and (_opcode(ins[-1]) in ("NOP", "BRA")):
         ins.pop()
-    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i < len(ins)]
-    return ins, (max(loops, key=lambda lo_hi: lo_hi[1] - lo_hi[0]) if loops else None)
+    return ins, _main_loop(ins, labels, branches, "EXIT")
+
+
+def _main_loop(ins, labels, branches, end: str) -> tuple[int, int] | None:
+    """The longest span closed by a backward branch, of those that hold no unconditional
+    end of the program (`end`): code placed after the exit that branches back into the
+    kernel is no loop."""
+    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i < len(ins)
+             and end not in ins[labels[t]:i]]
+    return max(loops, key=lambda lo_hi: lo_hi[1] - lo_hi[0]) if loops else None
 
 
 def _parse_gcn(text: str) -> tuple[list[str], tuple[int, int] | None]:
@@ -333,18 +353,20 @@ def _parse_gcn(text: str) -> tuple[list[str], tuple[int, int] | None]:
             continue
         m = _GCN_LABEL.match(line)
         if m:
-            labels[m.group(1)] = len(ins)
+            # LLVM marks a loop's blocks ("; =>This Inner Loop Header", ";   in Loop:"):
+            # a backward branch to any other block is the layout's, not a loop's
+            if "Loop Header" in line or "in Loop:" in line:
+                labels[m.group(1)] = len(ins)
             continue
         m = _GCN_INSTR.match(line)
         if m and not m.group(1).startswith("."):
-            op = m.group(1)
+            op, operands = m.group(1), m.group(2).split(";")[0].strip()
             if _GCN_BRANCH.match(op):
-                t = re.search(r"(\.LBB\d+_\d+)", m.group(2))
+                t = re.search(r"(\.LBB\d+_\d+)", operands)
                 if t:
                     branches.append((len(ins), t.group(1)))
-            ins.append(op)
-    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i]
-    return ins, (max(loops, key=lambda lo_hi: lo_hi[1] - lo_hi[0]) if loops else None)
+            ins.append(f"{op} {operands}".strip())
+    return ins, _main_loop(ins, labels, branches, "s_endpgm")
 
 
 def _nvidia_resources(cubin: bytes) -> tuple[str, dict]:
@@ -378,7 +400,111 @@ def _gcn_resources(text: str) -> dict:
 
 
 def _mix(ins: list[str]) -> dict:
-    return dict(Counter(_opcode(i) if " " in i or "." in i else i for i in ins).most_common(12))
+    return dict(Counter(_opcode(i) for i in ins).most_common(12))
+
+
+# --- global loads: how wide, how many in flight ------------------------------------------
+
+# SASS: a load's width is an opcode modifier (LDG.E.U16, LDG.E.128); none means 32 bits.
+# LDGSTS copies global memory to shared memory without a register (Ampere's cp.async).
+_NV_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16, "256": 32}
+_NV_LOADS = ("LDG", "LDGSTS")
+_NV_STORES = ("ST", "STG", "STS", "STL", "RED", "LDGSTS")  # no register written
+# AMDGCN: the width ends the opcode (global_load_dwordx4, buffer_load_ushort, ..._d16_hi)
+_GCN_LOAD = re.compile(r"^(?:global|buffer)_load_(?:lds_)?(\w+)")
+_GCN_WIDTH = {"ubyte": 1, "sbyte": 1, "ushort": 2, "sshort": 2, "short": 2, "dword": 4,
+              "dwordx2": 8, "dwordx3": 12, "dwordx4": 16}
+_MMA = ("HGMMA", "HMMA", "IGMMA", "IMMA", "QGMMA", "MFMA", "SMFMAC")
+
+
+def load_width(ins: str) -> int:
+    """Bytes a lane that one instruction loads from global memory; 0 if it loads none."""
+    op = _opcode(ins)
+    if op in _NV_LOADS:
+        mods = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[1:]
+        return next((_NV_WIDTH[m] for m in mods if m in _NV_WIDTH), 4)
+    m = _GCN_LOAD.match(op)
+    if m:
+        return _GCN_WIDTH.get(m.group(1).split("_")[0], 4)
+    return 0
+
+
+def _registers(operand: str) -> set:
+    """The registers an operand names: R4, R4.64 (R4 and R5), v7, v[8:11], a[0:3]."""
+    regs = set()
+    for n, wide in re.findall(r"(?<![A-Za-z0-9_])R(\d+)(\.64)?", operand):
+        regs.update(("R", int(n) + i) for i in range(2 if wide else 1))
+    for kind, n in re.findall(r"(?<![A-Za-z0-9_])([va])(\d+)(?![\w:])", operand):
+        regs.add((kind, int(n)))
+    for kind, lo, hi in re.findall(r"(?<![A-Za-z0-9_])([va])\[(\d+):(\d+)\]", operand):
+        regs.update((kind, i) for i in range(int(lo), int(hi) + 1))
+    return regs
+
+
+def _operands(ins: str) -> tuple[set, set]:
+    """(registers written, registers read) by one instruction: the first operand that is
+    not a predicate is the destination, except for stores and for SASS's wide loads, whose
+    destination spans the registers the width needs."""
+    ins = re.sub(r"^@!?U?P\w+\s+", "", ins)
+    head, _, rest = ins.partition(" ")
+    ops = [o.strip() for o in rest.split(",") if o.strip()]
+    op = _opcode(head)
+    if op in _NV_STORES or "_store" in op or op.startswith("ds_write") or op.startswith("s_"):
+        return set(), set().union(*map(_registers, ops)) if ops else set()
+    i = next((j for j, o in enumerate(ops) if not re.fullmatch(r"!?U?P(?:T|\d+)", o)), len(ops))
+    dest = _registers(ops[i]) if i < len(ops) else set()
+    if op in _NV_LOADS and dest:
+        base = min(dest)
+        dest = {("R", base[1] + j) for j in range(max(1, load_width(ins) // 4))}
+    return dest, set().union(*map(_registers, ops[i + 1:])) if ops[i + 1:] else set()
+
+
+@dataclass(frozen=True)
+class Loads:
+    bytes_per_load: float
+    wide_load_share: float
+    loads_in_flight: int
+
+
+def loads(body: list[str]) -> Loads:
+    """The global loads of a main loop's body (SASS or AMDGCN lines, in program order).
+
+    bytes_per_load: the bytes a lane moves per global-load instruction (LDG, LDGSTS;
+    global_load_*, buffer_load_*), averaged over them: their summed widths / their count.
+    wide_load_share: the part of those bytes moved by loads of 8 bytes or more a lane.
+    loads_in_flight: reading the body once from its top, the loads issued before the
+    first instruction that reads a register one of them wrote (or, for LDGSTS, which
+    writes shared memory, before the first DEPBAR that waits for the copies). It is what
+    one iteration can have outstanding before it must wait. It sees neither loads left in
+    flight across the back edge by software pipelining nor a consumer's place on a
+    branch not taken, and it counts instructions, not the bytes they carry.
+    """
+    widths, loaded, in_flight, async_copies = [], set(), None, 0
+    for ins in body:
+        w = load_width(ins)
+        dest, read = _operands(ins)
+        if in_flight is None and ((read & loaded) or (async_copies and _opcode(ins) == "DEPBAR")):
+            in_flight = len(widths)
+        if w:
+            widths.append(w)
+            loaded |= dest
+            async_copies += _opcode(ins) == "LDGSTS"
+        else:
+            loaded -= dest  # a register written again no longer holds a load's result
+    total = sum(widths)
+    return Loads(bytes_per_load=round(total / len(widths), 3) if widths else 0.0,
+                 wide_load_share=round(sum(w for w in widths if w >= 8) / total, 3) if total else 0.0,
+                 loads_in_flight=len(widths) if in_flight is None else in_flight)
+
+
+def mma_kind(ins: list[str]) -> str:
+    """The matrix instructions a kernel holds: HGMMA (Hopper's warpgroup MMA), HMMA (the
+    warp-level tensor-core MMA), IMMA / IGMMA (integer), MFMA (AMD CDNA), joined by "+";
+    "none" without any."""
+    found = {_opcode(i).upper() for i in ins}
+    found = {"MFMA" if f.startswith("V_MFMA") else "SMFMAC" if f.startswith("V_SMFMAC") else f
+             for f in found}
+    return "+".join(k for k in _MMA if k in found) or "none"
 
 
 def analyse(op: str, fmt: str | quant.Format, target: str = "sm_90",
@@ -404,7 +530,7 @@ def rows(ops=OPS, formats=None, targets=("sm_90",), config: dict | None = None) 
 def _rows_in_child(ops, formats, targets, config) -> list[Row]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     arg = json.dumps({"ops": ops, "formats": formats, "targets": targets, "config": config})
-    done = subprocess.run([sys.executable, "-m", "triton_kernels.static", arg], env=env,
+    done = subprocess.run([sys.executable, "-m", "triton_kernels.analysis.static", arg], env=env,
                           capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"static analysis failed in its child process:\n{done.stderr[-4000:]}")
@@ -439,7 +565,8 @@ def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None)
               regs=res["regs"], spill_bytes=res["spill"], shared_bytes=res["shared"],
               instructions=len(ins), loop_instructions=body, weights_per_iter=per_thread,
               instr_per_weight=round(ipw, 3), instr_per_weight_whole=round(whole, 3),
-              mix=_mix(ins[loop[0]:loop[1] + 1] if loop else ins))
+              mix=_mix(ins[loop[0]:loop[1] + 1] if loop else ins),
+              mma=mma_kind(ins), **asdict(loads(ins[loop[0]:loop[1] + 1] if loop else ins)))
     row.pred_bw = {g.name: round(pred_bw(g, bpw, ipw), 3) for g in GPUS
                    if (TARGETS[g.target].backend == "hip") == amd}
     return row

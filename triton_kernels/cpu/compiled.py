@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from .backend import cpu_compile_mode
+from ..backend import cpu_compile_mode
 
 # why a compile failed, once for all: a missing compiler fails every function alike
 broken: list[str] = []

@@ -1,4 +1,4 @@
-"""Int8 codes and group scales (dequant.int8_parts) and their matmul (triton_kernels.codes).
+"""Int8 codes and group scales (dequant.int8_parts) and their matmul (triton_kernels.cpu.codes).
 
 The parts: scale * code (+ offset) in float32 equals the numpy reference's weights bit for
 bit, for every format that has them, on blocks Hypothesis draws (every byte free, every
@@ -21,16 +21,16 @@ from hypothesis import strategies as st
 from tests.tiers import examples
 
 import quant
-import triton_kernels.codes as codes_mod
+import triton_kernels.cpu.codes as codes_mod
 from tests.blocks import blocks, same_bits
-from triton_kernels.codes import GEMV_ROWS, codes_matmul, codes_matmul_torch, codes_weight
+from triton_kernels.cpu.codes import GEMV_ROWS, codes_matmul, codes_matmul_torch, codes_weight
 from triton_kernels.dequant import INT8_FORMATS, int8_parts
 
 FORMATS = [quant.get(n) for n in INT8_FORMATS]
 
 
 def compiled_broken():
-    import triton_kernels.compiled as compiled
+    import triton_kernels.cpu.compiled as compiled
     return compiled.broken
 
 
@@ -72,7 +72,7 @@ def _gamma(k):
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("fmt_name", ["Q8_0", "IQ3_XXS", "Q4_K", "Q6_K"])
 def test_a_few_rows_within_the_float32_bound(fmt_name, compiled, monkeypatch):
-    import triton_kernels.compiled as compiled_mod
+    import triton_kernels.cpu.compiled as compiled_mod
     monkeypatch.setattr(compiled_mod, "broken", [])
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1" if compiled else "0")
     fmt = quant.get(fmt_name)
@@ -104,7 +104,7 @@ def test_many_rows_take_bfloat16_within_its_bound():
 
 
 def test_a_failing_compile_warns_once_and_multiplies_eagerly(monkeypatch):
-    import triton_kernels.compiled as compiled
+    import triton_kernels.cpu.compiled as compiled
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
     monkeypatch.setattr(compiled, "broken", [])
     monkeypatch.setattr(codes_mod._MATMUL, "compiled", None)  # compiled anew, by the compile below

@@ -26,7 +26,7 @@ import torch
 
 import quant
 
-from . import ops
+from .. import ops
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -113,7 +113,7 @@ def compile_calls(calls: list[dict], targets=("sm_90", "gfx942")) -> list[Compil
     without the interpreter; distinct kernels once)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     payload = json.dumps({"calls": distinct(calls), "targets": list(targets)})
-    done = subprocess.run([sys.executable, "-m", "triton_kernels.launches"], input=payload, env=env,
+    done = subprocess.run([sys.executable, "-m", "triton_kernels.analysis.launches"], input=payload, env=env,
                           capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"replaying the recorded launches failed:\n{done.stderr[-4000:]}")
@@ -137,7 +137,8 @@ def _type_of(v) -> str:
 def _replay(calls: list[dict], targets: list[str]) -> list[dict]:
     import triton.runtime.jit as jit
 
-    from . import asm, backend, dequant, int8, moe, ple, qmatmul, static
+    from .. import asm, backend, dequant, int8, moe, ple, qmatmul
+    from . import static
     results: dict[tuple, dict] = {}
     state = {"op": "", "target": ""}
 

@@ -19,7 +19,7 @@ weight into the compute dtype and take torch's matmul, whose blocking wins there
 
 Error: each product w x is exact up to one float32 rounding and the sum's order is
 Inductor's, so against float64, |y - y64| <= gamma_K * sum_k |w_k x_k| with gamma_K =
-K u / (1 - K u), u = 2^-24 (tests/triton_kernels/test_codes.py checks this bound). Where a
+K u / (1 - K u), u = 2^-24 (tests/triton_kernels/cpu/test_codes.py checks this bound). Where a
 C++ compiler is missing, or with STRATA_CPU_COMPILE=0, the weight is decoded in slices and
 multiplied by torch's matmul (same bound, slower).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import upcast
+from ..backend import upcast
 from .compiled import Compiled
 
 # rows up to this go through the one-pass product, a row at a time; more rows dequantize
