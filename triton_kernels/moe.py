@@ -259,10 +259,11 @@ def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_
     pid_n = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     e = tl.load(ids_ptr + slot).to(tl.int64)
-    if (e < 0) | (e >= E):
-        return  # an expert held elsewhere: the slot's output stays zero
-    tok = slot // top_k
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if (e < 0) | (e >= E):  # an expert held elsewhere: the slot's h is zero (h is not cleared)
+        tl.store(h_ptr + slot * stride_h + rows, tl.zeros((BLOCK_N,), tl.float32), mask=rows < I)
+        return
+    tok = slot // top_k
     r = tl.minimum(rows, I - 1).to(tl.int64)[:, None]  # rows past I re-read row I - 1
     pg = wg_ptr + (e * gate_se + r * gate_sr) * HW_G     # strides in blocks
     pu = wu_ptr + (e * up_se + r * up_sr) * HW_U
@@ -293,9 +294,10 @@ def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, 
     pid_n = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     e = tl.load(ids_ptr + slot).to(tl.int64)
-    if (e < 0) | (e >= E):
-        return
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if (e < 0) | (e >= E):  # the slot's output is zero (the buffer is not cleared)
+        tl.store(out_ptr + slot * stride_o + rows, tl.zeros((BLOCK_N,), tl.float32), mask=rows < H)
+        return
     r = tl.minimum(rows, H - 1).to(tl.int64)[:, None]
     p = wd_ptr + (e * down_se + r * down_sr) * BLOCK_HW
     hq = hq_ptr + slot * (I // 4)
@@ -331,7 +333,7 @@ def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
     n_slots = T * k
     flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
     x8 = quantize_x(x)
-    h = torch.zeros((n_slots, I), dtype=torch.float32, device=dev)
+    h = torch.empty((n_slots, I), dtype=torch.float32, device=dev)  # every row written
     asm = asm_for(dev)
     _gate_up_dp4a_kernel[(triton.cdiv(I, block_n), n_slots)](
         x8.q, x8.d, x8.s, w_gate.view(torch.uint16), w_up.view(torch.uint16),
@@ -468,7 +470,9 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         if len(tiles) != 3 or any(t < 16 or t & (t - 1) for t in tiles):
             raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
     dev, out_dtype = x.device, x.dtype
-    per_slot = torch.zeros((n_slots, H), dtype=torch.float32, device=dev)  # dropped slots stay 0
+    # a dropped slot's row is 0: the dp4a kernels write every slot's, the dot kernels skip them
+    alloc = torch.empty if path == "dp4a" and n_slots and H and I else torch.zeros
+    per_slot = alloc((n_slots, H), dtype=torch.float32, device=dev)
     if n_slots and H and I:
         gate_se, gate_sr = _expert_strides(w_gate, fmt_gate, "w_gate")
         up_se, up_sr = _expert_strides(w_up, fmt_up, "w_up")

@@ -43,8 +43,8 @@ def reference(x, w, eps, cos, sin):
     return out, mag
 
 
-@settings(max_examples=examples(25), deadline=None)
-@given(T=st.integers(1, 3), Hx=st.integers(1, 4), D=st.sampled_from([8, 16, 24, 64, 128]),
+@settings(max_examples=examples(15), deadline=None)
+@given(T=st.integers(1, 3), Hx=st.integers(1, 3), D=st.sampled_from([8, 24, 64, 128]),
        rope_frac=st.sampled_from([0.25, 0.5, 1.0]), strided=st.booleans(),
        scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=st.integers(0, 2 ** 32 - 1))
 def test_norm_rope_within_the_float32_bound(T, Hx, D, rope_frac, strided, scale, seed):
