@@ -9,6 +9,9 @@
     hc_combine(up (T, S*H), xn (T, S*H), S)   -> the block's input (T, H): the mean over
                                                  streams of sigmoid(up) * xn
     hc_write(x (T, S*H), out (T, H), inj (T, S)) -> x + inj * out in every stream
+    hc_write_norm(x, out, inj, w, eps)        -> hc_write's result and its hc_norm by the
+                                                 next read's weight: a block's write and the
+                                                 following block's norm in one launch
 
 In torch a read is nine launches beside its GEMVs and a write two or three; here a read is
 three and a write one, so that a decode step of Flash-Next launches about 14 fewer kernels
@@ -75,6 +78,21 @@ def _write_kernel(x_ptr, o_ptr, inj_ptr, out_ptr, S, H, BLOCK_H: tl.constexpr):
     o = tl.load(o_ptr + t * H + h, mask=live, other=0.0).to(tl.float32)
     w = tl.load(inj_ptr + r)
     tl.store(out_ptr + r * H + h, x + w * o, mask=live)
+
+
+@triton.jit
+def _write_norm_kernel(x_ptr, o_ptr, inj_ptr, w_ptr, out_ptr, xn_ptr, S, H, eps, BH: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # (token, stream) row: _write_kernel's, then _norm_kernel's
+    t, s = r // S, r % S
+    c = tl.arange(0, BH)
+    live = c < H
+    x = tl.load(x_ptr + r * H + c, mask=live, other=0.0)
+    o = tl.load(o_ptr + t * H + c, mask=live, other=0.0).to(tl.float32)
+    y = x + tl.load(inj_ptr + r) * o
+    tl.store(out_ptr + r * H + c, y, mask=live)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / H + eps)
+    w = tl.load(w_ptr + s * H + c, mask=live, other=0.0)
+    tl.store(xn_ptr + r * H + c, y * inv * w, mask=live)
 
 
 def _f32(name: str, *ts: torch.Tensor) -> None:
@@ -161,3 +179,29 @@ def hc_write(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor) -> torch.Ten
 
 def hc_write_torch(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:
     return x + (inj.unsqueeze(-1) * out.float().unsqueeze(1)).reshape(x.shape)
+
+
+def hc_write_norm(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor, w: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """hc_write(x, out, inj), and hc_norm of its result by the next read's weight w (S, H):
+    (T, S*H) twice, float32. One launch where the two take two; each row's write is
+    hc_write's and its norm hc_norm's, in the same order (a whole row a program), so the
+    bits are the two kernels'."""
+    _f32("hc_write_norm", x, inj, w)
+    if not use_triton(x):
+        return hc_write_norm_torch(x, out, inj, w, eps)
+    T, S = inj.shape
+    H = out.shape[-1]
+    if w.shape != (S, H):
+        raise ValueError(f"hc_write_norm: the norm's weight must be (streams {S}, width {H}), got {tuple(w.shape)}")
+    x, out, inj, w = x.contiguous(), out.contiguous(), inj.contiguous(), w.contiguous()
+    y, xn = torch.empty_like(x), torch.empty_like(x)
+    if T:
+        _write_norm_kernel[(T * S,)](x, out, inj, w, y, xn, S, H, eps, BH=triton.next_power_of_2(H))
+    return y, xn
+
+
+def hc_write_norm_torch(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor, w: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y = hc_write_torch(x, out, inj)
+    return y, hc_norm_torch(y, w, eps)

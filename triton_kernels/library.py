@@ -25,7 +25,7 @@ import quant
 from .conv import conv_step
 from .deltanet import deltanet_step
 from .dequant import dequantize
-from .hyperconn import hc_combine, hc_gates, hc_norm, hc_write
+from .hyperconn import hc_combine, hc_gates, hc_norm, hc_write, hc_write_norm
 from .norms import l2norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
@@ -166,6 +166,10 @@ def _hc_write(x: Tensor, out: Tensor, inj: Tensor) -> Tensor:
     return hc_write(x, out, inj)
 
 
+def _hc_write_norm(x: Tensor, out: Tensor, inj: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return hc_write_norm(x, out, inj, w, eps)
+
+
 def _norm_rope(x: Tensor, w: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
     return norm_rope(x, w, eps, cos, sin)
 
@@ -179,7 +183,7 @@ def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
 
 
 for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine),
-                  ("hc_write", _hc_write), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul),
+                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul),
                   ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)
 
@@ -226,6 +230,7 @@ _CALLS = {
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
     "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
+    "hc_write_norm": lambda x, out, inj, w, eps: OPS["hc_write_norm"](x, out, inj, w, eps),
     "norm_rope": lambda x, w, eps, cos, sin: OPS["norm_rope"](x, w, eps, cos, sin),
     "silu_mul": lambda g, u: OPS["silu_mul"](g, u),
     "gated_add": lambda a, gate, b: OPS["gated_add"](a, gate, b),

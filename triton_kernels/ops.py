@@ -13,7 +13,7 @@ from .conv import conv_step, conv_step_torch
 from .deltanet import deltanet_step, deltanet_step_torch
 from .dequant import dequantize, dequantize_torch
 from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_norm, hc_norm_torch, hc_write,
-                        hc_write_torch)
+                        hc_write_norm, hc_write_norm_torch, hc_write_torch)
 from .norms import l2norm, l2norm_torch
 from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
@@ -40,6 +40,7 @@ OPS = {
     "hc_gates": (hc_gates, hc_gates_torch),
     "hc_combine": (hc_combine, hc_combine_torch),
     "hc_write": (hc_write, hc_write_torch),
+    "hc_write_norm": (hc_write_norm, hc_write_norm_torch),
     "norm_rope": (norm_rope, norm_rope_torch),
     "silu_mul": (silu_mul, silu_mul_torch),
     "gated_add": (gated_add, gated_add_torch),

@@ -58,16 +58,16 @@ class Layer(torch.nn.Module):
             y = qwen4exp_step.attention_layer(self, x, mixer_state, start, positions)
             if y is not None:
                 return y
-        y = qwen4exp_step.mixer_half(self, x, mixer_state)
+        y, xn = qwen4exp_step.mixer_half(self, x, mixer_state), None
         if y is None:
             a, w = self.attn_hc.read(x)
-            y = self.attn_hc.write(x, self.mixer(a, mixer_state) if self.recurrent
-                                      else self.mixer(a, mixer_state, start, positions), w)
+            out = self.mixer(a, mixer_state) if self.recurrent else self.mixer(a, mixer_state, start, positions)
+            y, xn = self.attn_hc.write_and_norm(x, out, w, self.ffn_hc)  # xn: the FFN's normed streams
         x = y
         y = qwen4exp_step.ffn_half(self, x)
         if y is not None:
             return y
-        m, w = self.ffn_hc.read(x)
+        m, w = self.ffn_hc.read(x, xn)
         return self.ffn_hc.write(x, self.moe(m), w)
 
 

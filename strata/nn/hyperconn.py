@@ -11,7 +11,8 @@ adds the block's output to each stream times its weight. The final mixer is a `r
 without injection.
 
 With Triton kernels (a GPU) the work around the two GEMVs runs as four kernels
-(triton_kernels.hyperconn); the torch form below is the CPU's and the compiled step's.
+(triton_kernels.hyperconn), three where a write and the next block's norm share one
+(`write_and_norm`); the torch form below is the CPU's and the compiled step's.
 """
 from __future__ import annotations
 
@@ -36,16 +37,18 @@ class HyperConnection(torch.nn.Module):
         self.down, self.up = down, up
         self.injects = down.out_features > rank
 
-    def read(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def read(self, x: torch.Tensor, xn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input (T, H) and the streams' injection weights (T, S) (None for the
-        final mixer)."""
+        final mixer). `xn`: x's streams already normed by this connection's weight (what
+        `write_and_norm` gives the next block), with the Triton kernels."""
         if self.down.kernels == "triton":
-            return self._read_kernels(x)
+            return self._read_kernels(x, xn)
         return read(x, self.norm, self.down, self.up, self.streams, self.rank, self.eps, self.injects)
 
-    def _read_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _read_kernels(self, x: torch.Tensor, xn: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         S, rank = self.streams, self.rank
-        xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps)
+        if xn is None:
+            xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps)
         a, inj = impl("hc_gates", "triton")(self.down(xn), rank, S)
         inp = impl("hc_combine", "triton")(self.up(a), xn, S)
         return inp, (inj if self.injects else None)
@@ -55,6 +58,14 @@ class HyperConnection(torch.nn.Module):
         if self.down.kernels == "triton":
             return impl("hc_write", "triton")(x.float(), out, weights)
         return write(x, out, weights)
+
+    def write_and_norm(self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+                       then: "HyperConnection") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`write`, and with the Triton kernels the result's streams normed for `then`, the
+        next block's connection (its `read(x, xn)`), in the same launch; (x, None) in torch."""
+        if self.down.kernels == "triton":
+            return impl("hc_write_norm", "triton")(x.float(), out, weights, then.norm, then.eps)
+        return write(x, out, weights), None
 
 
 def write(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

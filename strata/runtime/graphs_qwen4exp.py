@@ -240,8 +240,8 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
             y = _deltanet(layer.mixer, a, st, kept.get("rows"))
         else:
             y = _attention(layer.mixer, a, st, P, _where(where, P, layer.mixer, st, True))
-        x = layer.attn_hc.write(x, y, w)
-        m, w = layer.ffn_hc.read(x)
+        x, xn = layer.attn_hc.write_and_norm(x, y, w, layer.ffn_hc)
+        m, w = layer.ffn_hc.read(x, xn)
         x = layer.ffn_hc.write(x, layer.moe(m), w)
     if state.mtp is not None:
         mtp = model.mtp

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from tests.tiers import examples
 from triton_kernels.backend import interpreter_on
 from triton_kernels.hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_norm, hc_norm_torch,
-                                      hc_write, hc_write_torch)
+                                      hc_write, hc_write_norm, hc_write_norm_torch, hc_write_torch)
 
 U = 2.0 ** -24
 
@@ -96,3 +96,16 @@ def test_hc_write_within_the_float32_bound(T, S, H, seed, dtype):
     for f in (hc_write, hc_write_torch):
         assert within(f(x, out, inj), ref, gamma(2) * (x.double().abs() + wo.abs())), f.__name__
     assert torch.equal(hc_write(x[:1], out[:1], inj[:1]), hc_write(x, out, inj)[:1])
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(**shapes)
+def test_hc_write_norm_gives_the_two_kernels_bits(T, S, H, seed):
+    """The fused write and norm against hc_write then hc_norm (each held to float64 above):
+    the same bits, through the interpreter and in torch."""
+    x, out, inj, w = data(seed, T, S * H), data(seed + 1, T, H), data(seed + 2, T, S).abs(), data(seed + 3, S, H)
+    y = hc_write(x, out, inj)
+    y2, xn = hc_write_norm(x, out, inj, w, 1e-6)
+    assert torch.equal(y2, y) and torch.equal(xn, hc_norm(y, w, 1e-6))
+    yt, xnt = hc_write_norm_torch(x, out, inj, w, 1e-6)
+    assert torch.equal(yt, hc_write_torch(x, out, inj)) and torch.equal(xnt, hc_norm_torch(yt, w, 1e-6))
