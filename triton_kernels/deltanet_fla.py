@@ -44,8 +44,13 @@ def fla_installed() -> bool:
 
 def deltanet_path(device, kernels: str) -> tuple[str, str]:
     """("fla-core" or "strata", why): the DeltaNet recurrence's kernels for a load."""
-    if torch.device(device).type != "cuda" or kernels != "triton":
-        return "strata", f"{kernels} kernels on {torch.device(device).type}"
+    return _path(device.type if isinstance(device, torch.device) else torch.device(device).type, kernels)
+
+
+@functools.cache  # asked by every DeltaNet layer's forward
+def _path(device_type: str, kernels: str) -> tuple[str, str]:
+    if device_type != "cuda" or kernels != "triton":
+        return "strata", f"{kernels} kernels on {device_type}"
     if not fla_installed():
         return "strata", "Triton step, torch chunks for prefill: fla-core not installed (pip install strata-engine[cuda])"
     return "fla-core", f"fla-core {FLA_VERSION}: fused recurrent for decode, chunked for prefill"

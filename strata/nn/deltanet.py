@@ -24,7 +24,7 @@ from triton_kernels.compiled import Compiled
 from triton_kernels.conv import causal_conv_torch
 from triton_kernels.deltanet import delta_rule_token
 from triton_kernels.deltanet_fla import deltanet_chunk_fla, deltanet_path, deltanet_step_fla
-from triton_kernels.deltanet_inputs import deltanet_gated_norm_torch, deltanet_inputs_torch
+from triton_kernels.deltanet_inputs import deltanet_gated_norm_torch
 from triton_kernels.ops import impl
 
 from .linear import QuantLinear
@@ -192,7 +192,7 @@ def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, kernels: str = "tor
     """The recurrence's inputs from the projections: (q, k, v, g, beta, the conv's new
     window). With Triton kernels, the conv's step and everything between it and the
     recurrence one kernel each (triton_kernels.conv, triton_kernels.deltanet_inputs)."""
-    Hk, Hv, dk, dv = heads
+    Hk, _, dk, _ = heads
     gpu = kernels == "triton"
     mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if gpu else None)
     q, k, v, g, beta = impl("deltanet_inputs", kernels)(mixed, b, a, dt_bias, a_coef, Hk, dk)
