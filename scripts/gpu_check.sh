@@ -25,7 +25,9 @@
 #
 # A bare machine lacks gguf (strata's GGUF reader needs it): where .whl/ holds wheels
 # (`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.17.1`),
-# they are installed first into /tmp/site.
+# they are installed first into /tmp/site. fla-core's (fla_core-0.6.0 and einops, the `cuda`
+# extra) there make step 1 run fla's DeltaNet kernels on the device against Strata's
+# (tests/triton_kernels/test_deltanet_fla.py) and the engine's DeltaNet layers take them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check.out}

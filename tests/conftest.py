@@ -24,6 +24,29 @@ if not ON_DEVICE:
 
     install()  # the interpreter patches triton.language once a launch, not once a call
 
+
+
+def _transformers_without_fla():
+    """transformers 5.23 (the qwen4exp reference) swaps fla-core's kernels in for its torch
+    gated delta rule whenever `fla` imports (transformers/integrations/hub_kernels.py), CPU
+    tensors included, where they fail ("0 active drivers"): where the `cuda` extra is
+    installed, the reference keeps its torch math, and Strata's tests still reach fla."""
+    import importlib
+    import importlib.util
+    import sys
+    if importlib.util.find_spec("fla") is None:
+        return
+    real = importlib.import_module
+
+    def import_module(name, package=None):
+        if name.split(".")[0] == "fla" and sys._getframe(1).f_code.co_filename.endswith("hub_kernels.py"):
+            raise ImportError("tests/conftest.py: transformers' reference runs its torch gated delta rule")
+        return real(name, package)
+    importlib.import_module = import_module
+
+
+_transformers_without_fla()
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # 200 examples per property; CI (CI=true, as CI services and .ci/run set it; not CI=false)

@@ -24,6 +24,7 @@ import quant
 
 from .conv import conv_step
 from .deltanet import deltanet_step
+from .deltanet_inputs import deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
 from .hyperconn import hc_combine, hc_gates, hc_norm, hc_write, hc_write_norm
 from .norms import l2norm
@@ -136,6 +137,19 @@ def _deltanet_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sta
 OPS["deltanet_step"] = _register("deltanet_step", _deltanet_step, mutates=("state",))
 
 
+def _deltanet_inputs(mixed: Tensor, b: Tensor, a: Tensor, dt_bias: Tensor, a_coef: Tensor, k_heads: int,
+                     dk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return deltanet_inputs(mixed, b, a, dt_bias, a_coef, k_heads, dk)
+
+
+def _deltanet_gated_norm(o: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
+    return deltanet_gated_norm(o, z, w, eps)
+
+
+OPS["deltanet_inputs"] = _register("deltanet_inputs", _deltanet_inputs)
+OPS["deltanet_gated_norm"] = _register("deltanet_gated_norm", _deltanet_gated_norm)
+
+
 def _conv_step(window: Tensor, x: Tensor, w: Tensor, dilation: int) -> tuple[Tensor, Tensor]:
     return conv_step(window, x, w, dilation)
 
@@ -224,6 +238,9 @@ _CALLS = {
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](src, dst, ids, slots, first),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
+    "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
+        OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),
+    "deltanet_gated_norm": lambda o, z, w, eps: OPS["deltanet_gated_norm"](o, z, w, eps),
     "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
     "l2norm": lambda x, eps=1e-6: OPS["l2norm"](x, eps),
     "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),

@@ -24,6 +24,7 @@ from strata.nn.rope import RopeScaling
 from strata.storage.expert_tier import parse_tier
 from triton_kernels import backend, invariant
 from triton_kernels.backend import choose_device, choose_kernels
+from triton_kernels.deltanet_fla import deltanet_path
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class LoadPlan:
                + ("" if self.arch != qn.ARCH else f", {'QSA on' if o.qsa else 'QSA off (dense attention)'}")]
         if torch.device(self.device).type == "cpu" and self.kernels == "torch":
             out.append(backend.cpu_line())
+        if self.arch == qn.ARCH and torch.device(self.device).type == "cuda":
+            out.append("DeltaNet: {}'s kernels ({})".format(*deltanet_path(self.device, self.kernels)))
         out.append(f"context: {self.context} tokens, {self.context_why}; KV cache {self.kv}"
                    f"{' (given)' if o.kv else ' (the default; --kv bf16|f16|int8 to shrink it)'}")
         if self.batch_invariant:

@@ -29,6 +29,7 @@ from strata.names.qwen4exp import mtp_sidecar
 from strata.nn import QuantLinear
 from strata.nn import kv as kv_types
 from strata.nn.deltanet import GatedDeltaNet
+from triton_kernels.deltanet_fla import deltanet_path
 from strata.nn.gated_attention import AttentionState
 from strata.nn.hyperconn import HyperConnection
 from strata.nn.mrope import Positions
@@ -279,8 +280,11 @@ class Qwen4Exp(torch.nn.Module):
                else "no PLE")
         mtp = (f"MTP head loaded from {self.mtp_file.name} (drafts for --spec)" if self.mtp is not None
                else "no MTP head")
+        dn = next((l.mixer for l in self.layers if l.recurrent), None)
+        dn_text = ("" if dn is None or dn.conv.device.type != "cuda"  # a CUDA load says whose kernels
+                   else f" ({deltanet_path(dn.conv.device, dn.proj.kernels)[0]} kernels)")
         return (f"{summary.name(g)} ({g.arch}, {c.n_layers} layers: "
-                f"{c.n_layers - n_attn} DeltaNet + {n_attn} attention, dim {c.dim} x {c.streams} streams, "
+                f"{c.n_layers - n_attn} DeltaNet{dn_text} + {n_attn} attention, dim {c.dim} x {c.streams} streams, "
                 f"{c.n_experts} experts top-{c.top_k}, {summary.file_summary(g)}) {summary.run_summary(self)}, "
                 f"{summary.kv_summary(self)}; "
                 f"experts: " + ", ".join(f"{k} x{v}" for k, v in tiers.items()) + f" ({exp_mib:.0f} MiB held); "

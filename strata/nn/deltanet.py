@@ -23,18 +23,19 @@ from triton_kernels import invariant
 from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.conv import causal_conv_torch
 from triton_kernels.deltanet import delta_rule_token
-from triton_kernels.norms import l2norm_torch
+from triton_kernels.deltanet_fla import deltanet_chunk_fla, deltanet_path, deltanet_step_fla
+from triton_kernels.deltanet_inputs import deltanet_gated_norm_torch
 from triton_kernels.ops import impl
 
 from .linear import QuantLinear
-
-
 
 
 def recurrent(q, k, v, g, beta, state, step=delta_rule_token):
     """q, k (T, Hv, dk); v (T, Hv, dv); g, beta (T, Hv); state (Hv, dk, dv), updated in
     place. Returns o (T, Hv, dv). Token by token, each by `step` (one token's op,
     triton_kernels.deltanet: torch ops, or the Triton kernel on the GPU path)."""
+    if q.shape[0] == 1:  # a decode: the step's output as it is (no copy into `out`, a launch on a GPU)
+        return step(q[0], k[0], v[0], g[0], beta[0], state).unsqueeze(0)
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
         out[t] = step(q[t], k[t], v[t], g[t], beta[t], state)
@@ -161,47 +162,41 @@ class GatedDeltaNet(torch.nn.Module):
             if r is not None:
                 o, st.conv = r
                 return self.out(o)
-        q, k, v, g, beta, st.conv = _inputs(qkv, b, a, st.conv, *weights[:3], heads,
-                                            gpu=self.proj.kernels == "triton")
-        # one token's op: the Triton kernel on the GPU path, for every token taken one by
-        # one (decode, a verify and its replay in `keep` alike: a verify's rows stay a decode's)
-        step = impl("deltanet_step", self.proj.kernels)
+        q, k, v, g, beta, st.conv = _inputs(qkv, b, a, st.conv, *weights[:3], heads, self.proj.kernels)
+        fla, step = self.recurrence(x.device)
         if st.trail is not None:  # a verify: token by token, as decode and `keep`'s replay run
             st.trail.rows, st.trail.step = (qkv, q, k, v, g, beta), step
         # batch-invariant mode: token by token for any T, as decode runs (the chunked WY
         # form sums in another order, so a prompt's chunking would change its state)
         by_token = T == 1 or st.trail or invariant.enabled()
-        o = recurrent(q, k, v, g, beta, st.rec, step) if by_token else chunked(q, k, v, g, beta, st.rec)
-        return self.out(_gated_norm(o, z, self.norm, dv, self.eps))
+        if by_token:
+            o = recurrent(q, k, v, g, beta, st.rec, step)
+        else:
+            o = (deltanet_chunk_fla if fla else chunked)(q, k, v, g, beta, st.rec)
+        return self.out(self.gated_norm(o, z))
+
+    def recurrence(self, device) -> tuple[bool, object]:
+        """(fla-core's kernels?, one token's op): fla-core's on CUDA where it is installed
+        (triton_kernels.deltanet_fla.deltanet_path says why), else Strata's Triton kernel on
+        the GPU path or torch ops; every token taken one by one runs it (decode, a verify and
+        its replay in `keep` alike: a verify's rows stay a decode's)."""
+        fla = deltanet_path(device, self.proj.kernels)[0] == "fla-core"
+        return fla, deltanet_step_fla if fla else impl("deltanet_step", self.proj.kernels)
+
+    def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm per head of the recurrence's output o (T, Hv, dv): rows (T, Hv * dv)."""
+        return impl("deltanet_gated_norm", self.proj.kernels)(o, z, self.norm, self.eps)
 
 
-def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, gpu: bool = False):
+def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, kernels: str = "torch"):
     """The recurrence's inputs from the projections: (q, k, v, g, beta, the conv's new
-    window). `gpu`: the conv's step and the norms of q and k as one kernel each
-    (triton_kernels.conv, triton_kernels.norms)."""
-    T = qkv.shape[0]
-    Hk, Hv, dk, dv = heads
+    window). With Triton kernels, the conv's step and everything between it and the
+    recurrence one kernel each (triton_kernels.conv, triton_kernels.deltanet_inputs)."""
+    Hk, _, dk, _ = heads
+    gpu = kernels == "triton"
     mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if gpu else None)
-    mixed = F.silu(mixed)
-    qk, v = mixed.split([2 * Hk * dk, Hv * dv], dim=-1)
-    rep = Hv // Hk
-    if gpu:  # q's and k's heads normed in one launch
-        q, k = impl("l2norm", "triton")(qk.reshape(T, 2 * Hk, dk)).split(Hk, dim=1)
-    else:
-        q, k = l2norm_torch(qk[:, :Hk * dk].reshape(T, Hk, dk)), l2norm_torch(qk[:, Hk * dk:].reshape(T, Hk, dk))
-    q = q.repeat(1, rep, 1) * dk ** -0.5
-    k = k.repeat(1, rep, 1)
-    v = v.reshape(T, Hv, dv)
-    beta = torch.sigmoid(b)
-    g = a_coef * F.softplus(a + dt_bias)
+    q, k, v, g, beta = impl("deltanet_inputs", kernels)(mixed, b, a, dt_bias, a_coef, Hk, dk)
     return q, k, v, g, beta, window
-
-
-def _gated_norm(o, z, norm, dv, eps):
-    """Gated RMSNorm per head: norm(o) * w * sigmoid(z), as rows (T, Hv * dv)."""
-    T, Hv = o.shape[:2]
-    o = F.rms_norm(o, (dv,), eps=eps) * norm * torch.sigmoid(z.reshape(T, Hv, dv))
-    return o.reshape(T, Hv * dv)
 
 
 def _decode(qkv, z, b, a, window, rec, conv, dt_bias, a_coef, norm, heads, eps):
@@ -213,7 +208,7 @@ def _decode(qkv, z, b, a, window, rec, conv, dt_bias, a_coef, norm, heads, eps):
     eager path."""
     q, k, v, g, beta, window = _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads)
     o = recurrent(q, k, v, g, beta, rec)
-    return _gated_norm(o, z, norm, heads[3], eps), window
+    return deltanet_gated_norm_torch(o, z, norm, eps), window
 
 
 _STEP = Compiled(_decode, "the DeltaNet decode step", dynamic=False)

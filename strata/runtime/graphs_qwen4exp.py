@@ -188,12 +188,12 @@ def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
     Hk, Hv, dk, dv = heads = m.k_heads, m.v_heads, m.dk, m.dv
     qkv, z, b, g = m.proj(a).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
     q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
-                                                gpu=m.proj.kernels == "triton")
-    o = deltanet.recurrent(q, k, v, g, beta, st.rec, impl("deltanet_step", m.proj.kernels))
+                                                m.proj.kernels)
+    o = deltanet.recurrent(q, k, v, g, beta, st.rec, m.recurrence(a.device)[1])
     st.conv.copy_(window)
     if rows is not None:
         rows.append((qkv, q, k, v, g, beta))
-    return m.out(deltanet._gated_norm(o, z, m.norm, dv, m.eps))
+    return m.out(m.gated_norm(o, z))
 
 
 def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
@@ -439,5 +439,5 @@ class Qwen4ExpGraph:
             for layer, st in zip(model.layers, state.layers):
                 if layer.recurrent:
                     st.trail.rows = tuple(t.clone() for t in next(rows))
-                    st.trail.step = impl("deltanet_step", layer.mixer.proj.kernels)
+                    st.trail.step = layer.mixer.recurrence(x.device)[1]
         return logits

@@ -12,11 +12,13 @@ import torch
 from strata.load import load_model
 from strata.runtime.trace import HostRead, fake_cuda, trace
 from triton_kernels.backend import to_device
+from triton_kernels.deltanet_fla import fla_installed
 
-# flash-tiny's decode step at bf16 with Triton kernels when these bounds were set: 354
-# launches (44.2 a layer) with the experts resident, 426 (53.2) in a cache over host
-# RAM (its lookup, staging and counters); they only come down
-LAUNCHES_A_LAYER = {"device": 44.3, "cache:16:host": 53.3}
+# flash-tiny's decode step at bf16 with Triton kernels when these bounds were set: 330
+# launches (41.2 a layer) with the experts resident, 402 (50.2) in a cache over host
+# RAM (its lookup, staging and counters); a DeltaNet layer's mixing is four (its conv, its
+# inputs, the recurrence, the gated norm: triton_kernels.deltanet_inputs); they only come down
+LAUNCHES_A_LAYER = {"device": 41.3, "cache:16:host": 50.3}
 
 
 def test_a_host_read_of_device_data_raises_naming_the_line():
@@ -75,6 +77,8 @@ def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tin
         model = load_model(flash_tiny_gguf, dtype=torch.bfloat16, device="cuda", kernels="triton",
                            experts=experts, ple_io=ple_io)
         assert "on cuda" in model.plan_line() and where in model.plan_line(), model.plan_line()
+        kernels = "fla-core" if fla_installed() else "strata"  # triton_kernels.deltanet_fla.deltanet_path
+        assert f"6 DeltaNet ({kernels} kernels)" in model.plan_line(), model.plan_line()
         state = model.new_cache()
         first = trace(lambda: model(torch.tensor([1]), state))
         second = trace(lambda: model(torch.tensor([4]), state))

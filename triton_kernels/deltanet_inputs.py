@@ -1,0 +1,154 @@
+"""The gated delta rule's inputs from a DeltaNet layer's projections and conv, and its
+output's gated RMSNorm, one kernel each (strata.nn.deltanet says what the layer computes):
+
+    deltanet_inputs(mixed (T, C), b (T, Hv), a (T, Hv), dt_bias (Hv,), a_coef (Hv,), Hk, dk)
+        -> q, k (T, Hv, dk), v (T, Hv, dv), g, beta (T, Hv)
+    mixed = [q heads (Hk * dk) | k heads (Hk * dk) | v heads (Hv * dv)], the conv's output
+    before its SiLU
+        q[t, h] = l2norm(silu(q heads of mixed)[h % Hk]) * dk^-1/2
+        k[t, h] = l2norm(silu(k heads of mixed)[h % Hk])
+        v[t, h] = silu(v heads of mixed)[h]
+        beta    = sigmoid(b);  g = a_coef * softplus(a + dt_bias)  (g: the log of the decay)
+
+    deltanet_gated_norm(o (T, Hv, dv), z (T, Hv * dv), w (dv,), eps)
+        -> rms_norm(o over dv) * w * sigmoid(z), as rows (T, Hv * dv)
+
+Value head h reads key head h % Hk: llama.cpp's converter stores the value heads tiled
+(torch's `repeat`, not `repeat_interleave`). In torch the first is nine launches a step
+(SiLU, the norm, two repeats, the scale, sigmoid, add, softplus, product) and the second
+four; here one each. Each program reads one token's row, so a row's result does not
+depend on the rows beside it (a decode and a verify agree).
+
+All float32. Not bit for bit with the torch twins (`*_torch`, the CPU path's own ops):
+the sums of squares add in another order, and exp and the square root may round
+otherwise on a GPU; the bounds are in tests/triton_kernels/test_deltanet_inputs.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+from .norms import l2norm_torch
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _inputs_kernel(mixed_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+                   C, b_stride, a_stride, Hk, Hv, DK, DV, scale, eps, BK: tl.constexpr, BV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kh = h % Hk  # the tiled head order (see the module)
+    rk, rv = tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv = rk < DK, rv < DV
+    row = mixed_ptr + t * C
+    q = _silu(tl.load(row + kh * DK + rk, mask=mk, other=0.0))
+    k = _silu(tl.load(row + (Hk + kh) * DK + rk, mask=mk, other=0.0))
+    v = _silu(tl.load(row + 2 * Hk * DK + h * DV + rv, mask=mv, other=0.0))
+    # rounded as torch's rsqrt is, not approximated
+    q = q * (1.0 / tl.sqrt_rn(tl.sum(q * q, axis=0) + eps)) * scale
+    k = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) + eps))
+    out = (t * Hv + h)
+    tl.store(q_ptr + out * DK + rk, q, mask=mk)
+    tl.store(k_ptr + out * DK + rk, k, mask=mk)
+    tl.store(v_ptr + out * DV + rv, v, mask=mv)
+    b = tl.load(b_ptr + t * b_stride + h)
+    tl.store(beta_ptr + out, 1.0 / (1.0 + tl.exp(-b)))
+    x = tl.load(a_ptr + t * a_stride + h) + tl.load(dt_ptr + h)
+    # softplus as torch's (threshold 20), log1p(e) by Goldberg's log(u) e / (u - 1), u = 1 + e,
+    # exact to a few ulp where e is below float32's epsilon and log(1 + e) would round to 0
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
+    tl.store(g_ptr + out, tl.load(coef_ptr + h) * tl.where(x > 20.0, x, log1p))
+
+
+@triton.jit
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, Hv, DV, z_stride, eps, BV: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # (token, head) row: r = t * Hv + h
+    t, h = r // Hv, r % Hv
+    c = tl.arange(0, BV)
+    live = c < DV
+    o = tl.load(o_ptr + r * DV + c, mask=live, other=0.0)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / DV + eps)
+    w = tl.load(w_ptr + c, mask=live, other=0.0)
+    z = tl.load(z_ptr + t * z_stride + h * DV + c, mask=live, other=0.0)
+    tl.store(y_ptr + r * DV + c, o * inv * w * (1.0 / (1.0 + tl.exp(-z))), mask=live)
+
+
+def _check(name: str, **ts) -> None:
+    for n, t in ts.items():
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name}: {n} must be float32, got {t.dtype}")
+
+
+def deltanet_inputs(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
+    """(q, k, v, g, beta) of the recurrence from the conv's output `mixed` before its SiLU
+    and the projections' b and a (see the module)."""
+    _check("deltanet_inputs", mixed=mixed, b=b, a=a, dt_bias=dt_bias, a_coef=a_coef)
+    T, C = mixed.shape
+    Hv = b.shape[-1]
+    dv, rest = divmod(C - 2 * k_heads * dk, Hv)
+    if rest or dv <= 0 or Hv % k_heads or a.shape != b.shape or b.shape[0] != T:
+        raise ValueError(f"deltanet_inputs: mixed {tuple(mixed.shape)} and b, a {tuple(b.shape)}, {tuple(a.shape)} "
+                         f"do not fit {k_heads} key heads of {dk} and {Hv} value heads")
+    if not use_triton(mixed):
+        return deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads, dk)
+    mixed = mixed.contiguous()
+    # b and a are column slices of the projection's rows: read in place, by their row stride
+    b, a = (x if x.stride(-1) == 1 else x.contiguous() for x in (b, a))
+    q, k = (mixed.new_empty(T, Hv, dk) for _ in range(2))
+    v = mixed.new_empty(T, Hv, dv)
+    g, beta = (mixed.new_empty(T, Hv) for _ in range(2))
+    if T:
+        _inputs_kernel[(T, Hv)](mixed, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta, C,
+                                b.stride(0), a.stride(0), k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
+                                BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv))
+    return q, k, v, g, beta
+
+
+def deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
+    """The same as torch ops: the CPU path's (strata.nn.deltanet), in its order."""
+    T, Hv = mixed.shape[0], b.shape[-1]
+    mixed = F.silu(mixed)
+    qk, v = mixed.split([2 * k_heads * dk, mixed.shape[1] - 2 * k_heads * dk], dim=-1)
+    rep = Hv // k_heads
+    q = l2norm_torch(qk[:, :k_heads * dk].reshape(T, k_heads, dk))
+    k = l2norm_torch(qk[:, k_heads * dk:].reshape(T, k_heads, dk))
+    q = q.repeat(1, rep, 1) * dk ** -0.5
+    k = k.repeat(1, rep, 1)
+    v = v.reshape(T, Hv, -1)
+    beta = torch.sigmoid(b)
+    g = a_coef * F.softplus(a + dt_bias)
+    return q, k, v, g, beta
+
+
+def deltanet_gated_norm(o, z, w, eps: float):
+    """Gated RMSNorm per head: rms_norm(o) * w * sigmoid(z), o (T, Hv, dv), z (T, Hv * dv):
+    rows (T, Hv * dv)."""
+    _check("deltanet_gated_norm", o=o, z=z, w=w)
+    T, Hv, dv = o.shape
+    if z.shape != (T, Hv * dv) or w.shape != (dv,):
+        raise ValueError(f"deltanet_gated_norm: o {tuple(o.shape)}, z {tuple(z.shape)} and w {tuple(w.shape)} "
+                         f"do not fit {Hv} heads of {dv}")
+    if not use_triton(o):
+        return deltanet_gated_norm_torch(o, z, w, eps)
+    o, w = o.contiguous(), w.contiguous()
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    y = o.new_empty(T, Hv * dv)
+    if T:
+        _gated_norm_kernel[(T * Hv,)](o, z, w, y, Hv, dv, z.stride(0), eps, BV=triton.next_power_of_2(dv))
+    return y
+
+
+def deltanet_gated_norm_torch(o, z, w, eps: float):
+    T, Hv, dv = o.shape
+    o = F.rms_norm(o, (dv,), eps=eps) * w * torch.sigmoid(z.reshape(T, Hv, dv))
+    return o.reshape(T, Hv * dv)
