@@ -51,20 +51,24 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, DK: tl.cons
     tl.store(o_ptr + h * DV + rv, tl.sum(s * q[:, None], axis=0), mask=mv)
 
 
-def _check(q, k, v, g, beta, state):
+def check_inputs(q, k, v, g, beta, state, op: str = "deltanet_step") -> None:
+    """q, k (Hv, dk), v (Hv, dv), g, beta (Hv,) float32 for a contiguous float32 state
+    (Hv, dk, dv); a leading token axis on all five where q has one (a chunk)."""
     Hv, dk, dv = state.shape
-    want = {"q": (q, (Hv, dk)), "k": (k, (Hv, dk)), "v": (v, (Hv, dv)), "g": (g, (Hv,)), "beta": (beta, (Hv,))}
+    lead = (q.shape[0],) if q.dim() == 3 else ()
+    want = {"q": (q, (*lead, Hv, dk)), "k": (k, (*lead, Hv, dk)), "v": (v, (*lead, Hv, dv)),
+            "g": (g, (*lead, Hv)), "beta": (beta, (*lead, Hv))}
     for name, (t, shape) in want.items():
         if tuple(t.shape) != shape or t.dtype != torch.float32:
-            raise ValueError(f"deltanet_step: {name} must be float32 {shape} for a state of {tuple(state.shape)}, "
+            raise ValueError(f"{op}: {name} must be float32 {shape} for a state of {tuple(state.shape)}, "
                              f"got {t.dtype} {tuple(t.shape)}")
     if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"deltanet_step: the state must be contiguous float32, got {state.dtype}")
+        raise ValueError(f"{op}: the state must be contiguous float32, got {state.dtype}")
 
 
 def deltanet_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """One token of the recurrence (see the module); `state` updated in place."""
-    _check(q, k, v, g, beta, state)
+    check_inputs(q, k, v, g, beta, state)
     if not use_triton(state):
         return deltanet_step_torch(q, k, v, g, beta, state)
     Hv, dk, dv = state.shape
@@ -76,7 +80,7 @@ def deltanet_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 
 
 def deltanet_step_torch(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    _check(q, k, v, g, beta, state)
+    check_inputs(q, k, v, g, beta, state)
     return delta_rule_token(q, k, v, g, beta, state)
 
 

@@ -33,6 +33,8 @@ import importlib.util
 import torch
 import triton
 
+from .deltanet import check_inputs
+
 FLA_VERSION = "0.6.0"
 
 
@@ -61,23 +63,9 @@ def _fused_recurrent():
     return fused_recurrent_gated_delta_rule_fwd_kernel
 
 
-def _check(q, k, v, g, beta, state, name):
-    Hv, dk, dv = state.shape
-    T = q.shape[0] if q.dim() == 3 else None
-    lead = () if T is None else (T,)
-    want = {"q": (q, (*lead, Hv, dk)), "k": (k, (*lead, Hv, dk)), "v": (v, (*lead, Hv, dv)),
-            "g": (g, (*lead, Hv)), "beta": (beta, (*lead, Hv))}
-    for n, (t, shape) in want.items():
-        if tuple(t.shape) != shape or t.dtype != torch.float32:
-            raise ValueError(f"{name}: {n} must be float32 {shape} for a state of {tuple(state.shape)}, "
-                             f"got {t.dtype} {tuple(t.shape)}")
-    if state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"{name}: the state must be contiguous float32, got {state.dtype}")
-
-
 def deltanet_step_fla(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """One token through fla's fused-recurrent kernel (see the module); `state` in place."""
-    _check(q, k, v, g, beta, state, "deltanet_step_fla")
+    check_inputs(q, k, v, g, beta, state, "deltanet_step_fla")
     Hv, dk, dv = state.shape
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = torch.empty_like(v)
@@ -93,7 +81,7 @@ def deltanet_step_fla(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 def chunk_arguments(q, k, v, g, beta, state: torch.Tensor) -> dict:
     """fla's chunk_gated_delta_rule's arguments for Strata's (T, Hv, ...) tensors: a batch
     of one, the state as its one sequence's initial state, scale 1 (q holds it)."""
-    _check(q, k, v, g, beta, state, "deltanet_chunk_fla")
+    check_inputs(q, k, v, g, beta, state, "deltanet_chunk_fla")
     q, k, v, g, beta = (x.unsqueeze(0).contiguous() for x in (q, k, v, g, beta))
     return dict(q=q, k=k, v=v, g=g, beta=beta, scale=1.0, initial_state=state.unsqueeze(0),
                 output_final_state=True, use_qk_l2norm_in_kernel=False)
