@@ -259,11 +259,12 @@ def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_
     pid_n = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     e = tl.load(ids_ptr + slot).to(tl.int64)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if (e < 0) | (e >= E):  # an expert held elsewhere: the slot's h is zero (h is not cleared)
-        tl.store(h_ptr + slot * stride_h + rows, tl.zeros((BLOCK_N,), tl.float32), mask=rows < I)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(h_ptr + slot * stride_h + cols, tl.zeros((BLOCK_N,), tl.float32), mask=cols < I)
         return
     tok = slot // top_k
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.minimum(rows, I - 1).to(tl.int64)[:, None]  # rows past I re-read row I - 1
     pg = wg_ptr + (e * gate_se + r * gate_sr) * HW_G     # strides in blocks
     pu = wu_ptr + (e * up_se + r * up_sr) * HW_U
@@ -294,10 +295,11 @@ def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, 
     pid_n = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     e = tl.load(ids_ptr + slot).to(tl.int64)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if (e < 0) | (e >= E):  # the slot's output is zero (the buffer is not cleared)
-        tl.store(out_ptr + slot * stride_o + rows, tl.zeros((BLOCK_N,), tl.float32), mask=rows < H)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + slot * stride_o + cols, tl.zeros((BLOCK_N,), tl.float32), mask=cols < H)
         return
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.minimum(rows, H - 1).to(tl.int64)[:, None]
     p = wd_ptr + (e * down_se + r * down_sr) * BLOCK_HW
     hq = hq_ptr + slot * (I // 4)
