@@ -10,7 +10,10 @@ about 1,500 such calls a program; their patching was 30-35% of the interpreter's
 
 `install()` skips a device function's patch while a launch that patched the same modules
 runs; a launch itself, or a device function whose module holds another language module,
-patches as before. It also remembers the numpy dtype of each Triton dtype: the interpreter
+patches as before, and where the Triton release keeps a device function's patch to the
+launch's end (3.9: its scope is never restored), that module counts as patched from then on
+(triton.language's own @jit functions, `tl.sum`, `tl.zeros`, see tl.core: about 3,000
+patches a MoE launch, now a few; 7-8% of its time). It also remembers the numpy dtype of each Triton dtype: the interpreter
 builds a 16-entry dict to look one up on every tensor it makes (about 60,000 times a MoE
 launch; 6-10% of the MoE dp4a kernels' time). What the kernels compute does not change (the
 same wrapped functions run, the same dtypes are found); a Triton release without these
@@ -60,6 +63,13 @@ def install() -> bool:
                                            if inspect.ismodule(v) and v in (tl, tl.core))
         return got
 
+    # whether a device function's patch holds for the rest of its launch: Triton releases
+    # whose device call drops the patch's scope (3.x from 3.4 on) never restore it
+    try:
+        kept = "restore" not in inspect.getsource(ti.InterpretedFunction.__call__)
+    except (OSError, TypeError):
+        kept = False
+
     def once_per_launch(fn):
         launch = getattr(state, "launch", None)
         if launch is not None:
@@ -67,6 +77,8 @@ def install() -> bool:
                 launch[0] = langs(fn)
             elif langs(fn) <= launch[0]:
                 return _Unpatched()
+            elif kept:  # e.g. triton.language.standard's functions, which see tl.core
+                launch[0] = launch[0] | langs(fn)
         return patch_lang(fn)
 
     def launch(self, *args, **kwargs):
