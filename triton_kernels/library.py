@@ -27,7 +27,6 @@ from .deltanet import deltanet_step
 from .deltanet_inputs import deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
 from .hyperconn import hc_combine, hc_gates, hc_norm, hc_write, hc_write_norm
-from .norms import l2norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .qmatmul import qmatmul
@@ -157,11 +156,6 @@ def _conv_step(window: Tensor, x: Tensor, w: Tensor, dilation: int) -> tuple[Ten
 OPS["conv_step"] = _register("conv_step", _conv_step)
 
 
-def _l2norm(x: Tensor, eps: float) -> Tensor:
-    return l2norm(x, eps)
-
-
-OPS["l2norm"] = _register("l2norm", _l2norm)
 
 
 def _hc_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -242,7 +236,6 @@ _CALLS = {
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),
     "deltanet_gated_norm": lambda o, z, w, eps: OPS["deltanet_gated_norm"](o, z, w, eps),
     "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
-    "l2norm": lambda x, eps=1e-6: OPS["l2norm"](x, eps),
     "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),

@@ -16,7 +16,6 @@ from .deltanet_inputs import (deltanet_gated_norm, deltanet_gated_norm_torch, de
 from .dequant import dequantize, dequantize_torch
 from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_norm, hc_norm_torch, hc_write,
                         hc_write_norm, hc_write_norm_torch, hc_write_torch)
-from .norms import l2norm, l2norm_torch
 from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
 from .qmatmul import qmatmul, qmatmul_torch
@@ -39,7 +38,6 @@ OPS = {
     "deltanet_inputs": (deltanet_inputs, deltanet_inputs_torch),
     "deltanet_gated_norm": (deltanet_gated_norm, deltanet_gated_norm_torch),
     "conv_step": (conv_step, conv_step_torch),
-    "l2norm": (l2norm, l2norm_torch),
     "hc_norm": (hc_norm, hc_norm_torch),
     "hc_gates": (hc_gates, hc_gates_torch),
     "hc_combine": (hc_combine, hc_combine_torch),
