@@ -34,6 +34,9 @@ class Format:
     # blocks (n, block_bytes) -> (n,) float16, and (blocks, (n,) float16) -> None, in place
     read_scale: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
     write_scale: Callable[[np.ndarray, np.ndarray], None] | None = field(default=None, repr=False)
+    # the order of the bytes: "gguf" as files hold them, or a device layout
+    # (triton_kernels.layout) whose codec repacks around the GGUF one
+    layout: str = "gguf"
 
     @property
     def bits_per_weight(self) -> float:

@@ -29,6 +29,8 @@ from .asm import asm_for
 from .backend import use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .decode.common import round_to_bf16_bits
+from .decode.split import block_ptr
+from .layout import gguf_bytes
 from .cpu.dequant_compiled import dequantize_fused, has_fused
 
 OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -114,11 +116,12 @@ def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.conste
 def _dequant_units_kernel(q_ptr, tab_ptr, out_ptr, n_units,
                           UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                           BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
-                          BLOCK: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
+                          BODY: tl.constexpr, BLOCK: tl.constexpr, OUT: tl.constexpr,
+                          ASM: tl.constexpr):
     v = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = v < n_units
     v = tl.where(live, v, 0)  # lanes past the end decode unit 0 and store nothing
-    p = q_ptr + (v // UPB) * BLOCK_HW
+    p = block_ptr(q_ptr, v // UPB, BLOCK_HW, BODY)
     words, a, b = UNIT(p, (v % UPB).to(tl.int32), tab_ptr, ASM)
     store_units(out_ptr + v * UW, words, a, b, live, 1.0, UW, ZERO, OFFSET, False, OUT, ASM)
 
@@ -135,6 +138,10 @@ def check_blocks(q: torch.Tensor, fmt: quant.Format) -> None:
         raise ValueError(f"{fmt.name}: {n} bytes per row is not a whole number of blocks; "
                          f"expected a multiple of {fmt.block_bytes} bytes "
                          f"({fmt.block_elems} weights a block)")
+    if fmt.layout == "split" and (q.numel() % (4 * fmt.block_bytes) or q.storage_offset() % 8):
+        raise ValueError(f"{fmt.name} (split layout): the blocks are laid out in fours; a tensor "
+                         f"must hold whole fours and start at one, got {q.numel() // fmt.block_bytes} "
+                         f"blocks at byte {q.storage_offset()} of its storage")
 
 
 def _out_shape(q: torch.Tensor, fmt: quant.Format) -> tuple[int, ...]:
@@ -593,6 +600,7 @@ def int8_parts(q: torch.Tensor, fmt: str | int | quant.Format) -> tuple[torch.Te
     if fmt.name not in _PARTS:
         raise ValueError(f"{fmt.name} has no int8-code form (those that do: {', '.join(INT8_FORMATS)})")
     check_blocks(q, fmt)
+    q, fmt = gguf_bytes(q, fmt)
     rows = q.shape[0] if q.dim() == 2 else 1
     blocks = q.reshape(-1, fmt.block_bytes)
     if not blocks.is_contiguous() or blocks.storage_offset() % 2:
@@ -641,6 +649,7 @@ def dequantize_torch(q: torch.Tensor, fmt: str | int | quant.Format,
     2 blocks on the CPU: True always, None when STRATA_DEQUANT_COMPILE=1, False never."""
     fmt = quant.get(fmt)
     check_blocks(q, fmt)
+    q, fmt = gguf_bytes(q, fmt)  # a device layout's bytes: unpacked first
     if dtype not in OUT_DTYPES:
         raise ValueError(f"{fmt.name}: dequantize writes float32, float16 or bfloat16, not {dtype}")
     shape = _out_shape(q, fmt)

@@ -38,6 +38,8 @@ from . import configs
 from .asm import asm_for, dp4a
 from .backend import backend_name, device_name, use_triton
 from .decode import launch_args, unit, unit_table
+from .decode.common import halves
+from .decode.split import block_ptr
 
 GROUP = 32
 
@@ -135,33 +137,62 @@ def quantize_x_torch(x: torch.Tensor) -> Q8X:
 # --- the dp4a GEMV -----------------------------------------------------------------------
 
 @triton.jit
-def dot_units(p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
-              UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr, BLOCK_HW: tl.constexpr,
-              ZERO: tl.constexpr, OFFSET: tl.constexpr, MASK: tl.constexpr, ASM: tl.constexpr):
-    """Σ over units v (a [1, BLOCK_U] tensor of unit indices along K) of rows p_row (a
-    [BLOCK_N, 1] uint16 pointer tensor at each row's first block) · x̂: float32
-    [BLOCK_N, BLOCK_U], one partial sum per (row, unit), scaled, not yet reduced."""
-    if UPB == 1:
-        p = p_row + v * BLOCK_HW
-        u = 0
+def row_start(q_ptr, first, BLOCK_HW: tl.constexpr, BODY: tl.constexpr):
+    """Where dot_units walks a row from, given the block index `first` of its first block:
+    a uint16 pointer at that block in GGUF order (BODY 0); the index itself in the split
+    layout, whose blocks are found from their index (decode/split.py)."""
+    if BODY == 0:
+        return q_ptr + first * BLOCK_HW
     else:
-        p = p_row + (v // UPB) * BLOCK_HW
+        return first.to(tl.int32)  # layout.choose: a split tensor's blocks count in int32
+
+
+@triton.jit
+def dot_units(q_ptr, p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
+              UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr, BLOCK_HW: tl.constexpr,
+              ZERO: tl.constexpr, OFFSET: tl.constexpr, BODY: tl.constexpr, MASK: tl.constexpr,
+              ASM: tl.constexpr):
+    """Σ over units v (a [1, BLOCK_U] tensor of unit indices along K) of rows p_row (a
+    [BLOCK_N, 1] tensor from row_start: each row's first block) of the blocks at q_ptr
+    (uint16) · x̂: float32 [BLOCK_N, BLOCK_U], one partial sum per (row, unit), scaled, not
+    yet reduced. x̂'s codes load as int64 words (x's rows are whole 32-byte groups)."""
+    if UPB == 1:
+        off = v
+        u = 0
+    elif v.shape[1] % UPB == 0:
+        # a step starts at a block (the launchers' steps are whole blocks): each lane keeps
+        # its unit of a block, loop-invariant
+        lane = tl.arange(0, v.shape[1])[None, :]
+        off = (v - lane) // UPB + lane // UPB
+        u = lane % UPB
+    else:
+        off = v // UPB
         u = v % UPB
-    if MASK:
-        # the last step's units past K re-read unit 0 of the row: in bounds, and x's
-        # masked scale zeroes them below
-        p = tl.where(vmask, p, p_row)
+    if BODY == 0:
+        p = p_row + off * BLOCK_HW
+        if MASK:
+            # the last step's units past K re-read unit 0 of the row: in bounds, and x's
+            # masked scale zeroes them below
+            p = tl.where(vmask, p, p_row)
+    else:
+        blk = p_row + off
+        if MASK:
+            blk = tl.where(vmask, blk, p_row)
+        p = block_ptr(q_ptr, blk, BLOCK_HW, BODY)
     words, a, b = UNIT(p, u, tab_ptr, ASM)
-    part = tl.zeros(p.shape, tl.float32)
+    part = tl.zeros_like(words[0]).to(tl.float32)
+    x64 = xq_ptr.to(tl.pointer_type(tl.int64))
     for g in tl.static_range(UW // 32):
         gi = v * (UW // 32) + g
-        s = tl.zeros(p.shape, tl.int32)
-        for w in tl.static_range(8):
+        s = tl.zeros_like(words[0])
+        for w in tl.static_range(4):
             if MASK:
-                xw = tl.load(xq_ptr + gi * 8 + w, mask=vmask, other=0)
+                xw = tl.load(x64 + gi * 4 + w, mask=vmask, other=0)
             else:
-                xw = tl.load(xq_ptr + gi * 8 + w)
-            s = dp4a(words[g * 8 + w], xw, s, ASM)
+                xw = tl.load(x64 + gi * 4 + w)
+            lo, hi = halves(xw)
+            s = dp4a(words[g * 8 + 2 * w], lo, s, ASM)
+            s = dp4a(words[g * 8 + 2 * w + 1], hi, s, ASM)
         if MASK:
             xd = tl.load(xd_ptr + gi, mask=vmask, other=0.0)
         else:
@@ -186,22 +217,23 @@ def dot_units(p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
 def _gemv_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, N, K, stride_om,
                       UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                       BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, MASK: tl.constexpr,
-                      ASM: tl.constexpr):
+                      BODY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+                      MASK: tl.constexpr, ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     units = K // UW
     # rows past N read row N - 1 (in bounds) and are not stored: no masks in the loop
-    p_row = q_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * (units // UPB * BLOCK_HW)
+    p_row = row_start(q_ptr, tl.minimum(rows, N - 1).to(tl.int64)[:, None] * (units // UPB),
+                      BLOCK_HW, BODY)
     xq = xq_ptr + m * (K // 4)
     xd = xd_ptr + m * (K // 32)
     xs = xs_ptr + m * (K // 32)
     acc = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
     for v0 in range(0, units, BLOCK_U):
         v = (v0 + tl.arange(0, BLOCK_U))[None, :]
-        acc += dot_units(p_row, v, v < units, xq, xd, xs, tab_ptr, UNIT, UW, UPB, BLOCK_HW,
-                         ZERO, OFFSET, MASK, ASM)
+        acc += dot_units(q_ptr, p_row, v, v < units, xq, xd, xs, tab_ptr, UNIT, UW, UPB,
+                         BLOCK_HW, ZERO, OFFSET, BODY, MASK, ASM)
     y = tl.sum(acc, axis=1)  # the one cross-lane reduction
     tl.store(out_ptr + m * stride_om + rows, y, mask=rows < N)
 

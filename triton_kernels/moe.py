@@ -76,7 +76,7 @@ from .asm import asm_for
 from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
-from .int8 import dot_units, quantize_x
+from .int8 import dot_units, quantize_x, row_start
 from .moe_align import moe_align_block_size
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -252,8 +252,10 @@ def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_
                          ids_ptr, top_k, E, I, H, gate_se, gate_sr, up_se, up_sr, stride_h,
                          UNIT_G: tl.constexpr, UW_G: tl.constexpr, UPB_G: tl.constexpr,
                          HW_G: tl.constexpr, ZERO_G: tl.constexpr, OFFSET_G: tl.constexpr,
+                         BODY_G: tl.constexpr,
                          UNIT_U: tl.constexpr, UW_U: tl.constexpr, UPB_U: tl.constexpr,
                          HW_U: tl.constexpr, ZERO_U: tl.constexpr, OFFSET_U: tl.constexpr,
+                         BODY_U: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK: tl.constexpr,
                          ASM: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -266,8 +268,8 @@ def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_
     tok = slot // top_k
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.minimum(rows, I - 1).to(tl.int64)[:, None]  # rows past I re-read row I - 1
-    pg = wg_ptr + (e * gate_se + r * gate_sr) * HW_G     # strides in blocks
-    pu = wu_ptr + (e * up_se + r * up_sr) * HW_U
+    pg = row_start(wg_ptr, e * gate_se + r * gate_sr, HW_G, BODY_G)  # strides in blocks
+    pu = row_start(wu_ptr, e * up_se + r * up_sr, HW_U, BODY_U)
     xq = xq_ptr + tok * (H // 4)
     xd = xd_ptr + tok * (H // 32)
     xs = xs_ptr + tok * (H // 32)
@@ -275,11 +277,11 @@ def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_
     acc_u = tl.zeros((BLOCK_N, BLOCK_K // UW_U), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         vg = (k0 // UW_G + tl.arange(0, BLOCK_K // UW_G))[None, :]
-        acc_g += dot_units(pg, vg, vg < H // UW_G, xq, xd, xs, tab_g_ptr, UNIT_G, UW_G, UPB_G,
-                           HW_G, ZERO_G, OFFSET_G, MASK, ASM)
+        acc_g += dot_units(wg_ptr, pg, vg, vg < H // UW_G, xq, xd, xs, tab_g_ptr, UNIT_G, UW_G,
+                           UPB_G, HW_G, ZERO_G, OFFSET_G, BODY_G, MASK, ASM)
         vu = (k0 // UW_U + tl.arange(0, BLOCK_K // UW_U))[None, :]
-        acc_u += dot_units(pu, vu, vu < H // UW_U, xq, xd, xs, tab_u_ptr, UNIT_U, UW_U, UPB_U,
-                           HW_U, ZERO_U, OFFSET_U, MASK, ASM)
+        acc_u += dot_units(wu_ptr, pu, vu, vu < H // UW_U, xq, xd, xs, tab_u_ptr, UNIT_U, UW_U,
+                           UPB_U, HW_U, ZERO_U, OFFSET_U, BODY_U, MASK, ASM)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     tl.store(h_ptr + slot * stride_h + rows, g * tl.sigmoid(g) * u, mask=rows < I)
@@ -290,8 +292,8 @@ def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, 
                       E, H, I, down_se, down_sr, stride_o,
                       UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                       BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK: tl.constexpr,
-                      ASM: tl.constexpr):
+                      BODY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      MASK: tl.constexpr, ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     e = tl.load(ids_ptr + slot).to(tl.int64)
@@ -301,15 +303,15 @@ def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, 
         return
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.minimum(rows, H - 1).to(tl.int64)[:, None]
-    p = wd_ptr + (e * down_se + r * down_sr) * BLOCK_HW
+    p = row_start(wd_ptr, e * down_se + r * down_sr, BLOCK_HW, BODY)
     hq = hq_ptr + slot * (I // 4)
     hd = hd_ptr + slot * (I // 32)
     hs = hs_ptr + slot * (I // 32)
     acc = tl.zeros((BLOCK_N, BLOCK_K // UW), tl.float32)
     for k0 in range(0, I, BLOCK_K):
         v = (k0 // UW + tl.arange(0, BLOCK_K // UW))[None, :]
-        acc += dot_units(p, v, v < I // UW, hq, hd, hs, tab_ptr, UNIT, UW, UPB, BLOCK_HW,
-                         ZERO, OFFSET, MASK, ASM)
+        acc += dot_units(wd_ptr, p, v, v < I // UW, hq, hd, hs, tab_ptr, UNIT, UW, UPB, BLOCK_HW,
+                         ZERO, OFFSET, BODY, MASK, ASM)
     # the routing weight scales the expert's output, as in transformers
     y = tl.sum(acc, axis=1) * tl.load(rw_ptr + slot)
     tl.store(out_ptr + slot * stride_o + rows, y, mask=rows < H)

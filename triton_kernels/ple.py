@@ -45,6 +45,7 @@ from .backend import host_readable, is_fake, use_triton
 from .decode import decoder, launch_args, unit, unit_table
 from .decode import table as decode_table
 from .decode.common import round_to_bf16_bits
+from .decode.split import block_ptr
 from .dequant import OUT_DTYPES, check_blocks, dequantize_torch, store_units
 
 IntsLike = Sequence[int] | torch.Tensor
@@ -264,7 +265,7 @@ def _ple_gather_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_rows,
 def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_units,
                              UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                              BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
-                             ROW_UNITS: tl.constexpr, BLOCK: tl.constexpr,
+                             BODY: tl.constexpr, ROW_UNITS: tl.constexpr, BLOCK: tl.constexpr,
                              HAS_SCALE: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
     # Formats with int8 units: a lane decodes one unit of one (token, head) row; unit v is
     # unit v % ROW_UNITS of pair v // ROW_UNITS, whose values land at out[v * UW:]
@@ -274,7 +275,7 @@ def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_unit
     pair = v // ROW_UNITS
     ur = v % ROW_UNITS
     row = tl.load(ids_ptr + pair)
-    p = q_ptr + (row * (ROW_UNITS // UPB) + ur // UPB) * BLOCK_HW
+    p = block_ptr(q_ptr, row * (ROW_UNITS // UPB) + ur // UPB, BLOCK_HW, BODY)
     words, a, b = UNIT(p, (ur % UPB).to(tl.int32), tab_ptr, ASM)
     scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
     store_units(out_ptr + v * UW, words, a, b, live, scale, UW, ZERO, OFFSET, HAS_SCALE, OUT, ASM)

@@ -85,7 +85,7 @@ def _run_static(args, formats) -> int:
                 r[f"bw_{g}"] = r["pred_bw"].get(g)
             top = sorted(r["mix"].items(), key=lambda kv: -kv[1])[:4]
             r["top"] = " ".join(f"{k}:{v}" for k, v in top)
-        cols = [("op", "op"), ("format", "format"), ("kernel", "kernel"), ("regs", "regs"),
+        cols = [("op", "op"), ("format", "format"), ("layout", "layout"), ("kernel", "kernel"), ("regs", "regs"),
                 ("spill_bytes", "spill B"), ("instr_per_weight", "instr/w loop"),
                 ("instr_per_weight_whole", "instr/w 4096x14336"), ("bytes_per_load", "B/load"),
                 ("wide_load_share", ">=8B share"), ("loads_in_flight", "in flight"), ("mma", "mma")]

@@ -71,7 +71,9 @@ from tests.tiers import examples
 import quant
 from tests.triton_kernels.test_qmatmul import weights
 from triton_kernels.backend import interpreter_on
+from triton_kernels import layout
 from triton_kernels.decode import UNITS
+from triton_kernels.layout.split import has_split
 from triton_kernels.int8 import Q8X, gemv_dp4a, gemv_dp4a_torch, quantize_x, quantize_x_torch
 
 U = 2.0 ** -24
@@ -344,10 +346,15 @@ def test_gemv_dp4a_agrees_with_the_reference(fmt, tiles):
         programs = max(1, STEP_BUDGET[fmt.name] // steps)
         m = data.draw(st.integers(1, min(3, programs)), label="m")
         n = data.draw(st.integers(1, min(40, block_n * max(1, programs // m))), label="n")
+        # the split device layout (triton_kernels.layout) where the format has one: n rows
+        # rounded up to whole tiles of four blocks
+        split = has_split(fmt) and data.draw(st.booleans(), label="split")
+        n = -(-n // 4) * 4 if split else n
         q = data.draw(weights(fmt, n, nb), label="q")
         x8 = quantize_x_torch(gemv_x(np.random.default_rng(seed), m, K))
         ref, _, t = reference(x8, q, fmt)
-        y = gemv_dp4a(x8, torch.from_numpy(q), fmt, n, tiles=tiles)
+        held, f = (layout.pack(q, fmt), layout.split_format(fmt)) if split else (q, fmt)
+        y = gemv_dp4a(x8, torch.from_numpy(held), f, n, tiles=tiles)
         tol = 2 * (K / 16 + 8) * U * t + K * 2.0 ** -149
         assert_within(y, ref, tol, f"gemv_dp4a m={m} n={n} K={K}")
     prop()

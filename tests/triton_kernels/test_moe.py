@@ -50,8 +50,9 @@ from tests.tiers import examples
 
 import quant
 from tests.blocks import has_scales
-from triton_kernels import moe, moe_align_block_size, moe_align_block_size_torch, moe_torch, route
+from triton_kernels import layout, moe, moe_align_block_size, moe_align_block_size_torch, moe_torch, route
 from triton_kernels.backend import interpreter_on
+from triton_kernels.layout.split import has_split
 from triton_kernels.moe import route_torch
 
 FORMATS = list(quant.FORMATS.values())
@@ -579,7 +580,12 @@ def test_dp4a_path_agrees_with_the_rounded_reference(fmts):
         x, wg, wu, wd, rng = make(fmts, E, H, I, T, seed, dtype)
         weights = routing_weights(rng, T, k)
         ref, bound = dp4a_reference(x, wg, wu, wd, fmts, ids, weights)
-        args = (torch.from_numpy(wg), torch.from_numpy(wu), torch.from_numpy(wd), *fmts, weights, ids)
+        # the split device layout (triton_kernels.layout) where a format has one: every
+        # expert's slab here is whole tiles of four blocks
+        held = [(w, f) for w, f in zip((wg, wu, wd), fmts)]
+        if data.draw(st.booleans(), label="split"):
+            held = [(layout.pack(w, f), layout.split_format(f)) if has_split(f) else (w, f) for w, f in held]
+        args = (*(torch.from_numpy(w) for w, _ in held), *(f for _, f in held), weights, ids)
         assert_close(moe(x, *args, tiles=tiles, path="dp4a"), ref, bound, x.dtype, "moe dp4a")
     prop()
 

@@ -52,6 +52,7 @@ import quant
 
 from .. import configs
 from ..backend import interpreter_on
+from .. import layout
 from ..decode import decoder, launch_args, unit
 
 OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather")
@@ -122,6 +123,7 @@ class Row:
     wide_load_share: float = 0.0   # share of their bytes moved by loads of >= 8 bytes a lane
     loads_in_flight: int = 0       # issued before the first use of any of them
     mma: str = "none"              # the kernel's matrix instructions: HGMMA, HMMA, MFMA, ...
+    layout: str = "gguf"           # the weight's bytes as the kernel reads them (triton_kernels.layout)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -540,7 +542,10 @@ def _rows_in_child(ops, formats, targets, config) -> list[Row]:
 def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None) -> Row:
     fmt = quant.get(fmt)
     amd = TARGETS[target].backend == "hip"
-    spec = _spec(op, fmt, "gcn" if amd else "ptx", config)
+    # a weight in the layout a GPU holds it in (STRATA_LAYOUT=gguf: GGUF order); the PLE
+    # table and the QSA keys are read as stored
+    held = fmt if op in QSA_OPS or op == "ple_gather" else layout.choose(fmt, "cuda", layout.TILE_BLOCKS)
+    spec = _spec(op, held, "gcn" if amd else "ptx", config)
     k = _compile(spec.kernel, tuple(spec.signature.items()), tuple(spec.constexprs.items()),
                  target, spec.num_warps, tuple(spec.options.items()))
     if amd:
@@ -566,7 +571,8 @@ def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None)
               instructions=len(ins), loop_instructions=body, weights_per_iter=per_thread,
               instr_per_weight=round(ipw, 3), instr_per_weight_whole=round(whole, 3),
               mix=_mix(ins[loop[0]:loop[1] + 1] if loop else ins),
-              mma=mma_kind(ins), **asdict(loads(ins[loop[0]:loop[1] + 1] if loop else ins)))
+              mma=mma_kind(ins), layout=held.layout,
+              **asdict(loads(ins[loop[0]:loop[1] + 1] if loop else ins)))
     row.pred_bw = {g.name: round(pred_bw(g, bpw, ipw), 3) for g in GPUS
                    if (TARGETS[g.target].backend == "hip") == amd}
     return row

@@ -26,6 +26,7 @@ import torch
 import quant
 
 from ..backend import constant
+from ..layout.split import body_bytes
 from .floats import decode_bf16, decode_f16, decode_f32
 from .fp8 import decode_fp8_e4m3
 from .iq1 import decode_iq1_m, decode_iq1_s
@@ -34,6 +35,9 @@ from .iq3 import decode_iq3_s, decode_iq3_xxs, unit_iq3_s, unit_iq3_xxs
 from .iq4 import decode_iq4_nl, decode_iq4_xs, unit_iq4_nl
 from .kquants import decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k, unit_q4_k
 from .legacy import decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0, unit_q4_0, unit_q8_0
+from .split import (decode_iq3_s_split, decode_iq3_xxs_split, decode_iq4_nl_split, decode_q4_0_split,
+                    decode_q8_0_split, unit_iq3_s_split, unit_iq3_xxs_split, unit_iq4_nl_split,
+                    unit_q4_0_split, unit_q8_0_split)
 
 DECODERS = {
     "F32": decode_f32, "F16": decode_f16, "BF16": decode_bf16,
@@ -44,6 +48,11 @@ DECODERS = {
     "IQ2_XXS": decode_iq2_xxs, "IQ2_XS": decode_iq2_xs, "IQ2_S": decode_iq2_s,
     "IQ1_S": decode_iq1_s, "IQ1_M": decode_iq1_m,
     "FP8_E4M3": decode_fp8_e4m3,
+}
+# the same formats in the split device layout (triton_kernels.layout)
+SPLIT_DECODERS = {
+    "Q8_0": decode_q8_0_split, "Q4_0": decode_q4_0_split, "IQ4_NL": decode_iq4_nl_split,
+    "IQ3_XXS": decode_iq3_xxs_split, "IQ3_S": decode_iq3_s_split,
 }
 
 
@@ -74,9 +83,10 @@ def table(fmt: quant.Format, device: torch.device) -> torch.Tensor:
 
 def decoder(fmt: quant.Format):
     try:
-        return DECODERS[fmt.name]
+        return (SPLIT_DECODERS if fmt.layout == "split" else DECODERS)[fmt.name]
     except KeyError:
-        raise ValueError(f"{fmt.name}: no Triton decode function for this format yet") from None
+        raise ValueError(f"{fmt.name} ({fmt.layout} layout): no Triton decode function for this "
+                         f"format yet") from None
 
 
 # --- int8 units: the decode of the dp4a GEMV, the MoE decode kernels and dequant ----------
@@ -100,18 +110,27 @@ UNITS = {
     "IQ3_XXS": Unit(unit_iq3_xxs, 32),
     "IQ3_S": Unit(unit_iq3_s, 32),
 }
+SPLIT_UNITS = {
+    "Q8_0": Unit(unit_q8_0_split, 32),
+    "Q4_0": Unit(unit_q4_0_split, 32, zero=8),
+    "IQ4_NL": Unit(unit_iq4_nl_split, 32),
+    "IQ3_XXS": Unit(unit_iq3_xxs_split, 32),
+    "IQ3_S": Unit(unit_iq3_s_split, 32),
+}
 
 
 def unit(fmt: quant.Format) -> Unit | None:
     """The format's unit decode, or None where only the per-weight decode exists."""
-    return UNITS.get(fmt.name)
+    return (SPLIT_UNITS if fmt.layout == "split" else UNITS).get(fmt.name)
 
 
 def launch_args(fmt: quant.Format, u: Unit) -> dict:
     """A format's unit constexprs, as every unit kernel takes them: the decode, weights a
-    unit, units a block, halfwords a block, ZERO and OFFSET."""
+    unit, units a block, halfwords a block, ZERO, OFFSET, and BODY: a block's body bytes in
+    the split layout, 0 in GGUF order (decode/split.py: block_ptr)."""
     return dict(UNIT=u.fn, UW=u.weights, UPB=fmt.block_elems // u.weights,
-                BLOCK_HW=fmt.block_bytes // 2, ZERO=u.zero, OFFSET=u.offset)
+                BLOCK_HW=fmt.block_bytes // 2, ZERO=u.zero, OFFSET=u.offset,
+                BODY=body_bytes(fmt) if fmt.layout == "split" else 0)
 
 
 def _sign_words(patterns: np.ndarray) -> np.ndarray:

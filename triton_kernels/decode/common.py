@@ -80,6 +80,12 @@ def word_at(p, off, ASM: tl.constexpr):
 
 
 @triton.jit
+def halves(v):
+    """An int64 word (8-byte loads) -> its low and high int32 words."""
+    return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+
+@triton.jit
 def lo_nibbles(r):
     return r & 0x0F0F0F0F
 

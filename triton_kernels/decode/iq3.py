@@ -9,30 +9,44 @@ import triton.language as tl
 from .common import f16_at, hw, load_f16, load_u32, negate_where, word_at, xxs_scale_sign
 
 
+# `*_at(q_ptr, tab_ptr, head, [scales,] body, j, mask)`: weight j of the block whose d is
+# at byte `head`, IQ3_S's four scale bytes at `scales` and the bytes between (quants, high
+# bits, signs) from byte `body`: GGUF order or a device layout's (decode/split.py)
+
 @triton.jit
-def decode_iq3_xxs(q_ptr, tab_ptr, blk, j, mask):
-    base = blk * 98
-    d = load_f16(q_ptr, base, mask)
-    gi = tl.load(q_ptr + base + 2 + j // 4, mask=mask, other=0).to(tl.int32)
+def iq3_xxs_at(q_ptr, tab_ptr, head, body, j, mask):
+    d = load_f16(q_ptr, head, mask)
+    gi = tl.load(q_ptr + body + j // 4, mask=mask, other=0).to(tl.int32)
     g = tl.load(tab_ptr + gi * 4 + j % 4, mask=mask, other=0).to(tl.float32)
-    word = load_u32(q_ptr, base + 66 + (j // 32) * 4, mask)
+    word = load_u32(q_ptr, body + 64 + (j // 32) * 4, mask)
     s, minus = xxs_scale_sign(word, j, tab_ptr + 1024, mask)
     return negate_where(d * (0.5 + s) * 0.5 * g, minus)
 
 
 @triton.jit
-def decode_iq3_s(q_ptr, tab_ptr, blk, j, mask):
-    base = blk * 110
-    d = load_f16(q_ptr, base, mask)
-    lo = tl.load(q_ptr + base + 2 + j // 4, mask=mask, other=0).to(tl.int32)
-    qh = tl.load(q_ptr + base + 66 + j // 32, mask=mask, other=0).to(tl.int32)
+def decode_iq3_xxs(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 98
+    return iq3_xxs_at(q_ptr, tab_ptr, base, base + 2, j, mask)
+
+
+@triton.jit
+def iq3_s_at(q_ptr, tab_ptr, head, scales, body, j, mask):
+    d = load_f16(q_ptr, head, mask)
+    lo = tl.load(q_ptr + body + j // 4, mask=mask, other=0).to(tl.int32)
+    qh = tl.load(q_ptr + body + 64 + j // 32, mask=mask, other=0).to(tl.int32)
     gi = lo | (((qh >> ((j // 4) % 8)) & 1) << 8)
     g = tl.load(tab_ptr + gi * 4 + j % 4, mask=mask, other=0).to(tl.float32)
-    sb = tl.load(q_ptr + base + 74 + j // 8, mask=mask, other=0).to(tl.int32)
+    sb = tl.load(q_ptr + body + 72 + j // 8, mask=mask, other=0).to(tl.int32)
     minus = (sb >> (j % 8)) & 1
-    sc = tl.load(q_ptr + base + 106 + j // 64, mask=mask, other=0).to(tl.int32)
+    sc = tl.load(q_ptr + scales + j // 64, mask=mask, other=0).to(tl.int32)
     s = (sc >> (4 * ((j // 32) % 2))) & 0x0F
     return negate_where(d * (1 + 2 * s).to(tl.float32) * g, minus)
+
+
+@triton.jit
+def decode_iq3_s(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 110
+    return iq3_s_at(q_ptr, tab_ptr, base, base + 106, base + 2, j, mask)
 
 
 # --- int8 units (decode/common.py) ---------------------------------------------------------

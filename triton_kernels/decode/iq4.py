@@ -9,12 +9,17 @@ from .legacy import nibble, nibble_words
 
 
 @triton.jit
-def decode_iq4_nl(q_ptr, tab_ptr, blk, j, mask):
-    base = blk * 18
-    d = load_f16(q_ptr, base, mask)
-    code = nibble(q_ptr, base + 2, j, mask)
+def iq4_nl_at(q_ptr, tab_ptr, head, body, j, mask):
+    d = load_f16(q_ptr, head, mask)
+    code = nibble(q_ptr, body, j, mask)
     v = tl.load(tab_ptr + code, mask=mask, other=0).to(tl.int8, bitcast=True)
     return d * v.to(tl.float32)
+
+
+@triton.jit
+def decode_iq4_nl(q_ptr, tab_ptr, blk, j, mask):
+    base = blk * 18
+    return iq4_nl_at(q_ptr, tab_ptr, base, base + 2, j, mask)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .common import f16_at, hi_nibbles, hw, lo_nibbles, load_f16, word_at
+from .common import f16_at, halves, hi_nibbles, hw, lo_nibbles, load_f16
 
 
 @triton.jit
@@ -122,15 +122,13 @@ def unit_q4_k(p, u, tab_ptr, ASM: tl.constexpr):
     low = u < 2
     sc0, m0 = _k_scale_min(ha, hb, hc, 0, low)
     sc1, m1 = _k_scale_min(ha, hb, hc, 1, low)
-    q = 8 + 16 * u
-    r0 = word_at(p, q, ASM)
-    r1 = word_at(p, q + 2, ASM)
-    r2 = word_at(p, q + 4, ASM)
-    r3 = word_at(p, q + 6, ASM)
-    r4 = word_at(p, q + 8, ASM)
-    r5 = word_at(p, q + 10, ASM)
-    r6 = word_at(p, q + 12, ASM)
-    r7 = word_at(p, q + 14, ASM)
+    # the quants as int64 words: a block is 144 bytes and its quants start at byte 16, so
+    # GGUF order already aligns them to 16 bytes (no device layout needed)
+    q = p.to(tl.pointer_type(tl.int64)) + (2 + 4 * u)
+    r0, r1 = halves(tl.load(q))
+    r2, r3 = halves(tl.load(q + 1))
+    r4, r5 = halves(tl.load(q + 2))
+    r6, r7 = halves(tl.load(q + 3))
     return ((lo_nibbles(r0), lo_nibbles(r1), lo_nibbles(r2), lo_nibbles(r3),
              lo_nibbles(r4), lo_nibbles(r5), lo_nibbles(r6), lo_nibbles(r7),
              hi_nibbles(r0), hi_nibbles(r1), hi_nibbles(r2), hi_nibbles(r3),

@@ -12,20 +12,34 @@ def nibble(q_ptr, off, j, mask):
     return tl.where(j < 16, byte & 0x0F, byte >> 4)
 
 
+# `*_at(q_ptr, tab_ptr, head, body, j, mask)`: weight j of the block whose scale is at
+# byte `head` and quants at byte `body`: GGUF order (head + 2) or a device layout's
+# (decode/split.py)
+
+@triton.jit
+def q8_0_at(q_ptr, tab_ptr, head, body, j, mask):
+    d = load_f16(q_ptr, head, mask)
+    q = tl.load(q_ptr + body + j, mask=mask, other=0).to(tl.int8, bitcast=True)
+    return q.to(tl.float32) * d
+
+
 @triton.jit
 def decode_q8_0(q_ptr, tab_ptr, blk, j, mask):
     base = blk * 34
-    d = load_f16(q_ptr, base, mask)
-    q = tl.load(q_ptr + base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-    return q.to(tl.float32) * d
+    return q8_0_at(q_ptr, tab_ptr, base, base + 2, j, mask)
+
+
+@triton.jit
+def q4_0_at(q_ptr, tab_ptr, head, body, j, mask):
+    d = load_f16(q_ptr, head, mask)
+    q = nibble(q_ptr, body, j, mask).to(tl.int32) - 8
+    return d * q.to(tl.float32)
 
 
 @triton.jit
 def decode_q4_0(q_ptr, tab_ptr, blk, j, mask):
     base = blk * 18
-    d = load_f16(q_ptr, base, mask)
-    q = nibble(q_ptr, base + 2, j, mask).to(tl.int32) - 8
-    return d * q.to(tl.float32)
+    return q4_0_at(q_ptr, tab_ptr, base, base + 2, j, mask)
 
 
 @triton.jit

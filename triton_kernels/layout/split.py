@@ -1,0 +1,117 @@
+"""The split layout: GGUF blocks regrouped in fours so that a lane loads quants 8 bytes at a time.
+
+GGUF blocks are only 2-byte aligned (Q8_0 34 bytes, Q4_0 and IQ4_NL 18, IQ3_XXS 98,
+IQ3_S 110), so a kernel reading them in place loads 2 bytes a lane at a time. The split
+layout takes every four consecutive blocks (a tile) and writes their bodies, the quant
+bytes, first and their heads, the fp16 scale (and IQ3_S's scale nibbles), after:
+
+    GGUF    | d0 q0 | d1 q1 | d2 q2 | d3 q3 |
+    split   | q0 | q1 | q2 | q3 | d0 | d1 | d2 | d3 |
+
+A tile is as long as its four blocks, so a tensor keeps its shape and size. Every body
+length is a multiple of 8 and 4 x block_bytes is too, so a tile and each body in it start
+8-byte aligned where the tensor does. Block b's body lies at byte
+
+    (b // 4) * TILE + (b % 4) * BODY,  its head at  (b // 4) * TILE + 4 * BODY + (b % 4) * HEAD
+
+(TILE = 4 * block_bytes, HEAD = block_bytes - BODY): a kernel finds any block from its
+flat index alone, whatever the rows and expert strides (decode/split.py). Tiles run over
+the flat block index, so a tensor must hold whole tiles and start at one: a view of rows
+or experts is one when it starts at a multiple of four blocks, which for these five sizes
+is exactly when its first byte is 8-byte aligned (34k, 18k, 98k and 110k are multiples of
+8 only for k a multiple of 4).
+
+Q4_K (144 bytes, quants from byte 16) is 16-byte aligned as GGUF stores it: its kernels
+read it in place with 8-byte loads and it has no split layout.
+
+`pack` and `unpack` take numpy arrays or torch tensors (any device) of whole tiles and
+return the other layout: a byte permutation within each tile, so the round trip is exact
+(tests/triton_kernels/test_layout.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+import quant
+
+from ..backend import constant
+
+NAME = "split"
+TILE_BLOCKS = 4
+
+# a block's head: its byte ranges in GGUF order; the body is every other byte, in order
+HEADS: dict[str, tuple[tuple[int, int], ...]] = {
+    "Q8_0": ((0, 2),),
+    "Q4_0": ((0, 2),),
+    "IQ4_NL": ((0, 2),),
+    "IQ3_XXS": ((0, 2),),
+    "IQ3_S": ((0, 2), (106, 110)),   # d, then the four scale bytes after the signs
+}
+
+
+def has_split(fmt: quant.Format) -> bool:
+    return fmt.name in HEADS
+
+
+def body_bytes(fmt: quant.Format) -> int:
+    """BODY: the quant bytes of a block (a multiple of 8)."""
+    return fmt.block_bytes - sum(b - a for a, b in HEADS[fmt.name])
+
+
+def _perm(name: str) -> np.ndarray:
+    """For each byte of a split tile, the byte of the GGUF tile it comes from."""
+    fmt = quant.get(name)
+    head = np.concatenate([np.arange(a, b) for a, b in HEADS[name]])
+    body = np.setdiff1d(np.arange(fmt.block_bytes), head)
+    starts = np.arange(TILE_BLOCKS)[:, None] * fmt.block_bytes
+    return np.concatenate([(starts + body).reshape(-1), (starts + head).reshape(-1)])
+
+
+_PERMS = {name: _perm(name) for name in HEADS}
+_INVERSE = {name: np.argsort(p) for name, p in _PERMS.items()}
+_TORCH_INDEX: dict[tuple[str, bool, str], torch.Tensor] = {}
+
+
+def _check(data, fmt: quant.Format):
+    tile = TILE_BLOCKS * fmt.block_bytes
+    n = data.size if isinstance(data, np.ndarray) else data.numel()
+    if n % tile:
+        raise ValueError(f"{fmt.name}: the split layout regroups blocks in fours, but the tensor "
+                         f"holds {n // fmt.block_bytes} blocks ({n} bytes); keep it in GGUF order")
+    return tile
+
+
+def _permute(data, fmt: quant.Format, inverse: bool):
+    tile = _check(data, fmt)
+    perm = (_INVERSE if inverse else _PERMS)[fmt.name]
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1, tile)[:, perm].reshape(data.shape)
+    idx = constant(_TORCH_INDEX, (fmt.name, inverse, str(data.device)), lambda: torch.from_numpy(perm),
+                   data.device)
+    return data.contiguous().view(-1, tile)[:, idx].view(data.shape)
+
+
+def pack(data, fmt: quant.Format):
+    """GGUF blocks -> the split layout (same shape, dtype uint8)."""
+    return _permute(data, quant.get(fmt.name), inverse=False)
+
+
+def unpack(data, fmt: quant.Format):
+    """The split layout -> GGUF blocks."""
+    return _permute(data, quant.get(fmt.name), inverse=True)
+
+
+def split_format(fmt: quant.Format) -> quant.Format:
+    """`fmt` with layout "split": its numpy codec packs and unpacks around the GGUF one, so
+    every reader of (bytes, format) pairs stays right; kernels pick their decode by it."""
+    base = quant.get(fmt.name)
+    if not has_split(base):
+        raise ValueError(f"{base.name}: no split layout (formats with one: {', '.join(HEADS)})")
+    return dataclasses.replace(
+        base, layout=NAME,
+        dequantize_blocks=lambda blocks: base.dequantize_blocks(unpack(blocks, base).reshape(blocks.shape)),
+        quantize_blocks=lambda x, w: pack(base.quantize_blocks(x, w), base),
+        scale_offsets=(), read_scale=None, write_scale=None)
