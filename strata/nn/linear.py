@@ -29,8 +29,8 @@ import torch
 
 import quant
 from strata.tensors import QTensor, host_tensor
-from triton_kernels import invariant
-from triton_kernels.backend import choose_kernels, cpu_compile_mode, cpu_int8_vectors, to_device, upcast
+from triton_kernels import invariant, layout
+from triton_kernels.backend import choose_kernels, cpu_compile_mode, cpu_int8_vectors, upcast
 from triton_kernels.cpu.codes import codes_matmul
 from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
@@ -147,7 +147,9 @@ class QuantLinear(torch.nn.Module):
         blocks = np.concatenate([_rows_of(p, r) for p, r in zip(parts, rows)])
         if kernels == "triton":
             self.mode = "triton"
-            self.blocks = to_device(host_tensor(blocks), device)
+            # on a GPU in its layout (triton_kernels.layout): repacked where it lands
+            self.fmt = layout.choose(self.fmt, device, blocks.size // self.fmt.block_bytes)
+            self.blocks = layout.place(host_tensor(blocks), parts[0].fmt, device, self.fmt)
             self._qmatmul = impl("qmatmul", kernels)
             return
         if dtype == torch.bfloat16 and self.fmt.name in ("Q4_0", "Q4_1") and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):

@@ -19,6 +19,7 @@ from strata.storage import io
 from strata.storage.expert_tier import IO_MODES
 from strata.storage.io import PAGE
 from strata.tensors import QTensor
+from triton_kernels import layout
 from triton_kernels.backend import pinned
 
 if TYPE_CHECKING:  # only annotations name Pack; strata.storage.pack imports tensor_file from here
@@ -200,12 +201,14 @@ def slabs(t: QTensor) -> torch.Tensor:
         return torch.from_numpy(t.data).reshape(t.shape[0], *slab_shape(t))
 
 
-def read_host(ts: tuple[QTensor, ...], pin: bool) -> tuple[torch.Tensor, ...]:
+def read_host(ts: tuple[QTensor, ...], pin: bool, fmts=None) -> tuple[torch.Tensor, ...]:
     """The tensors' blocks read once into anonymous memory: O_DIRECT where the file system
     allows (the page cache keeps no second copy), else a copy of the mapping; blocks made
-    in memory (strata.gguf.MemoryGGUF) are taken as they are."""
+    in memory (strata.gguf.MemoryGGUF) are taken as they are. `fmts`: the formats the
+    blocks are held in; a device layout's (triton_kernels.layout) are repacked into a copy,
+    so that a GPU's kernels read them in place."""
     out = []
-    for t in ts:
+    for t, held in zip(ts, fmts or [t.fmt for t in ts]):
         try:
             path, offset = tensor_file(t)
         except ValueError:
@@ -224,5 +227,7 @@ def read_host(ts: tuple[QTensor, ...], pin: bool) -> tuple[torch.Tensor, ...]:
                 raise ValueError(f"{path}: the file ends inside tensor {t.name!r}; it is truncated")
             host = torch.from_numpy(np.frombuffer(buf, np.uint8)[offset - base:offset - base + t.nbytes])
         host = host.reshape(t.shape[0], *slab_shape(t))
+        if held.layout != t.fmt.layout:
+            host = layout.pack(host, t.fmt)
         out.append(pinned(host) if pin else host)
     return tuple(out)

@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 import torch
+
+import quant
 import torch.nn.functional as F
 
 from strata.nn.linear import DenseBudget
@@ -37,7 +39,7 @@ from strata.storage.expert_cache import DeviceCache
 from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor
-from triton_kernels import invariant
+from triton_kernels import invariant, layout
 from triton_kernels.cpu import compiled
 from triton_kernels.backend import choose_kernels, to_device, upcast
 from triton_kernels.cpu.compiled import Compiled
@@ -70,9 +72,11 @@ class ExpertStore(torch.nn.Module):
         self.kernels = choose_kernels(kernels, device)
         self.names = (gate.name, up.name, down.name)
         self.tensors = (gate, up, down)  # as the file holds them (strata.imatrix reads them)
-        self.fmts = (gate.fmt, up.fmt, down.fmt)
         self.n_experts, self.inter, self.hidden = gate.shape
         self.dtype, self.device = dtype, device
+        # as the kernels read them: on a GPU in its layout (triton_kernels.layout), every
+        # tier alike, so that a slot, a staged row and a resident expert hold the same bytes
+        self.fmts = tuple(self._held(t) for t in (gate, up, down))
         on_cpu = torch.device(device).type == "cpu"
         dense_bytes = 3 * self.n_experts * self.inter * self.hidden * torch.finfo(dtype).bits // 8
         if tier is None:
@@ -98,9 +102,10 @@ class ExpertStore(torch.nn.Module):
             self.w13 = torch.cat([gate.dequantize(dtype), up.dequantize(dtype)], dim=1)
             self.w2 = down.dequantize(dtype)
         elif kind == "device":
-            self.wg, self.wu, self.wd = (to_device(slabs(t), device) for t in ts)
+            self.wg, self.wu, self.wd = (layout.place(slabs(t), t.fmt, device, held)
+                                         for t, held in zip(ts, self.fmts))
         elif kind == "host":
-            host = read_host(ts, pin=not on_cpu)
+            host = read_host(ts, pin=not on_cpu, fmts=self.fmts)
             if on_cpu:
                 self.wg, self.wu, self.wd = host
             else:
@@ -108,7 +113,7 @@ class ExpertStore(torch.nn.Module):
         else:
             backing = spec.backing if kind == "cache" else kind
             if backing == "host":
-                self.source = HostSource(read_host(ts, pin=not on_cpu))
+                self.source = HostSource(read_host(ts, pin=not on_cpu, fmts=self.fmts))
             elif backing == "packed":
                 where = experts_dir or default_pack_dir(tensor_file(gate)[0])
                 self.source = PackedSource(packed_from, Pack.open(where), io_mode, depth, first=first)
@@ -131,6 +136,12 @@ class ExpertStore(torch.nn.Module):
                 self._free = list(range(n))
             else:
                 self.compact = True
+
+    def _held(self, t: QTensor) -> quant.Format:
+        if self.kernels != "triton":
+            return t.fmt
+        blocks = t.data.size // t.fmt.block_bytes
+        return layout.choose(t.fmt, self.device, blocks, slab_blocks=blocks // t.shape[0])
 
     # what it holds and has done
 
@@ -270,7 +281,12 @@ class ExpertStore(torch.nn.Module):
     def _fetch(self, experts: list[int]) -> tuple[torch.Tensor, ...]:
         t = time.perf_counter()
         ws = self.source.fetch(experts)
-        ws = tuple(to_device(w, self.device, non_blocking=True) for w in ws)
+        # host memory holds the blocks as the kernels read them (read_host); a drive's
+        # arrive in GGUF order and are repacked where they land
+        from_host = isinstance(self.source, HostSource)
+        ws = tuple(to_device(w, self.device, non_blocking=True) if from_host else
+                   layout.place(w, t.fmt, self.device, held, non_blocking=True)
+                   for w, t, held in zip(ws, self.tensors, self.fmts))
         self._counts["fetch_s"] += time.perf_counter() - t
         self._counts["bytes"] += len(experts) * self.expert_bytes
         return ws

@@ -39,9 +39,12 @@ REL = 3e-2
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
+    """The interpreter, and the weights in the layout a GPU holds them in (the split
+    layout where a format has one: triton_kernels.layout)."""
     if not interpreter_on():
         pytest.skip("the GPU path runs on the CPU only under TRITON_INTERPRET=1 (the suite sets it)")
-    with configs.interpreter_tiles():
+    with configs.interpreter_tiles(), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STRATA_LAYOUT", "split")
         yield
 
 
@@ -97,6 +100,8 @@ def _agree(path, prompt: list[int], steps: int, **opts) -> list[float]:
     ref = load_model(path, dtype=torch.float32, kernels="torch", **opts)
     got = load_model(path, dtype=torch.float32, kernels="triton", **opts)
     assert got.kernels == "triton" and "triton kernels" in got.plan_line()
+    held = {m.fmt.layout for m in got.modules() if getattr(m, "mode", None) == "triton"}
+    assert "split" in held, held  # the Q8_0 weights are held as a GPU holds them
     cr, cg = ref.new_cache(), got.new_cache()
     rels, toks = [], list(prompt)
     with record() as calls:
@@ -182,6 +187,7 @@ def test_every_expert_tier_runs_the_moe_kernels(tiny_mixed, moe_batches, tmp_pat
         write_pack(tiny_mixed, pack, say=lambda _msg: None)
     store = ex.ExpertStore(*_layer1(tiny_mixed), torch.float32, "cpu", None, tier, experts_dir=pack, depth=4,
                            kernels="triton")
+    assert {f.layout for f in store.fmts} == {"split"}  # the Q8_0 experts, as a GPU holds them
     for x, w, ids, want in moe_batches:
         assert torch.equal(store(x, w, ids), want), (tier, x.shape[0])
     if tier != "host":

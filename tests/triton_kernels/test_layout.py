@@ -92,8 +92,11 @@ def test_choose_keeps_gguf_where_the_layout_does_not_fit(monkeypatch):
     monkeypatch.setenv("STRATA_LAYOUT", "gguf")
     assert layout.choose(q8, "cuda", 8) is q8
     monkeypatch.setenv("STRATA_LAYOUT", "split")
-    q, sf = layout.place(torch.zeros((2, 4 * 34), dtype=torch.uint8), q8, "cpu")
-    assert sf.layout == "split" and q.shape == (2, 136)
+    raw = torch.arange(2 * 136, dtype=torch.int32).to(torch.uint8).reshape(2, 136)
+    sf = layout.choose(q8, "cpu", 8)
+    q = layout.place(raw, q8, "cpu", sf)
+    assert sf.layout == "split" and torch.equal(q, layout.pack(raw, q8))
+    assert torch.equal(raw, torch.arange(2 * 136, dtype=torch.int32).to(torch.uint8).reshape(2, 136))
     monkeypatch.setenv("STRATA_LAYOUT", "tiled")
     with pytest.raises(ValueError, match="STRATA_LAYOUT='tiled': use 'gguf', 'split'"):
         layout.choose(q8, "cuda", 8)

@@ -6,7 +6,7 @@ IQ3_S grid bytes at 0..2047.
 import triton
 import triton.language as tl
 
-from .common import f16_at, hw, load_f16, load_u32, negate_where, word_at, xxs_scale_sign
+from .common import f16_at, halves, hw, load_f16, load_u32, negate_where, word_at, xxs_scale_sign
 
 
 # `*_at(q_ptr, tab_ptr, head, [scales,] body, j, mask)`: weight j of the block whose d is
@@ -63,10 +63,10 @@ def _signed(tab_ptr, gi, m):
 
 
 @triton.jit
-def _chunk(tab_ptr, i0, i1, signs_at):
-    """Eight weights: grid entries i0, i1 with the sign pattern at signs_at."""
-    m0 = tl.load(tab_ptr + signs_at)
-    m1 = tl.load(tab_ptr + signs_at + 1)
+def _chunk(tab_ptr, i0, i1, SIGNS: tl.constexpr, pattern):
+    """Eight weights: grid entries i0, i1 with sign pattern `pattern` of the patterns from
+    word SIGNS, whose two words load as one int64 (8-byte aligned: SIGNS is even)."""
+    m0, m1 = halves(tl.load(tab_ptr.to(tl.pointer_type(tl.int64)) + (SIGNS // 2 + pattern)))
     return _signed(tab_ptr, i0, m0), _signed(tab_ptr, i1, m1)
 
 
@@ -81,10 +81,10 @@ def unit_iq3_xxs(p, u, tab_ptr, ASM: tl.constexpr):
     h1 = hw(p, 2 + 4 * u).to(tl.int32)
     h2 = hw(p, 3 + 4 * u).to(tl.int32)
     h3 = hw(p, 4 + 4 * u).to(tl.int32)
-    w0, w1 = _chunk(tab_ptr, h0 & 0xFF, h0 >> 8, 256 + 2 * (sw & 0x7F))
-    w2, w3 = _chunk(tab_ptr, h1 & 0xFF, h1 >> 8, 256 + 2 * ((sw >> 7) & 0x7F))
-    w4, w5 = _chunk(tab_ptr, h2 & 0xFF, h2 >> 8, 256 + 2 * ((sw >> 14) & 0x7F))
-    w6, w7 = _chunk(tab_ptr, h3 & 0xFF, h3 >> 8, 256 + 2 * ((sw >> 21) & 0x7F))
+    w0, w1 = _chunk(tab_ptr, h0 & 0xFF, h0 >> 8, 256, sw & 0x7F)
+    w2, w3 = _chunk(tab_ptr, h1 & 0xFF, h1 >> 8, 256, (sw >> 7) & 0x7F)
+    w4, w5 = _chunk(tab_ptr, h2 & 0xFF, h2 >> 8, 256, (sw >> 14) & 0x7F)
+    w6, w7 = _chunk(tab_ptr, h3 & 0xFF, h3 >> 8, 256, (sw >> 21) & 0x7F)
     return (w0, w1, w2, w3, w4, w5, w6, w7), (a,), (a,)
 
 
@@ -92,7 +92,7 @@ def unit_iq3_xxs(p, u, tab_ptr, ASM: tl.constexpr):
 def _s_chunk(tab_ptr, h, qh, t: tl.constexpr, sb):
     i0 = (h & 0xFF) | (((qh >> t) & 1) << 8)
     i1 = (h >> 8) | (((qh >> (t + 1)) & 1) << 8)
-    return _chunk(tab_ptr, i0, i1, 512 + 2 * sb)
+    return _chunk(tab_ptr, i0, i1, 512, sb)
 
 
 @triton.jit

@@ -21,10 +21,13 @@ TILE_BLOCKS = tl.constexpr(4)  # layout/split.py's tile
 
 @triton.jit
 def split_at(blk, BB: tl.constexpr, BODY: tl.constexpr):
-    """Byte offsets (head, body) of block `blk` in the split layout of BB-byte blocks."""
-    tile = (blk // TILE_BLOCKS) * (TILE_BLOCKS * BB)
-    i = blk % TILE_BLOCKS
-    return tile + TILE_BLOCKS * BODY + i * (BB - BODY), tile + i * BODY
+    """Byte offsets (head, body) of block `blk` in the split layout of BB-byte blocks, in
+    int32 (layout.choose keeps tensors past 2 GiB in GGUF order) and without a division:
+    body = blk * BODY + (blk // 4) * 4 * HEAD, head = blk * HEAD + (blk // 4 + 1) * 4 * BODY."""
+    b = blk.to(tl.int32)
+    tile = b >> 2
+    return (b * (BB - BODY) + (tile + 1) * (TILE_BLOCKS * BODY),
+            b * BODY + tile * (TILE_BLOCKS * (BB - BODY)))
 
 
 @triton.jit
@@ -34,14 +37,12 @@ def block_ptr(q_ptr, blk, BLOCK_HW: tl.constexpr, BODY: tl.constexpr):
     if BODY == 0:
         return q_ptr + blk * BLOCK_HW
     else:
-        # in int32 (layout.choose keeps tensors past 2 GiB in GGUF order) and without a
-        # division: body word blk * BODY/8 + (blk // 4) * HEAD/2, the heads' halfwords after
-        # the tile's bodies likewise
+        # split_at's offsets counted in int64 words and halfwords
         b = blk.to(tl.int32)
         tile = b >> 2
         HEAD: tl.constexpr = 2 * BLOCK_HW - BODY
         return (q_ptr.to(tl.pointer_type(tl.int64)) + (b * (BODY // 8) + tile * (HEAD // 2)),
-                q_ptr + (b * (HEAD // 2) + tile * (2 * BODY) + 2 * BODY))
+                q_ptr + (b * (HEAD // 2) + (tile + 1) * (2 * BODY)))
 
 
 @triton.jit
@@ -150,10 +151,10 @@ def unit_iq3_xxs_split(p, u, tab_ptr, ASM: tl.constexpr):
     sw = _word_of(b, 8, u, ASM)
     a = d * (0.5 + ((sw >> 28) & 0xF).to(tl.float32)) * 0.5
     lo, hi = halves(tl.load(b + u))
-    w0, w1 = _chunk(tab_ptr, _byte(lo, 0, ASM), _byte(lo, 1, ASM), 256 + 2 * (sw & 0x7F))
-    w2, w3 = _chunk(tab_ptr, _byte(lo, 2, ASM), _byte(lo, 3, ASM), 256 + 2 * ((sw >> 7) & 0x7F))
-    w4, w5 = _chunk(tab_ptr, _byte(hi, 0, ASM), _byte(hi, 1, ASM), 256 + 2 * ((sw >> 14) & 0x7F))
-    w6, w7 = _chunk(tab_ptr, _byte(hi, 2, ASM), _byte(hi, 3, ASM), 256 + 2 * ((sw >> 21) & 0x7F))
+    w0, w1 = _chunk(tab_ptr, _byte(lo, 0, ASM), _byte(lo, 1, ASM), 256, sw & 0x7F)
+    w2, w3 = _chunk(tab_ptr, _byte(lo, 2, ASM), _byte(lo, 3, ASM), 256, (sw >> 7) & 0x7F)
+    w4, w5 = _chunk(tab_ptr, _byte(hi, 0, ASM), _byte(hi, 1, ASM), 256, (sw >> 14) & 0x7F)
+    w6, w7 = _chunk(tab_ptr, _byte(hi, 2, ASM), _byte(hi, 3, ASM), 256, (sw >> 21) & 0x7F)
     return (w0, w1, w2, w3, w4, w5, w6, w7), (a,), (a,)
 
 

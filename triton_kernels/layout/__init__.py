@@ -1,8 +1,8 @@
 """Device layouts: a weight's blocks repacked once where they land on a GPU, and the one
 decision of which layout a weight takes.
 
-    choose(fmt, device, blocks, slab_blocks=None) -> the format the weight takes there
-    place(q, fmt, device, slab_blocks=None)       -> (its bytes on `device`, that format)
+    choose(fmt, device, blocks, slab_blocks=None) -> the format a weight is held in there
+    place(q, fmt, device, held)                   -> GGUF blocks q on `device`, in held's layout
 
 One layout today, split (split.py: four blocks' quants, then their scales, for 8-byte
 loads), for Q8_0, Q4_0, IQ4_NL, IQ3_XXS and IQ3_S weights on a GPU. The format object
@@ -53,20 +53,17 @@ def choose(fmt: quant.Format, device, blocks: int, slab_blocks: int | None = Non
     return fmt
 
 
-def place(q: torch.Tensor, fmt: quant.Format, device, slab_blocks: int | None = None,
-          non_blocking: bool = False) -> tuple[torch.Tensor, quant.Format]:
-    """GGUF blocks `q` on `device` in the layout `choose` gives, with that format. The
+def place(q: torch.Tensor, fmt: quant.Format, device, held: quant.Format,
+          non_blocking: bool = False) -> torch.Tensor:
+    """GGUF blocks `q` of `fmt` on `device`, in the layout of `held` (from `choose`). The
     repack runs where the bytes land (a gather on the device, a chunk at a time), so the
     host's copy, which may be a file's pages, is never written."""
-    fmt = quant.get(fmt)
-    to = choose(fmt, device, q.numel() // fmt.block_bytes, slab_blocks)
     out = to_device(q, device, non_blocking=non_blocking)
-    if to is fmt:
-        return out, fmt
+    if held.layout == quant.get(fmt).layout:
+        return out
     if out is q:
         out = q.clone()  # to_device returns q itself where it lies: maybe a file's pages
-    pack_(out, to)
-    return out, to
+    return pack_(out, held)
 
 
 def pack_(q: torch.Tensor, fmt: quant.Format) -> torch.Tensor:
