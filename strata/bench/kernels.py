@@ -9,8 +9,12 @@ named GPUs. On CUDA without --static: the decode GEMV of a 4096 x 14336 weight p
 checked against the torch path and timed replayed from a CUDA graph (the kernels' time:
 int8 activations, then the GEMV) and as launched from Python, as GB/s of weight bytes
 read (graph time) against the device-to-device copy measured in the same run, the static
-prediction beside it. --tune (CUDA): times candidate GEMV tiles per format (graph time)
-and writes the fastest into triton_kernels/configs/<device>.json.
+prediction beside it; then the MoE decode at Qwen3.8-Flash-Next's shape (one token, top
+10 of 512 experts, gate and up 2560 -> 640 in IQ3_XXS, down 640 -> 2560 in IQ4_NL, as
+llama.cpp's IQ3_XXS mix) as GB/s of the routed experts' bytes. Weights are held as the
+engine holds them there (triton_kernels.layout; STRATA_LAYOUT=gguf for GGUF order). --tune
+(CUDA): times candidate GEMV tiles per format (graph time) and writes the fastest into
+triton_kernels/configs/<device>.json.
 """
 from __future__ import annotations
 
@@ -19,12 +23,14 @@ import torch
 
 import quant
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
-from triton_kernels import configs
+from triton_kernels import configs, layout
 from triton_kernels.analysis import static
 from triton_kernels.decode import unit
 
 TABLE_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "IQ4_NL", "IQ3_S", "IQ3_XXS")
 GEMV_SHAPE = (4096, 14336)  # (N, K): a Llama-3-8B ffn_down
+# Flash-Next's routed experts: (experts, top k, hidden, intermediate, gate/up and down formats)
+MOE_SHAPE = (512, 10, 2560, 640, "IQ3_XXS", "IQ4_NL")
 TUNE_TILES = [(bn, bu) for bn in (1, 2, 4, 8, 16) for bu in (4, 8, 16, 32, 64) if bn * bu >= 32]
 
 
@@ -96,14 +102,52 @@ def _run_static(args, formats) -> int:
     return 0
 
 
-def gemv_case(fmt: quant.Format, rng: np.random.Generator):
-    """(q, x) on the GPU for one GEMV of GEMV_SHAPE: random blocks of `fmt` and a bf16 row."""
+def gemv_case(fmt: quant.Format, rng: np.random.Generator, device="cuda"):
+    """(q, x, held format) on the GPU for one GEMV of GEMV_SHAPE: random blocks of `fmt` in
+    the layout the engine holds them in there, and a bf16 row."""
     from strata.bench.dequant import random_blocks
     N, K = GEMV_SHAPE
-    raw = random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1)
-    q = torch.from_numpy(raw).cuda()
-    x = torch.from_numpy(rng.uniform(-1, 1, (1, K)).astype(np.float32)).to("cuda", torch.bfloat16)
-    return q, x
+    raw = torch.from_numpy(random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1))
+    held = layout.choose(fmt, device, N * K // fmt.block_elems)
+    x = torch.from_numpy(rng.uniform(-1, 1, (1, K)).astype(np.float32)).to(device, torch.bfloat16)
+    return layout.place(raw, fmt, device, held), x, held
+
+
+def moe_case(rng: np.random.Generator, shape=MOE_SHAPE, device="cuda"):
+    """One decode token's MoE at `shape` (MOE_SHAPE): (moe's arguments, the routed experts'
+    bytes), the experts random blocks in the layout the engine holds them in on `device`."""
+    from strata.bench.dequant import random_blocks
+    E, k, H, I, f_gu, f_d = shape
+    fmts, ws = [], []
+    for f, rows, cols in ((f_gu, I, H), (f_gu, I, H), (f_d, H, I)):
+        fmt = quant.get(f)
+        blocks = E * rows * cols // fmt.block_elems
+        raw = torch.from_numpy(random_blocks(fmt, blocks, rng).reshape(E, rows, -1))
+        held = layout.choose(fmt, device, blocks, slab_blocks=blocks // E)
+        ws.append(layout.place(raw, fmt, device, held))
+        fmts.append(held)
+    x = torch.from_numpy(rng.uniform(-1, 1, (1, H)).astype(np.float32)).to(device, torch.bfloat16)
+    ids = torch.from_numpy(rng.permutation(E)[:k].astype(np.int32)).reshape(1, k).to(device)
+    weights = torch.full((1, k), 1.0 / k, device=device)
+    routed = k * sum(w[0].numel() for w in ws)
+    return (x, *ws, *fmts, weights, ids), routed
+
+
+def _moe_row(rng, copy: float) -> dict:
+    import triton
+
+    from triton_kernels import moe, moe_torch
+    args, routed = moe_case(rng)
+    y = moe(*args, path="dp4a").float()
+    ref = moe_torch(*args).float()
+    rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    ms_graph = triton.testing.do_bench_cudagraph(lambda: moe(*args, path="dp4a"), rep=50)
+    ms = triton.testing.do_bench(lambda: moe(*args, path="dp4a"), quantiles=[0.5, 0.2, 0.8])[0]
+    gbps = routed / (ms_graph * 1e-3) / 1e9
+    E, k, H, I, f_gu, f_d = MOE_SHAPE
+    return {"op": f"moe top-{k} of {E}", "format": f"{f_gu}/{f_d}", "layout": args[4].layout,
+            "N": H, "K": I, "us": ms_graph * 1e3, "us_launched": ms * 1e3, "gb_per_s": gbps,
+            "pct_copy": 100 * gbps / copy, "max_rel_err": rel}
 
 
 def time_gemv(fmt, q, x, tiles=None, graph: bool = False) -> float:
@@ -125,8 +169,7 @@ def _run_measured(args, formats) -> int:
     copy = copy_bandwidth("cuda") / 1e9  # GB/s, read + write
     rows = []
     for name in formats:
-        fmt = quant.get(name)
-        q, x = gemv_case(fmt, rng)
+        q, x, fmt = gemv_case(quant.get(name), rng)
         N, K = GEMV_SHAPE
         y = qmatmul(x, q, fmt).float()
         if unit(fmt) is not None:
@@ -138,13 +181,14 @@ def _run_measured(args, formats) -> int:
         ms_graph = time_gemv(fmt, q, x, graph=True)
         gbps = q.numel() / (ms_graph * 1e-3) / 1e9
         st = static.analyse("gemv", fmt, "sm_90")
-        rows.append({"op": "gemv", "format": name, "N": N, "K": K, "us": ms_graph * 1e3,
+        rows.append({"op": "gemv", "format": name, "layout": fmt.layout, "N": N, "K": K, "us": ms_graph * 1e3,
                      "us_launched": ms * 1e3,
                      "gb_per_s": gbps, "pct_copy": 100 * gbps / copy, "max_rel_err": rel,
                      "instr_per_weight": st.instr_per_weight, "pred_bw_h200": st.pred_bw.get("H200")})
         del q, x
+    rows.append(_moe_row(rng, copy))
     result = {"machine": machine(), "copy_gb_per_s": copy, "rows": rows}
-    cols = [("format", "format"), ("us", "µs (graph)"), ("us_launched", "µs (launched)"),
+    cols = [("op", "op"), ("format", "format"), ("layout", "layout"), ("us", "µs (graph)"), ("us_launched", "µs (launched)"),
             ("gb_per_s", "GB/s"), ("pct_copy", "% copy"),
             ("max_rel_err", "max rel err"), ("instr_per_weight", "instr/w (sm_90)"),
             ("pred_bw_h200", "predicted (H200)")]
@@ -159,10 +203,9 @@ def _run_tune(args, formats) -> int:
     table: dict = {"gemv": {}}
     rows = []
     for f in formats:
-        fmt = quant.get(f)
-        if unit(fmt) is None:
+        if unit(quant.get(f)) is None:
             continue
-        q, x = gemv_case(fmt, rng)
+        q, x, fmt = gemv_case(quant.get(f), rng)
         times = {t: time_gemv(fmt, q, x, tiles=t, graph=True) for t in TUNE_TILES}
         best = min(times, key=times.get)
         table["gemv"][f] = {"block_n": best[0], "block_u": best[1]}

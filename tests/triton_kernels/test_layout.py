@@ -15,7 +15,7 @@ import quant
 from tests.blocks import blocks, same_bits
 from triton_kernels import dequantize, dequantize_torch, layout
 from triton_kernels.int8 import gemv_dp4a, quantize_x
-from triton_kernels.layout.split import HEADS
+from triton_kernels.layout.split import HEADS, permutation
 from triton_kernels.qmatmul import qmatmul
 
 SPLIT = [quant.get(n) for n in HEADS]
@@ -35,12 +35,15 @@ def test_pack_and_unpack_are_an_exact_round_trip(fmt):
         raw = np.random.default_rng(seed).integers(0, 256, (4 * n, fmt.block_bytes), dtype=np.uint8)
         packed = layout.pack(raw, fmt)
         assert packed.shape == raw.shape and not np.array_equal(packed, raw)
+        tile = 4 * fmt.block_bytes  # byte for byte as the layout's definition moves them
+        assert np.array_equal(packed.reshape(-1, tile), raw.reshape(-1, tile)[:, permutation(fmt)])
         assert np.array_equal(layout.unpack(packed, fmt), raw)
         assert torch.equal(layout.pack(torch.from_numpy(raw), fmt), torch.from_numpy(packed))
         assert torch.equal(layout.unpack(torch.from_numpy(packed), fmt), torch.from_numpy(raw))
-        # every body starts 8-byte aligned within its tile
+        # every body starts 8-byte aligned within its tile, the heads after the four bodies
         body = layout.body_bytes(fmt)
-        assert body % 8 == 0 and (4 * fmt.block_bytes) % 8 == 0
+        assert body % 8 == 0 and tile % 8 == 0
+        assert sorted(permutation(fmt)) == list(range(tile))
         sf = layout.split_format(fmt)
         assert same_bits(sf.dequantize(packed.reshape(-1)), fmt.dequantize(raw.reshape(-1)))
     prop()
@@ -109,3 +112,19 @@ def test_a_split_tensor_must_start_at_a_tile():
         dequantize_torch(q[1:5], sf)
     with pytest.raises(ValueError, match="the tensor holds 6 blocks"):
         layout.pack(np.zeros((6, 34), np.uint8), fmt)
+
+
+def test_the_bench_moe_case_reads_either_layout_alike(monkeypatch):
+    """`strata bench kernels`' MoE decode case (a device's command) at a small shape: the
+    split layout gives GGUF order's output bit for bit, and the routed bytes are k experts'."""
+    from strata.bench.kernels import moe_case
+    from triton_kernels import moe
+    shape = (8, 2, 256, 64, "IQ3_XXS", "IQ4_NL")
+    out = {}
+    for mode in ("split", "gguf"):
+        monkeypatch.setenv("STRATA_LAYOUT", mode)
+        args, routed = moe_case(np.random.default_rng(0), shape, device="cpu")
+        assert {f.layout for f in args[4:7]} == {mode} and args[0].dtype == torch.bfloat16
+        out[mode] = moe(*args, path="dp4a")
+        assert routed == 2 * (2 * 64 * 98 + 256 * 2 * 18)
+    assert torch.equal(out["split"], out["gguf"])

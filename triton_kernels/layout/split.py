@@ -37,8 +37,6 @@ import torch
 
 import quant
 
-from ..backend import constant
-
 NAME = "split"
 TILE_BLOCKS = 4
 
@@ -61,21 +59,31 @@ def body_bytes(fmt: quant.Format) -> int:
     return fmt.block_bytes - sum(b - a for a, b in HEADS[fmt.name])
 
 
-def _perm(name: str) -> np.ndarray:
-    """For each byte of a split tile, the byte of the GGUF tile it comes from."""
-    fmt = quant.get(name)
-    head = np.concatenate([np.arange(a, b) for a, b in HEADS[name]])
-    body = np.setdiff1d(np.arange(fmt.block_bytes), head)
-    starts = np.arange(TILE_BLOCKS)[:, None] * fmt.block_bytes
-    return np.concatenate([(starts + body).reshape(-1), (starts + head).reshape(-1)])
+def _ranges(fmt: quant.Format) -> list[tuple[int, int, int]]:
+    """The layout as byte ranges: (GGUF offset in the tile, split offset, length)."""
+    heads = HEADS[fmt.name]
+    body, head = body_bytes(fmt), fmt.block_bytes - body_bytes(fmt)
+    out = []
+    for i in range(TILE_BLOCKS):
+        src = i * fmt.block_bytes
+        out.append((src + heads[0][1], i * body, body))  # the body: every byte between the heads
+        at = TILE_BLOCKS * body + i * head
+        for a, b in heads:
+            out.append((src + a, at, b - a))
+            at += b - a
+    return out
 
 
-_PERMS = {name: _perm(name) for name in HEADS}
-_INVERSE = {name: np.argsort(p) for name, p in _PERMS.items()}
-_TORCH_INDEX: dict[tuple[str, bool, str], torch.Tensor] = {}
+def permutation(fmt: quant.Format) -> np.ndarray:
+    """For each byte of a split tile, the byte of the GGUF tile it comes from (the layout's
+    definition, byte by byte)."""
+    perm = np.empty(TILE_BLOCKS * fmt.block_bytes, np.int64)
+    for src, dst, n in _ranges(fmt):
+        perm[dst:dst + n] = np.arange(src, src + n)
+    return perm
 
 
-def _check(data, fmt: quant.Format):
+def _check(data, fmt: quant.Format) -> int:
     tile = TILE_BLOCKS * fmt.block_bytes
     n = data.size if isinstance(data, np.ndarray) else data.numel()
     if n % tile:
@@ -85,13 +93,33 @@ def _check(data, fmt: quant.Format):
 
 
 def _permute(data, fmt: quant.Format, inverse: bool):
+    """Strided copies over every tile at once, in halfwords (every range is 2-byte
+    aligned): the four bodies in one copy, each head range in one; a gather of each byte
+    runs at a quarter of the speed on a CPU."""
     tile = _check(data, fmt)
-    perm = (_INVERSE if inverse else _PERMS)[fmt.name]
+    body, head = body_bytes(fmt) // 2, (fmt.block_bytes - body_bytes(fmt)) // 2
     if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1, tile)[:, perm].reshape(data.shape)
-    idx = constant(_TORCH_INDEX, (fmt.name, inverse, str(data.device)), lambda: torch.from_numpy(perm),
-                   data.device)
-    return data.contiguous().view(-1, tile)[:, idx].view(data.shape)
+        src = np.ascontiguousarray(data).view(np.int16).reshape(-1, tile // 2)
+        out = np.empty_like(src)
+    else:
+        src = data.contiguous().view(torch.int16).view(-1, tile // 2)
+        out = torch.empty_like(src)
+    n = src.shape[0]
+    gguf, split = (out, src) if inverse else (src, out)
+    blocks = gguf.reshape(n, TILE_BLOCKS, fmt.block_bytes // 2)
+    bodies = split[:, :TILE_BLOCKS * body].reshape(n, TILE_BLOCKS, body)
+    heads = split[:, TILE_BLOCKS * body:].reshape(n, TILE_BLOCKS, head)
+    pairs = [(bodies, blocks[:, :, HEADS[fmt.name][0][1] // 2:][:, :, :body])]
+    at = 0
+    for a, b in HEADS[fmt.name]:
+        pairs.append((heads[:, :, at:at + (b - a) // 2], blocks[:, :, a // 2:b // 2]))
+        at += (b - a) // 2
+    for s_part, g_part in pairs:
+        if inverse:
+            g_part[...] = s_part
+        else:
+            s_part[...] = g_part
+    return (out.view(np.uint8) if isinstance(out, np.ndarray) else out.view(torch.uint8)).reshape(data.shape)
 
 
 def pack(data, fmt: quant.Format):
