@@ -19,7 +19,9 @@ Work per thread: a program owns BLOCK_N rows and walks K in steps of BLOCK_U uni
 thread decodes whole units (32 or 64 weights), sums their dp4a results in int32 and
 scales them once a group; the accumulator [BLOCK_N, BLOCK_U] is reduced across lanes once,
 after the loop. Rows past N are clamped (read, never stored), so the main loop carries no
-masks; K that is no whole number of steps takes masked loads (MASK).
+masks; K that is no whole number of steps takes masked loads (MASK). Weights in GGUF order
+or in the split device layout (triton_kernels.layout; BODY > 0), whose quants load as
+8-byte words; x̂'s codes load as 8-byte words either way.
 
 `quantize_x_torch` repeats quantize_x's float operations (equal bits); `gemv_dp4a_torch`
 computes the same product, x̂ @ W.T, as one float32 torch matmul with the dequantized W.
