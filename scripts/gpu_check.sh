@@ -4,8 +4,9 @@
 #   1. the kernel properties on the device (pytest -m cuda: the compiled kernels, inline
 #      PTX included, against the numpy references, with device tensors), and SmolLM2 on
 #      the GPU against the torch path on the CPU (tests/strata/test_gpu_models.py);
-#   2. `strata bench kernels`: the decode GEMV of a 4096 x 14336 weight per format, GB/s
-#      against the device copy, the static prediction beside it;
+#   2. `strata bench kernels`: the decode GEMV of a 4096 x 14336 weight per format and the
+#      MoE decode at Flash-Next's shape, GB/s against the device copy, the static
+#      prediction beside it; in the device layout, then again in GGUF order (STRATA_LAYOUT=gguf);
 #   3. `strata bench dequant --device cuda` for the formats of the decode path;
 #   4. the static table for sm_90, to set beside the measured one;
 #   5. the engine on the GPU: `strata generate --device cuda` for SmolLM2 (when its GGUF
@@ -65,6 +66,8 @@ s2() {
 echo "== 2. decode GEMV, 4096 x 14336, GB/s against the device copy"
 timeout 150 python3 -m strata bench kernels --formats "$FORMATS" --json 2> "$OUT/bench_kernels.err" \
     | tee "$OUT/bench_kernels.json" || status=1
+STRATA_LAYOUT=gguf timeout 150 python3 -m strata bench kernels --formats "$FORMATS" --json \
+    2> "$OUT/bench_kernels_gguf.err" | tee "$OUT/bench_kernels_gguf.json" || status=1
 }
 
 s3() {
