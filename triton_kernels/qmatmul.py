@@ -23,6 +23,11 @@ Three Triton kernels:
   CUDA (fp16 or bf16 tensor cores; float32 x goes through tf32) and float32 under the
   interpreter, which holds bf16 as raw uint16 and so cannot multiply it. With fp16 x the
   decoded weights are rounded to fp16 too, which assumes |w| < 65504 (true of real models).
+  In the formats with an int8 unit decode the GEMM decodes a unit of each of BLOCK_N rows a
+  step (its int8 words and group scales, as the dp4a GEMV reads them, so it reads the
+  device layout too) into a [BLOCK_N, unit] tile and multiplies it with one tl.dot:
+  12-21 main-loop instructions a weight on sm_90, HGMMA, where the per-weight decode spends
+  31-82 (strata bench kernels --static). Batch-invariant mode keeps the per-weight kernel.
 
 The two GEMVs run one program per BLOCK_N rows (and, for dp4a, per row of x). None splits K: a GEMV over a weight with few rows (N / BLOCK_N programs) leaves part
 of a large GPU idle; a split-K variant would add programs along K and an fp32 reduction.
@@ -47,8 +52,10 @@ import quant
 
 from . import configs, invariant
 from .backend import use_triton
-from .decode import decoder, table, unit
-from .dequant import check_blocks, dequantize_torch
+from .asm import asm_for
+from .decode import decoder, launch_args, table, unit, unit_table
+from .decode.split import block_ptr
+from .dequant import _stack, check_blocks, dequantize_torch
 from .int8 import gemv_dp4a, quantize_x
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -65,6 +72,18 @@ GEMV_TILES = (16, 16, 256)
 # sm_90 in every format (strata bench kernels --static); each decoded weight tile serves
 # 64 rows.
 GEMM_TILES = (64, 64, 32)
+# The GEMM of the formats with an int8 unit decode: 64 x 128 outputs (64 x 64 for Q4_K's
+# 64-weight units), K a unit a step, 4 warps: 12-21 instructions a weight on sm_90 where
+# the per-weight decode costs 31-82, 200-235 registers, no spills (strata bench kernels
+# --static).
+GEMM_UNIT_TILES = (64, 128)
+GEMM_UNIT_WARPS = 4
+
+
+def gemm_unit_tiles(u) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the unit GEMM: a tile of 128 x 32 weights a step."""
+    bm, bn = GEMM_UNIT_TILES
+    return bm, bn * 32 // u.weights
 # tensor-core inputs on CUDA: half x keeps its type (the weights are rounded to it), float32
 # x runs as tf32, which keeps float32's range
 _CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -130,6 +149,40 @@ def _gemm_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, 
                      input_precision=INPUT_PRECISION)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _gemm_units_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_om,
+                       UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
+                       BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+                       BODY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                       ASM: tl.constexpr):
+    # The unit decode's int8 words and group scales (decode/common.py) made a [BLOCK_N, UW]
+    # tile of a * (code - ZERO) - b, the numpy codec's values bit for bit, then one tl.dot
+    # a unit. Rows past N re-read row N - 1 and are not stored.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    units = K // UW
+    first = tl.minimum(rows, N - 1).to(tl.int64) * (units // UPB)
+    shift = 24 - 8 * tl.arange(0, 4)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for v in range(0, units):
+        offs_k = v * UW + tl.arange(0, UW)
+        a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_mask[:, None], other=0.0)
+        words, sa, sb = UNIT(block_ptr(q_ptr, first + v // UPB, BLOCK_HW, BODY), v % UPB, tab_ptr, ASM)
+        code = ((_stack(words, UW // 4)[:, :, None] << shift[None, None, :]) >> 24) - ZERO
+        w = _stack(sa, UW // 32)[:, :, None] * tl.reshape(code, (BLOCK_N, UW // 32, 32)).to(tl.float32)
+        if OFFSET:
+            w = w - _stack(sb, UW // 32)[:, :, None]
+        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(tl.reshape(w, (BLOCK_N, UW)).to(DOT_DTYPE)), acc,
+                     input_precision=INPUT_PRECISION)
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows < N)[None, :])
 
 
 def _check(x: torch.Tensor, q: torch.Tensor, fmt: quant.Format, n: int | None):
@@ -208,6 +261,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                              f"got {tiles}")
         y = gemv_dp4a(quantize_x(x2), q.contiguous(), fmt, N, tiles)
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    explicit = tiles
     if tiles is None:
         tiles = configs.tiles(path, GEMV_TILES if path == "gemv" else GEMM_TILES)
     block_m, block_n, block_k = tiles
@@ -238,6 +292,15 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                     precision = "tf32"  # Triton's CUDA default; it only changes float32 dots
                 else:
                     dot_dtype, precision = tl.float32, "ieee"
+                u = unit(fmt)
+                if u is not None and not invariant.enabled():
+                    bm, bn = gemm_unit_tiles(u) if explicit is None else explicit[:2]
+                    _gemm_units_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+                        x2, q.reshape(-1).view(torch.uint16), unit_table(fmt, q.device), out, M, N, K,
+                        x2.stride(0), x2.stride(1), out.stride(0), **launch_args(fmt, u),
+                        BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+                        ASM=asm_for(q.device), num_warps=GEMM_UNIT_WARPS)
+                    return out.to(out_dtype).reshape(*x.shape[:-1], N)
                 grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
                 _gemm_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,
                                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -69,8 +69,8 @@ def test_dequantize_reads_the_split_layout_bit_for_bit(fmt):
 
 @pytest.mark.parametrize("fmt", SPLIT, ids=lambda f: f.name)
 def test_matmuls_read_the_split_layout_bit_for_bit(fmt):
-    """The dp4a GEMV (unit decode), the float GEMV and the GEMM (per-weight decode) give on
-    split bytes exactly what they give on GGUF bytes."""
+    """The dp4a GEMV, the float GEMV and the GEMM (unit decode, at explicit and default
+    tiles) give on split bytes exactly what they give on GGUF bytes."""
     rng = np.random.default_rng(1)
     n, K = 6, 2 * fmt.block_elems  # 12 blocks: three tiles, rows straddling them
     raw = quant.get(fmt).quantize(rng.standard_normal((n, K)).astype(np.float32))
@@ -79,7 +79,7 @@ def test_matmuls_read_the_split_layout_bit_for_bit(fmt):
     x = torch.from_numpy(rng.uniform(-1, 1, (2, K)).astype(np.float32))
     x8 = quantize_x(x)
     assert torch.equal(gemv_dp4a(x8, q, sf, n), gemv_dp4a(x8, g, fmt, n))
-    for path, tiles in (("gemv", None), ("gemm", (16, 16, 32))):
+    for path, tiles in (("gemv", None), ("gemm", (16, 16, 32)), ("gemm", None)):
         assert torch.equal(qmatmul(x, q, sf, path=path, tiles=tiles), qmatmul(x, g, fmt, path=path, tiles=tiles))
 
 

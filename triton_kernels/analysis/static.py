@@ -222,6 +222,13 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
                        DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         return Spec(qmatmul._gemv_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
     if op == "gemm":
+        if u is not None:
+            bm, bn = qmatmul.gemm_unit_tiles(u)
+            sig, cx = _sig("x_ptr:*bf16,q_ptr:*u16,tab_ptr:*i32,out_ptr:*bf16,M:i32,N:i32,K:i32,"
+                           "stride_xm:i32,stride_xk:i32,stride_om:i32", **launch_args(fmt, u),
+                           BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32", ASM=asm)
+            return Spec(qmatmul._gemm_units_kernel, sig, cx, qmatmul.GEMM_UNIT_WARPS, bn * u.weights,
+                        K // u.weights, -(-N // bn))
         bm, bn, bk = qmatmul.GEMM_TILES
         sig, cx = _sig("x_ptr:*bf16,q_ptr:*u8,tab_ptr:*u8,out_ptr:*bf16,M:i32,N:i32,K:i32,"
                        "stride_xm:i32,stride_xk:i32,stride_om:i32",
