@@ -77,7 +77,8 @@ def unpack_q5(qh_qs: np.ndarray) -> np.ndarray:
 def pack_q5(q: np.ndarray) -> np.ndarray:
     """(n, 32) values 0..31 -> (n, 20) bytes: qh (4) then nibbles (16)."""
     q = q.astype(np.uint8)
-    qh = np.packbits(q >> 4, axis=-1, bitorder="little")
+    # a row of 32 bits is 4 whole bytes: packed as one run (along each row: 4x slower)
+    qh = np.packbits((q >> 4).reshape(-1), bitorder="little").reshape(-1, 4)
     return np.concatenate([qh, pack_nibbles(q & 0x0F)], axis=-1)
 
 
