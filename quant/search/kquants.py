@@ -83,8 +83,8 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
         mad: bool = False):
     """make_qkx2_quants / make_qkx3_quants: x, w (n, S) -> scale (S,), the_min (S,) (the
     m subtracted, >= 0) and codes L (n, S) float32 in 0..nmax."""
-    def codes(iscale, mn):
-        return np.clip(_rint(iscale * (x - mn)), 0, nmax)
+    def codes(iscale, x_mn):
+        return np.clip(_rint(iscale * x_mn), 0, nmax)
 
     def err(scale, mn, l):
         d = scale * l + mn - x
@@ -96,31 +96,35 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
     sum_x = _dot(w, x)
     flat = mx == mn
     span = _safe(mx - mn, flat)
+    x_mn = x - mn
     iscale = F32(nmax) / span
     scale = F32(1) / iscale
-    best = err(scale, mn, codes(iscale, mn))
+    best = err(scale, mn, codes(iscale, x_mn))
     best_iscale, best_from = iscale, mn   # the winner's codes, made again at the end
     for k in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(k) + F32(nmax)) / span
-        l = codes(iscale, mn)
+        l = codes(iscale, x_mn)
         sum_l, sum_l2, sum_xl = _dot(w, l), _dot(w, l, l), _dot(w, l, x)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
-        Ds = _safe(D, ~ok)
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / Ds
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / Ds
-        pos = this_min > 0
-        this_min = np.where(pos, F32(0), this_min)
-        this_scale = np.where(pos, sum_xl / _safe(sum_l2, ~pos), this_scale)
+        with np.errstate(divide="ignore", invalid="ignore"):  # quotients where not ok: dropped
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            pos = this_min > 0
+            this_min = np.where(pos, F32(0), this_min)
+            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
         cur = err(this_scale, this_min, l)
         better = ok & (cur < best)
+        if not better.any():  # no column improved (often so on rows requantized): state kept
+            continue
         best = np.where(better, cur, best)
         best_iscale = np.where(better, iscale, best_iscale)
         best_from = np.where(better, mn, best_from)
         scale = np.where(better, this_scale, scale)
         mn = np.where(better, this_min, mn)   # the candidates after a winner start from its min
         span = _safe(mx - mn, flat)
-    L = codes(best_iscale, best_from)
+        x_mn = x - mn
+    L = codes(best_iscale, x - best_from)
     L[:, flat] = 0
     scale = np.where(flat, F32(0), scale)
     return scale, -mn, L
