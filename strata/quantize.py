@@ -291,9 +291,11 @@ def _importance(imat: dict[str, np.ndarray] | None, imatrix, name: str, shape: t
 
 def _quantize_tensor(t: QTensor, fmt: quant.Format, imp: np.ndarray | None) -> np.ndarray:
     """t's blocks in `fmt`, (rows, row bytes); a quantized source is dequantized first."""
+    if imp is None:
+        return fmt.requantize(t.data, t.fmt).reshape(t.data.shape[0], -1)
     x = t.fmt.dequantize(t.data).reshape(-1, t.shape[-1]).astype(np.float32, copy=False)
-    if imp is None or imp.shape[0] == 1:
-        data = fmt.quantize(x, None if imp is None else imp[0])
+    if imp.shape[0] == 1:
+        data = fmt.quantize(x, imp[0])
     else:
         per = x.reshape(imp.shape[0], -1, x.shape[-1])
         data = np.concatenate([fmt.quantize(per[e], imp[e]).reshape(per.shape[1], -1)

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..format import column_extreme
+
 F32 = np.float32
 QK_K = 256
 EPS = F32(1e-15)  # GROUP_MAX_EPS
@@ -55,18 +57,6 @@ def _cols(x: np.ndarray, n: int) -> np.ndarray:
 def _rows(c: np.ndarray, b: int) -> np.ndarray:
     """The inverse of `_cols`: (n, S) -> (b, S n / b)."""
     return np.ascontiguousarray(c.T).reshape(b, -1)
-
-
-def _extreme(x: np.ndarray) -> np.ndarray:
-    """The signed value of largest magnitude of each column (the first of equals). From the
-    column's largest and smallest (numpy's argmax down a column is ten times slower); only
-    where they are a and -a does the order decide."""
-    hi, lo = x.max(axis=0), x.min(axis=0)
-    v = np.where(hi >= -lo, hi, lo)
-    tie = np.flatnonzero((hi == -lo) & (hi != 0))
-    if tie.size:
-        v[tie] = x[np.abs(x[:, tie]).argmax(axis=0), tie]
-    return v
 
 
 # --- the sub-block fits ------------------------------------------------------------------
@@ -178,7 +168,7 @@ def qx(x: np.ndarray, w: np.ndarray | None, nmax: int):
     codes 0."""
     if w is None:
         w = x * x
-    mx = _extreme(x)
+    mx = column_extreme(x)
     zero = np.abs(mx) < EPS
     mxs = _safe(mx, zero)
     wx = w * x
@@ -210,7 +200,7 @@ def qx(x: np.ndarray, w: np.ndarray | None, nmax: int):
 
 def q3(x: np.ndarray, nmax: int):
     """make_q3_quants with do_rmse: x (n, S) -> scale (S,) and codes (n, S) in 0..2 nmax - 1."""
-    mx = _extreme(x)
+    mx = column_extreme(x)
     zero = np.abs(mx) < EPS
     L = np.clip(_rint(F32(-nmax) / _safe(mx, zero) * x), -nmax, nmax - 1)
     w = x * x
