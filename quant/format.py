@@ -37,6 +37,10 @@ class Format:
     # the order of the bytes: "gguf" as files hold them, or a device layout
     # (triton_kernels.layout) whose codec repacks around the GGUF one
     layout: str = "gguf"
+    # the codec on blocks as columns, where the format has one (the 32-weight formats):
+    # (n_blocks, block_bytes) uint8 -> (block_elems, n_blocks) float32, and back
+    dequantize_cols: DequantFn | None = field(default=None, repr=False)
+    quantize_cols: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def bits_per_weight(self) -> float:
@@ -76,6 +80,20 @@ class Format:
             out = self.dequantize_blocks(blocks)
         return out.reshape(*lead, data.shape[-1] // self.block_bytes * self.block_elems)
 
+    def requantize(self, data: np.ndarray, src: Format) -> np.ndarray:
+        """Rows of `src` blocks (..., k * src.block_bytes) in this format, without an
+        importance: `quantize(src.dequantize(data))`, by way of columns where both formats
+        have a column codec (the weights are never laid out in rows)."""
+        data = src.check_bytes(data)
+        if src.dequantize_cols is None or self.quantize_cols is None or src.block_elems != self.block_elems:
+            return self.quantize(src.dequantize(data))
+        lead, n = data.shape[:-1], data.shape[-1] // src.block_bytes
+        with np.errstate(invalid="ignore", over="ignore"):
+            x = src.dequantize_cols(np.ascontiguousarray(data).reshape(-1, src.block_bytes))
+        _check_finite(self.name, x)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self.quantize_cols(x).reshape(*lead, n * self.block_bytes)
+
     def quantize(self, x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
         """Float array (..., k * block_elems) -> quantized bytes (..., k * block_bytes).
 
@@ -91,8 +109,7 @@ class Format:
                 f"{self.name}: rows of {n} weights cannot be quantized; expected a multiple "
                 f"of {self.block_elems} weights ({self.block_bytes} bytes a block)")
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if not np.isfinite(x).all():
-            raise ValueError(f"{self.name}: the weights hold NaN or Inf; quantize only finite values")
+        _check_finite(self.name, x)
         lead = x.shape[:-1]
         blocks = x.reshape(-1, self.block_elems)
         w = None
@@ -103,6 +120,24 @@ class Format:
             out = self.quantize_blocks(blocks, w)
         assert out.dtype == np.uint8 and out.shape == (blocks.shape[0], self.block_bytes)
         return out.reshape(*lead, x.shape[-1] // self.block_elems * self.block_bytes)
+
+
+def _check_finite(name: str, x: np.ndarray) -> None:
+    if not np.isfinite(x).all():
+        raise ValueError(f"{name}: the weights hold NaN or Inf; quantize only finite values")
+
+
+def column_extreme(x: np.ndarray) -> np.ndarray:
+    """(n, S) -> (S,): the signed value of largest magnitude of each column, the first of
+    equals (as gguf-py's argmax; a column of zeros gives its first, +0 or -0). From the
+    column's largest and smallest, as numpy's argmax down a column is ten times slower;
+    only where they are a and -a (or both zero) does the order decide."""
+    hi, lo = x.max(axis=0), x.min(axis=0)
+    v = np.where(hi >= -lo, hi, lo)
+    tie = np.flatnonzero(hi == -lo)
+    if tie.size:
+        v[tie] = x[np.abs(x[:, tie]).argmax(axis=0), tie]
+    return v
 
 
 def fp16_to_f32(two_bytes: np.ndarray) -> np.ndarray:

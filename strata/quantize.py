@@ -44,7 +44,8 @@ import numpy as np
 from gguf import GGUFValueType
 
 import quant
-from strata.gguf import open_gguf, write_gguf
+from strata.gguf import open_gguf
+from strata.gguf.writer import write_streamed
 from strata.names import OUTPUT, TOKEN_EMBD
 from strata.tensors import QTensor
 
@@ -274,78 +275,98 @@ def _file_order(name: str) -> tuple[int, str]:
     return (-1 if i is None else i, name)
 
 
-def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str | Path | None = None,
-                   tensor_types: list[str] = (), pure: bool = False, threads: int = 1,
-                   log: Callable[[str], None] = print) -> dict:
-    """Quantize the GGUF `src` into `dst`; returns sizes and timing."""
-    t0 = time.perf_counter()
-    ftype = _ftype(ftype)
-    g = open_gguf(src)
-    arch = g.arch
-    imat = read_imatrix(imatrix) if imatrix else None
-    plan = make_plan(g, ftype, has_imatrix=imat is not None, tensor_types=tensor_types, pure=pure)
+def _importance(imat: dict[str, np.ndarray] | None, imatrix, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """One row of importance per matrix: a merged-experts tensor (E, rows, in) has one per
+    expert, and each expert's rows are quantized with its own (llama-quantize's
+    imatrix_for_row)."""
+    if imat is None or name not in imat:
+        return None
+    n_mat = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+    imp = imat[name].reshape(-1, shape[-1]) if imat[name].size % shape[-1] == 0 else None
+    if imp is None or imp.shape[0] != n_mat:
+        raise QuantizeError(f"--imatrix {imatrix}: {name} has {imat[name].size} values for {n_mat} "
+                            f"matrices of rows of {shape[-1]}; was it computed for another model?")
+    return imp
 
-    jobs = []
-    for name, t in sorted(g.tensors.items(), key=lambda kv: _file_order(kv[0])):
-        target, note = choose_type(plan, name, t.shape)
-        if target == t.fmt.name:
-            target = None
-        jobs.append((name, t, target, note))
 
-    def work(job):
-        name, t, target, _ = job
-        if target is None:
-            return t
-        fmt = quant.get(target)
-        x = t.fmt.dequantize(t.data).reshape(-1, t.shape[-1]).astype(np.float32, copy=False)
-        imp = None
-        if imat is not None and name in imat:
-            # one row of importance per matrix: a merged-experts tensor (E, rows, in) has one per
-            # expert, and each expert's rows are quantized with its own (llama-quantize's
-            # imatrix_for_row)
-            n_mat = int(np.prod(t.shape[:-2])) if len(t.shape) > 2 else 1
-            imp = imat[name].reshape(-1, t.shape[-1]) if imat[name].size % t.shape[-1] == 0 else None
-            if imp is None or imp.shape[0] != n_mat:
-                raise QuantizeError(f"--imatrix {imatrix}: {name} has {imat[name].size} values for {n_mat} "
-                                    f"matrices of rows of {t.shape[-1]}; was it computed for another model?")
-        if imp is None or imp.shape[0] == 1:
-            data = fmt.quantize(x, None if imp is None else imp[0])
-        else:
-            per = x.reshape(imp.shape[0], -1, x.shape[-1])
-            data = np.concatenate([fmt.quantize(per[e], imp[e]).reshape(per.shape[1], -1)
-                                   for e in range(imp.shape[0])])
-        return QTensor(name, fmt, t.shape, data.reshape(x.shape[0], -1))
+def _quantize_tensor(t: QTensor, fmt: quant.Format, imp: np.ndarray | None) -> np.ndarray:
+    """t's blocks in `fmt`, (rows, row bytes); a quantized source is dequantized first."""
+    if imp is None:
+        return fmt.requantize(t.data, t.fmt).reshape(t.data.shape[0], -1)
+    x = t.fmt.dequantize(t.data).reshape(-1, t.shape[-1]).astype(np.float32, copy=False)
+    if imp.shape[0] == 1:
+        data = fmt.quantize(x, imp[0])
+    else:
+        per = x.reshape(imp.shape[0], -1, x.shape[-1])
+        data = np.concatenate([fmt.quantize(per[e], imp[e]).reshape(per.shape[1], -1)
+                               for e in range(imp.shape[0])])
+    return data.reshape(x.shape[0], -1)
 
-    out, size_in, size_out, n_fallback, n = {}, 0, 0, 0, len(jobs)
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for k, (job, q) in enumerate(zip(jobs, pool.map(work, jobs)), 1):
-            name, t, target, note = job
-            if note:
-                n_fallback += 1
-                log(f"warning: {name:<36s} - {note}")
-            head = f"[{k:4d}/{n:4d}] {name:<36s} - [{_shape_text(t.shape)}], type = {_ggml_name(t.fmt.name):>6s}, "
-            if target is None:
-                log(head + f"size = {t.nbytes / 2**20:8.3f} MiB")
-            else:
-                log(head + f"converting to {_ggml_name(target)} .. size = {t.nbytes / 2**20:8.2f} MiB -> "
-                    f"{q.nbytes / 2**20:8.2f} MiB")
-            out[name] = q
-            size_in += t.nbytes
-            size_out += q.nbytes
 
-    # llama-quantize's header: the source's keys, less the split ones, then these two last
+def _header(g, ftype: str) -> list[tuple[str, object, GGUFValueType]]:
+    """llama-quantize's header: the source's keys, less the split ones, then these two last."""
     meta = g.typed_metadata()
     for key in ("general.quantization_version", "general.file_type", "split.no", "split.count",
                 "split.tensors.count"):
         meta.pop(key, None)
     meta["general.quantization_version"] = (2, GGUFValueType.UINT32)
     meta["general.file_type"] = (FTYPES[ftype], GGUFValueType.UINT32)
-    write_gguf(dst, arch, meta, out)
+    return [(k, v, t) for k, (v, t) in meta.items()]
+
+
+def _progress_line(k: int, n: int, t: QTensor, target: str | None, out_bytes: int) -> str:
+    """llama-quantize's line for the k-th of n tensors."""
+    head = f"[{k:4d}/{n:4d}] {t.name:<36s} - [{_shape_text(t.shape)}], type = {_ggml_name(t.fmt.name):>6s}, "
+    if target is None:
+        return head + f"size = {t.nbytes / 2**20:8.3f} MiB"
+    return head + (f"converting to {_ggml_name(target)} .. size = {t.nbytes / 2**20:8.2f} MiB -> "
+                   f"{out_bytes / 2**20:8.2f} MiB")
+
+
+def quantize_model(src: str | Path, dst: str | Path, ftype: str, *, imatrix: str | Path | None = None,
+                   tensor_types: list[str] = (), pure: bool = False, threads: int = 1,
+                   log: Callable[[str], None] = print) -> dict:
+    """Quantize the GGUF `src` into `dst`; returns sizes and timing. `threads` tensors are
+    quantized at once, and each is written as soon as it and those before it are done."""
+    t0 = time.perf_counter()
+    ftype = _ftype(ftype)
+    g = open_gguf(src)
+    imat = read_imatrix(imatrix) if imatrix else None
+    plan = make_plan(g, ftype, has_imatrix=imat is not None, tensor_types=tensor_types, pure=pure)
+
+    jobs = []  # (tensor, target format or None to copy, fallback note), in file order
+    for name, t in sorted(g.tensors.items(), key=lambda kv: _file_order(kv[0])):
+        target, note = choose_type(plan, name, t.shape)
+        jobs.append((t, None if target == t.fmt.name else target, note))
+
+    def work(job) -> np.ndarray:
+        t, target, _ = job
+        if target is None:
+            return t.data
+        return _quantize_tensor(t, quant.get(target), _importance(imat, imatrix, t.name, t.shape))
+
+    sizes = {"size_in": 0, "size_out": 0, "n_fallback": 0}
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        results = pool.map(work, jobs)  # started now: the header is written meanwhile
+
+        def data(i: int):
+            t, target, note = jobs[i]
+            q = next(results)
+            if note:
+                sizes["n_fallback"] += 1
+                log(f"warning: {t.name:<36s} - {note}")
+            log(_progress_line(i + 1, len(jobs), t, target, q.nbytes))
+            sizes["size_in"] += t.nbytes
+            sizes["size_out"] += q.nbytes
+            yield q
+
+        infos = [(t.name, t.shape, quant.get(target) if target else t.fmt) for t, target, _ in jobs]
+        write_streamed(dst, g.arch, _header(g, ftype), infos, data)
     n_elem = sum(int(np.prod(t.shape)) for t in g.tensors.values())
-    log(f"model size  = {size_in / 2**20:8.2f} MiB ({size_in * 8 / n_elem:.2f} BPW)")
-    log(f"quant size  = {size_out / 2**20:8.2f} MiB ({size_out * 8 / n_elem:.2f} BPW)")
-    if n_fallback:
-        log(f"WARNING: {n_fallback} of {n} tensor(s) required fallback quantization")
+    log(f"model size  = {sizes['size_in'] / 2**20:8.2f} MiB ({sizes['size_in'] * 8 / n_elem:.2f} BPW)")
+    log(f"quant size  = {sizes['size_out'] / 2**20:8.2f} MiB ({sizes['size_out'] * 8 / n_elem:.2f} BPW)")
+    if sizes["n_fallback"]:
+        log(f"WARNING: {sizes['n_fallback']} of {len(jobs)} tensor(s) required fallback quantization")
     dt = time.perf_counter() - t0
     log(f"quantize time = {dt:8.2f} s")
-    return {"size_in": size_in, "size_out": size_out, "n_fallback": n_fallback, "seconds": dt}
+    return {**sizes, "seconds": dt}

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kquants import EPS, _cols, _dot, _extreme, _rows, _safe
+from ..format import column_extreme
+from .kquants import EPS, _cols, _dot, _rows, _safe
 
 F32 = np.float32
 _SPAN = 300  # |2 v| beyond which every v takes an end value (the values stop at 127)
@@ -53,7 +54,7 @@ def search(x: np.ndarray, importance: np.ndarray | None, kvalues: np.ndarray, nt
         xt = np.ascontiguousarray(x.T)
         sigma2 = (xt * xt).sum(axis=0) * (F32(2) / F32(n))
         w = _cols(importance * np.sqrt(sigma2[:, None] + x * x), 32)
-    mx = _extreme(xc)
+    mx = column_extreme(xc)
     zero = np.abs(mx) < EPS
     mxs = _safe(mx, zero)
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..format import column_extreme
+
 F32 = np.float32
 QK_K = 256
 EPS = F32(1e-15)  # GROUP_MAX_EPS
@@ -57,30 +59,26 @@ def _rows(c: np.ndarray, b: int) -> np.ndarray:
     return np.ascontiguousarray(c.T).reshape(b, -1)
 
 
-def _extreme(x: np.ndarray) -> np.ndarray:
-    """The signed value of largest magnitude of each column (the first of equals)."""
-    i = np.abs(x).argmax(axis=0)
-    return x[i, np.arange(x.shape[1])]
-
-
 # --- the sub-block fits ------------------------------------------------------------------
 
-def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """sum over axis 0 of a * b, (n, S) -> (S,): each product rounded, then added in index
-    order, as (a * b).sum(axis=0) does, without the temporary."""
-    return np.einsum("ij,ij->j", a, b)
+def _dot(a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
+    """sum over axis 0 of a * b (* c), (n, S) -> (S,): each product rounded (a * b first),
+    then added in index order, as (a * b * c).sum(axis=0) does, without the temporaries."""
+    if c is None:
+        return np.einsum("ij,ij->j", a, b)
+    return np.einsum("ij,ij,ij->j", a, b, c)
 
 
 def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
         mad: bool = False):
     """make_qkx2_quants / make_qkx3_quants: x, w (n, S) -> scale (S,), the_min (S,) (the
     m subtracted, >= 0) and codes L (n, S) float32 in 0..nmax."""
-    def codes(iscale, mn):
-        return np.clip(_rint(iscale * (x - mn)), 0, nmax)
+    def codes(iscale, x_mn):
+        return np.clip(_rint(iscale * x_mn), 0, nmax)
 
     def err(scale, mn, l):
         d = scale * l + mn - x
-        return _dot(w, np.abs(d, out=d) if mad else np.square(d, out=d))
+        return _dot(w, np.abs(d, out=d)) if mad else _dot(d, d, w)   # w (d d), as llama.cpp
 
     mn = np.minimum(x.min(axis=0), F32(0))
     mx = x.max(axis=0)
@@ -88,32 +86,35 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
     sum_x = _dot(w, x)
     flat = mx == mn
     span = _safe(mx - mn, flat)
+    x_mn = x - mn
     iscale = F32(nmax) / span
     scale = F32(1) / iscale
-    best = err(scale, mn, codes(iscale, mn))
+    best = err(scale, mn, codes(iscale, x_mn))
     best_iscale, best_from = iscale, mn   # the winner's codes, made again at the end
     for k in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(k) + F32(nmax)) / span
-        l = codes(iscale, mn)
-        wl = w * l
-        sum_l, sum_l2, sum_xl = _dot(w, l), _dot(wl, l), _dot(wl, x)
+        l = codes(iscale, x_mn)
+        sum_l, sum_l2, sum_xl = _dot(w, l), _dot(w, l, l), _dot(w, l, x)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
-        Ds = _safe(D, ~ok)
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / Ds
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / Ds
-        pos = this_min > 0
-        this_min = np.where(pos, F32(0), this_min)
-        this_scale = np.where(pos, sum_xl / _safe(sum_l2, ~pos), this_scale)
+        with np.errstate(divide="ignore", invalid="ignore"):  # quotients where not ok: dropped
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            pos = this_min > 0
+            this_min = np.where(pos, F32(0), this_min)
+            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
         cur = err(this_scale, this_min, l)
         better = ok & (cur < best)
+        if not better.any():  # no column improved (often so on rows requantized): state kept
+            continue
         best = np.where(better, cur, best)
         best_iscale = np.where(better, iscale, best_iscale)
         best_from = np.where(better, mn, best_from)
         scale = np.where(better, this_scale, scale)
         mn = np.where(better, this_min, mn)   # the candidates after a winner start from its min
         span = _safe(mx - mn, flat)
-    L = codes(best_iscale, best_from)
+        x_mn = x - mn
+    L = codes(best_iscale, x - best_from)
     L[:, flat] = 0
     scale = np.where(flat, F32(0), scale)
     return scale, -mn, L
@@ -167,7 +168,7 @@ def qx(x: np.ndarray, w: np.ndarray | None, nmax: int):
     codes 0."""
     if w is None:
         w = x * x
-    mx = _extreme(x)
+    mx = column_extreme(x)
     zero = np.abs(mx) < EPS
     mxs = _safe(mx, zero)
     wx = w * x
@@ -177,7 +178,7 @@ def qx(x: np.ndarray, w: np.ndarray | None, nmax: int):
 
     def fit(iscale):
         l = codes(iscale)
-        return _dot(wx, l), _dot(w * l, l)
+        return _dot(wx, l), _dot(w, l, l)
 
     best_iscale = F32(-nmax) / mxs
     sumlx, suml2 = fit(best_iscale)
@@ -199,7 +200,7 @@ def qx(x: np.ndarray, w: np.ndarray | None, nmax: int):
 
 def q3(x: np.ndarray, nmax: int):
     """make_q3_quants with do_rmse: x (n, S) -> scale (S,) and codes (n, S) in 0..2 nmax - 1."""
-    mx = _extreme(x)
+    mx = column_extreme(x)
     zero = np.abs(mx) < EPS
     L = np.clip(_rint(F32(-nmax) / _safe(mx, zero) * x), -nmax, nmax - 1)
     w = x * x

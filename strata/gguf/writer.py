@@ -17,10 +17,11 @@ import os
 import struct
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import WriterState
 
 from strata.tensors import QTensor
 
@@ -154,10 +155,8 @@ def typed_value(where: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueTy
     return (int(value) if vtype in _INTS else value), vtype, None
 
 
-def _check_tensor(where: str, name: str, t: QTensor) -> tuple[np.ndarray, tuple[int, ...]]:
-    """The data as contiguous uint8 and its shape in bytes (torch order), as add_tensor takes."""
-    if len(name.encode()) > MAX_NAME_BYTES:
-        raise ValueError(f"{where}: tensor name {name!r} is longer than {MAX_NAME_BYTES} bytes")
+def _check_tensor(where: str, name: str, t: QTensor) -> np.ndarray:
+    """The data as contiguous uint8 (rows, row bytes), checked against the shape and format."""
     shape = tuple(int(n) for n in t.shape)
     if not 1 <= len(shape) <= MAX_DIMS or min(shape) < 1:
         raise ValueError(f"{where}: tensor {name!r} has shape {shape}; GGUF takes 1 to "
@@ -172,7 +171,7 @@ def _check_tensor(where: str, name: str, t: QTensor) -> tuple[np.ndarray, tuple[
         raise ValueError(f"{where}: tensor {name!r} ({t.fmt.name}, shape {shape}) needs "
                          f"{rows * row_bytes} bytes of uint8 blocks, got {data.nbytes} bytes of "
                          f"{data.dtype}")
-    return np.ascontiguousarray(data).reshape(rows, row_bytes), (*shape[:-1], row_bytes)
+    return np.ascontiguousarray(data).reshape(rows, row_bytes)
 
 
 def write_gguf(path: str | os.PathLike, arch: str, metadata: Mapping[str, Any],
@@ -180,15 +179,38 @@ def write_gguf(path: str | os.PathLike, arch: str, metadata: Mapping[str, Any],
     """Write a GGUF v3 file: `general.architecture` = `arch`, then `metadata` in order,
     then the tensors' raw blocks in order (a mapping's keys name its tensors). The file
     appears complete or not at all: it is written beside `path` and renamed into place."""
-    path = Path(path)
     where = f"write_gguf({path})"
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else [(t.name, t) for t in tensors]
+    seen, data = set(), []
+    for name, t in items:
+        if name in seen:
+            raise ValueError(f"{where}: tensor {name!r} is given twice")
+        seen.add(name)
+        data.append(_check_tensor(where, name, t))
+    infos = [(name, t.shape, t.fmt) for name, t in items]
+    return _write(Path(path), where, arch, metadata.items(), infos, lambda i: iter((data[i],)))
+
+
+def write_streamed(path: str | os.PathLike, arch: str, metadata: Iterable[tuple[str, Any, GGUFValueType]],
+                   infos: list[tuple[str, tuple[int, ...], Any]],
+                   data: Callable[[int], Iterator[np.ndarray]], progress=None) -> Path:
+    """Write `path` as it is made: the header, metadata and tensor infos first, then the
+    tensors one by one, so that none needs to be held beyond its own writing. `metadata` is
+    (key, value, type) (an array's element type), `infos` (name, logical shape in torch
+    order, quant.Format), and tensor i is the uint8 pieces `data(i)` yields (asked for in
+    order), which must add up to its size. `progress`, if given, is told of each tensor
+    written (`.tensor(name, format name, bytes)`) and of the end (`.finish(path)`). The
+    file appears complete or not at all, its bytes those gguf-py's GGUFWriter writes."""
+    return _write(Path(path), f"writing {path}", arch, ((k, (v, t)) for k, v, t in metadata),
+                  infos, data, progress)
+
+
+def _add_metadata(w: GGUFWriter, where: str, arch: str, items: Iterable[tuple[str, Any]]) -> None:
+    """Each (key, value or (value, type)) in order; general.architecture is written first by
+    GGUFWriter (from `arch`, which it must agree with), general.alignment also pads the data."""
     if not isinstance(arch, str) or not arch:
         raise ValueError(f"{where}: arch must be a non-empty string, got {arch!r}")
-    items = list(tensors.items()) if isinstance(tensors, Mapping) else [(t.name, t) for t in tensors]
-
-    tmp = path.with_name(path.name + ".partial")
-    w = _Writer(tmp, arch)
-    for key, value in metadata.items():
+    for key, value in items:
         at = f"{where}: metadata key {key!r}"
         if not isinstance(key, str) or not key:
             raise ValueError(f"{where}: metadata key {key!r} must be a non-empty string")
@@ -197,24 +219,52 @@ def write_gguf(path: str | os.PathLike, arch: str, metadata: Mapping[str, Any],
             if value != arch:
                 raise ValueError(f"{at} is {value!r} but arch is {arch!r}; drop the key or make "
                                  f"them agree")
-            continue  # GGUFWriter writes it first, from arch
+            continue
         if key == "general.alignment":
             if vtype != GGUFValueType.UINT32 or value < 1 or value & (value - 1):
                 raise ValueError(f"{at} must be a UINT32 power of two, got {value!r} ({vtype.name})")
             w.add_custom_alignment(value)  # also pads the tensor data to it
             continue
         w.add_key_value(key, value, vtype, sub)
-    seen = set()
-    for name, t in items:
-        if name in seen:
-            raise ValueError(f"{where}: tensor {name!r} is given twice")
-        seen.add(name)
-        data, byte_shape = _check_tensor(where, name, t)
-        w.add_tensor(name, data, raw_shape=byte_shape, raw_dtype=GGMLQuantizationType(t.fmt.type_id))
+
+
+def _write(path: Path, where: str, arch: str, metadata: Iterable[tuple[str, Any]],
+           infos: list[tuple[str, tuple[int, ...], Any]], data: Callable[[int], Iterator[np.ndarray]],
+           progress=None) -> Path:
+    """write_gguf and write_streamed: everything but the data checked before the file opens."""
+    tmp = path.with_name(path.name + ".partial")
+    w = _Writer(tmp, arch)
+    _add_metadata(w, where, arch, metadata)
+    sizes = []
+    for name, shape, fmt in infos:
+        if len(name.encode()) > MAX_NAME_BYTES:
+            raise ValueError(f"{where}: tensor name {name!r} is longer than {MAX_NAME_BYTES} bytes")
+        row = fmt.row_bytes(shape[-1])
+        nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * row
+        w.add_tensor_info(name, (*shape[:-1], row), np.dtype(np.uint8), nbytes,
+                          raw_dtype=GGMLQuantizationType(fmt.type_id))
+        sizes.append(nbytes)
     with complete_or_absent(w, tmp, path):
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        fout = w.fout[0]
+        for i, (name, _, fmt) in enumerate(infos):
+            w.tensors[0].pop(name)
+            w.write_padding(fout, fout.tell())  # as GGUFWriter.write_tensor_data, around each tensor
+            n = 0
+            for piece in data(i):
+                piece = np.ascontiguousarray(piece).view(np.uint8)
+                piece.tofile(fout)
+                n += piece.nbytes
+            if n != sizes[i]:
+                raise AssertionError(f"{where}: tensor {name!r} produced {n} bytes, planned {sizes[i]}")
+            w.write_padding(fout, n)
+            w.state = WriterState.WEIGHTS
+            if progress is not None:
+                progress.tensor(name, fmt.name, n)
+    if progress is not None:
+        progress.finish(path)
     return path
 
 

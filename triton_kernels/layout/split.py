@@ -142,4 +142,4 @@ def split_format(fmt: quant.Format) -> quant.Format:
         base, layout=NAME,
         dequantize_blocks=lambda blocks: base.dequantize_blocks(unpack(blocks, base).reshape(blocks.shape)),
         quantize_blocks=lambda x, w: pack(base.quantize_blocks(x, w), base),
-        scale_offsets=(), read_scale=None, write_scale=None)
+        scale_offsets=(), read_scale=None, write_scale=None, dequantize_cols=None, quantize_cols=None)
