@@ -26,7 +26,7 @@ from .conv import conv_step
 from .deltanet import deltanet_step
 from .deltanet_inputs import deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
-from .hyperconn import hc_combine, hc_gates, hc_norm, hc_write, hc_write_norm
+from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .qmatmul import qmatmul
@@ -170,6 +170,10 @@ def _hc_combine(up: Tensor, xn: Tensor, streams: int) -> Tensor:
     return hc_combine(up, xn, streams)
 
 
+def _hc_mix(both: Tensor, w_up: Tensor, xn: Tensor, rank: int, streams: int) -> tuple[Tensor, Tensor]:
+    return hc_mix(both, w_up, xn, rank, streams)
+
+
 def _hc_write(x: Tensor, out: Tensor, inj: Tensor) -> Tensor:
     return hc_write(x, out, inj)
 
@@ -190,7 +194,7 @@ def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
     return gated_add(a, gate, b)
 
 
-for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine),
+for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine), ("hc_mix", _hc_mix),
                   ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul),
                   ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)

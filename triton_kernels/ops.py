@@ -14,8 +14,8 @@ from .deltanet import deltanet_step, deltanet_step_torch
 from .deltanet_inputs import (deltanet_gated_norm, deltanet_gated_norm_torch, deltanet_inputs,
                               deltanet_inputs_torch)
 from .dequant import dequantize, dequantize_torch
-from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_norm, hc_norm_torch, hc_write,
-                        hc_write_norm, hc_write_norm_torch, hc_write_torch)
+from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_mix, hc_mix_torch, hc_norm,
+                        hc_norm_torch, hc_write, hc_write_norm, hc_write_norm_torch, hc_write_torch)
 from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
 from .qmatmul import qmatmul, qmatmul_torch
@@ -41,6 +41,7 @@ OPS = {
     "hc_norm": (hc_norm, hc_norm_torch),
     "hc_gates": (hc_gates, hc_gates_torch),
     "hc_combine": (hc_combine, hc_combine_torch),
+    "hc_mix": (hc_mix, hc_mix_torch),
     "hc_write": (hc_write, hc_write_torch),
     "hc_write_norm": (hc_write_norm, hc_write_norm_torch),
     "norm_rope": (norm_rope, norm_rope_torch),

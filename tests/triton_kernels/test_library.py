@@ -59,6 +59,7 @@ def cases():
         ("hc_norm", (torch.randn(2, 4 * 24), torch.randn(4, 24), 1e-6)),
         ("hc_gates", (torch.randn(2, 8 + 4), 8, 4)),
         ("hc_combine", (torch.randn(2, 4 * 24), torch.randn(2, 4 * 24), 4)),
+        ("hc_mix", (torch.randn(2, 8 + 4), torch.randn(4 * 24, 8), torch.randn(2, 4 * 24), 8, 4)),
         ("hc_write", (torch.randn(2, 4 * 24), torch.randn(2, 24).bfloat16(), torch.rand(2, 4))),
         ("hc_write_norm", (torch.randn(2, 4 * 24), torch.randn(2, 24), torch.rand(2, 4), torch.randn(4, 24), 1e-6)),
         ("norm_rope", (torch.randn(2, 3, 2 * 16)[..., :16], torch.randn(16), 1e-6, torch.randn(2, 8), torch.randn(2, 8))),
