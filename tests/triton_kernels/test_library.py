@@ -65,12 +65,13 @@ def cases():
         ("norm_rope", (torch.randn(2, 3, 2 * 16)[..., :16], torch.randn(16), 1e-6, torch.randn(2, 8), torch.randn(2, 8))),
         ("silu_mul", (torch.randn(2, 40)[:, :20], torch.randn(2, 40)[:, 20:])),
         ("gated_add", (torch.randn(2, 24), torch.randn(2, 25)[:, 24:], torch.randn(2, 24))),
+        ("gated_add", (torch.randn(2, 3, 24), torch.randn(2, 25)[:, 24:], torch.randn(2, 24))),
     ]
 
 
 def test_every_op_is_registered():
     from triton_kernels.ops import OPS
-    assert sorted(library.OPS) == sorted(OPS) == sorted(op for op, _ in cases())
+    assert sorted(library.OPS) == sorted(OPS) == sorted({op for op, _ in cases()})
 
 
 @pytest.mark.parametrize("op, args", cases(), ids=[op for op, _ in cases()])

@@ -400,7 +400,10 @@ def test_route_matches_transformers_router(logits, k_frac, norm):
     # weight is within (E + k + 8) u of the exact value, relative, so the two are within
     # twice that; rtol doubles it again as margin.
     rtol = 4 * (E + k + 8) * U
-    for weights, ids in (route(logits, k, norm), route_torch(logits, k, norm)):
+    for f in (route, route_torch):
+        hits = torch.arange(E, dtype=torch.int64)  # a tally counted on: each slot adds one
+        weights, ids = f(logits, k, norm, hits=hits)
+        assert torch.equal(hits, torch.arange(E) + torch.bincount(ids.reshape(-1).long(), minlength=E))
         assert weights.dtype == torch.float32 and ids.dtype == torch.int32
         assert weights.shape == ids.shape == (T, k)
         assert ((ids >= 0) & (ids < E)).all()
