@@ -60,7 +60,6 @@ from strata.nn.ple import mix
 from strata.nn.rope import rotate
 from strata.runtime.graphs import enabled
 from triton_kernels import backend, invariant
-from triton_kernels.ops import impl
 
 
 def _write(st: AttentionState, name: str, x: torch.Tensor, at: torch.Tensor) -> None:
@@ -203,8 +202,7 @@ def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
     history.copy_(st.history)
     st.history = history
     e = p.table.gather(ids)
-    step = impl("conv_step", "triton") if p.key.kernels == "triton" else None
-    x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, conv_step=step)
+    x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, **p.kernels())
     st.conv.copy_(window)
     return x
 
@@ -230,24 +228,30 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
     x = model.embed(tok).repeat(1, model.cfg.streams)
     where: dict = {}
     kept: dict = {"rows": []} if T > 1 else {}
-    for layer, st in zip(model.layers, state.layers):
+    from strata.models.qwen4exp import next_norm  # (that module imports this one)
+    layers, xn = list(model.layers), None  # xn: x's streams normed for the next read (Layer.run)
+    for i, (layer, st) in enumerate(zip(layers, state.layers)):
         if layer.ple is not None:
             if kept:
                 kept["ple_input"] = x
-            x = _ple(layer.ple, x, tok, state.ple)
-        a, w = layer.attn_hc.read(x)
+            x, xn = _ple(layer.ple, x, tok, state.ple), None
+        a, w = layer.attn_hc.read(x, xn)
         if layer.recurrent:
             y = _deltanet(layer.mixer, a, st, kept.get("rows"))
         else:
             y = _attention(layer.mixer, a, st, P, _where(where, P, layer.mixer, st, True))
         x, xn = layer.attn_hc.write_and_norm(x, y, w, layer.ffn_hc)
         m, w = layer.ffn_hc.read(x, xn)
-        x = layer.ffn_hc.write(x, layer.moe(m), w)
+        then = next_norm(layers, i, model.out_hc)
+        if then is not None:
+            x, xn = layer.ffn_hc.write_and_norm(x, layer.moe(m), w, then)
+        else:
+            x, xn = layer.ffn_hc.write(x, layer.moe(m), w), None
     if state.mtp is not None:
         mtp = model.mtp
         a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]])))
         _keys(mtp.block.mixer, a, state.mtp, P, _where(where, P, mtp.block.mixer, state.mtp, False))
-    return model.logits(x), x, kept
+    return model.logits(x, xn), x, kept
 
 
 def usable(model, state, T: int) -> bool:
