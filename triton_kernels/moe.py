@@ -77,7 +77,7 @@ from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
 from .int8 import dot_units, quantize_x
-from .moe_align import moe_align_block_size
+from .moe_align import aligns_in_one_launch, moe_align_block_size
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -487,8 +487,10 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         if len(tiles) != 3 or any(t < 16 or t & (t - 1) for t in tiles):
             raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
     dev, out_dtype = x.device, x.dtype
-    # a dropped slot's row is 0: the dp4a kernels write every slot's, the dot kernels skip them
-    alloc = torch.empty if path == "dp4a" and n_slots and H and I else torch.zeros
+    # a dropped slot's row is 0: the dp4a kernels write every slot's, the dot kernels skip
+    # them, and the alignment's one program zeroes them (aligns_in_one_launch)
+    alloc = (torch.empty if n_slots and H and I and (path == "dp4a" or aligns_in_one_launch(ids))
+             else torch.zeros)
     per_slot = alloc((n_slots, H), dtype=torch.float32, device=dev)
     if n_slots and H and I:
         gate_se, gate_sr = _expert_strides(w_gate, fmt_gate, "w_gate")
@@ -505,7 +507,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             dot_dtype, precision = tl.float32, "ieee"
             if x.dtype == torch.bfloat16:
                 x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
-        sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m)
+        sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m, zero_rows=per_slot)
         rw = weights.reshape(-1).to(torch.float32).contiguous()
         h = torch.empty((n_slots, I), dtype=torch.float32, device=dev)
         blocks = expert_ids.shape[0]

@@ -498,9 +498,12 @@ def test_the_align_kernel_gives_the_torch_tensors(E, n, block_m, out_of_range, s
     assert n <= ALIGN_MAX_SLOTS
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-out_of_range, E + out_of_range, (n,), generator=g, dtype=dtype)
-    got, want = moe_align_block_size(ids, E, block_m), moe_align_block_size_torch(ids, E, block_m)
+    rows = torch.full((n, 1 + seed % 80), float("nan"))  # per-slot rows: the left-out ones zeroed
+    got, want = moe_align_block_size(ids, E, block_m, zero_rows=rows), moe_align_block_size_torch(ids, E, block_m)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), (ids, a, b)
+    dropped = (ids < 0) | (ids >= E)
+    assert bool((rows[dropped] == 0).all()) and bool(rows[~dropped].isnan().all())
 
 
 def test_align_matches_vllms_documented_example():
