@@ -29,6 +29,7 @@ from .dequant import dequantize
 from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
+from .ple_mix import ple_mix
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
 from .rope import norm_rope
@@ -182,6 +183,11 @@ def _hc_write_norm(x: Tensor, out: Tensor, inj: Tensor, w: Tensor, eps: float) -
     return hc_write_norm(x, out, inj, w, eps)
 
 
+def _ple_mix(x: Tensor, k: Tensor, v: Tensor, norm_key: Tensor, norm_query: Tensor, norm_conv: Tensor,
+             taps: Tensor, window: Tensor, streams: int, eps: float, dilation: int) -> tuple[Tensor, Tensor]:
+    return ple_mix(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
+
+
 def _norm_rope(x: Tensor, w: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
     return norm_rope(x, w, eps, cos, sin)
 
@@ -195,7 +201,7 @@ def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
 
 
 for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine), ("hc_mix", _hc_mix),
-                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul),
+                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul),
                   ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)
 

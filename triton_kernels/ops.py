@@ -18,6 +18,7 @@ from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, 
                         hc_norm_torch, hc_write, hc_write_norm, hc_write_norm_torch, hc_write_torch)
 from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
+from .ple_mix import ple_mix, ple_mix_torch
 from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
 from .rope import norm_rope, norm_rope_torch
@@ -31,6 +32,7 @@ OPS = {
     "moe": (moe, moe_torch),
     "ngram_ids": (ngram_ids, ngram_ids_torch),
     "ple_gather": (ple_gather, ple_gather_torch),
+    "ple_mix": (ple_mix, ple_mix_torch),
     "qsa_scores": (qsa_scores, qsa_scores_torch),
     "qsa_attention": (qsa_attention, qsa_attention_torch),
     "stage_rows": (stage_rows, stage_rows_torch),

@@ -83,10 +83,11 @@ class NgramPLE(torch.nn.Module):
 
     def kernels(self) -> dict:
         """`mix`'s keyword arguments for this block's kernels: with Triton, the conv's step
-        and the per-stream norms as one launch each (triton_kernels.conv, hc_norm)."""
+        and the per-stream norms as one launch each (triton_kernels.conv, hc_norm), and one
+        token's whole block after its projections as one (triton_kernels.ple_mix)."""
         if self.key.kernels != "triton":
             return {}
-        return dict(conv_step=impl("conv_step", "triton"), norm=_triton_stream_norm)
+        return dict(conv_step=impl("conv_step", "triton"), norm=_triton_stream_norm, one=impl("ple_mix", "triton"))
 
     def mix_args(self) -> tuple:
         """`mix`'s arguments between the projections and the conv's window."""
@@ -101,14 +102,16 @@ def _triton_stream_norm(x: torch.Tensor, w: torch.Tensor, streams: int, eps: flo
 
 
 def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, width: int, eps: float,
-        dilation: int, window, conv_step=None, norm=stream_norm):
+        dilation: int, window, conv_step=None, norm=stream_norm, one=None):
     """The block's output added to the residual x (T, S*H), from the gathered rows e: (x, the
     conv's new window). `key` and `value` are callables giving float32 rows (the modules, or
     a compiled step's pure matmuls, strata.models.qwen4exp_step); `norm`: stream_norm's
-    form (NgramPLE.kernels: one launch with the Triton kernels)."""
+    form, `one`: the rest for one token in one launch (NgramPLE.kernels, the Triton ones)."""
     T = x.shape[0]
-    k = norm(key(e).float(), norm_key, streams, eps)
-    v = value(e).float()
+    kr, v = key(e).float(), value(e).float()
+    if one is not None and T == 1:
+        return one(x.float(), kr, v, norm_key, norm_query, norm_conv, conv, window, streams, eps, dilation)
+    k = norm(kr, norm_key, streams, eps)
     query = norm(x.float(), norm_query, streams, eps)
     gate = (k * query).sum(dim=-1, keepdim=True) / width ** 0.5
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
