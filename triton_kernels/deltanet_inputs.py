@@ -10,6 +10,10 @@ output's gated RMSNorm, one kernel each (strata.nn.deltanet says what the layer 
         v[t, h] = silu(v heads of mixed)[h]
         beta    = sigmoid(b);  g = a_coef * softplus(a + dt_bias)  (g: the log of the decay)
 
+    deltanet_conv_inputs(window, qkv (1, C), taps, b, a, dt_bias, a_coef, Hk, dk)
+        -> one token's conv step (triton_kernels.conv) and then the above in one launch,
+           and the conv's new window
+
     deltanet_gated_norm(o (T, Hv, dv), z (T, Hv * dv), w (dv,), eps)
         -> rms_norm(o over dv) * w * sigmoid(z), as rows (T, Hv * dv)
 
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .backend import use_triton
+from .conv import causal_conv_torch
 from .norms import l2norm_torch
 
 
@@ -40,17 +45,51 @@ def _silu(x):
 
 
 @triton.jit
+def _conv_mixed(x_ptr, win_ptr, taps_ptr, new_win_ptr, c, live, write, SPAN: tl.constexpr, KT: tl.constexpr):
+    """conv_step's output at channels c (its taps in its order, each product and sum rounded
+    on its own), and at the channels `write` masks the new window: [window | x] moved on by one."""
+    x = tl.load(x_ptr + c, mask=live, other=0.0)
+    y = tl.zeros(c.shape, tl.float32)
+    for j in tl.static_range(KT):  # dilation 1: column j of [window | x]
+        if j < SPAN:
+            f = tl.load(win_ptr + c * SPAN + j, mask=live, other=0.0)
+        else:
+            f = x
+        if j == 0:
+            y = f * tl.load(taps_ptr + c * KT + j, mask=live, other=0.0)
+        else:
+            y = y + f * tl.load(taps_ptr + c * KT + j, mask=live, other=0.0)
+    for p in tl.static_range(1, SPAN):
+        tl.store(new_win_ptr + c * SPAN + p - 1, tl.load(win_ptr + c * SPAN + p, mask=live, other=0.0),
+                 mask=write)
+    if SPAN > 0:
+        tl.store(new_win_ptr + c * SPAN + SPAN - 1, x, mask=write)
+    return y
+
+
+@triton.jit
 def _inputs_kernel(mixed_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-                   C, b_stride, a_stride, Hk, Hv, DK, DV, scale, eps, BK: tl.constexpr, BV: tl.constexpr):
+                   win_ptr, taps_ptr, new_win_ptr,
+                   C, b_stride, a_stride, Hk, Hv, DK, DV, scale, eps, BK: tl.constexpr, BV: tl.constexpr,
+                   CONV: tl.constexpr = False, SPAN: tl.constexpr = 0, KT: tl.constexpr = 1):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h % Hk  # the tiled head order (see the module)
     rk, rv = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = rk < DK, rv < DV
     row = mixed_ptr + t * C
-    q = _silu(tl.load(row + kh * DK + rk, mask=mk, other=0.0))
-    k = _silu(tl.load(row + (Hk + kh) * DK + rk, mask=mk, other=0.0))
-    v = _silu(tl.load(row + 2 * Hk * DK + h * DV + rv, mask=mv, other=0.0))
+    if CONV:  # one token: mixed is the conv's step over the projection's row (mixed_ptr)
+        # the key heads' channels are read by every value head of theirs; the first writes
+        # their window
+        wk = mk & (rk * 0 + h < Hk)
+        q = _silu(_conv_mixed(mixed_ptr, win_ptr, taps_ptr, new_win_ptr, kh * DK + rk, mk, wk, SPAN, KT))
+        k = _silu(_conv_mixed(mixed_ptr, win_ptr, taps_ptr, new_win_ptr, (Hk + kh) * DK + rk, mk, wk, SPAN, KT))
+        v = _silu(_conv_mixed(mixed_ptr, win_ptr, taps_ptr, new_win_ptr, 2 * Hk * DK + h * DV + rv, mv, mv,
+                              SPAN, KT))
+    else:
+        q = _silu(tl.load(row + kh * DK + rk, mask=mk, other=0.0))
+        k = _silu(tl.load(row + (Hk + kh) * DK + rk, mask=mk, other=0.0))
+        v = _silu(tl.load(row + 2 * Hk * DK + h * DV + rv, mask=mv, other=0.0))
     # rounded as torch's rsqrt is, not approximated
     q = q * (1.0 / tl.sqrt_rn(tl.sum(q * q, axis=0) + eps)) * scale
     k = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) + eps))
@@ -107,10 +146,49 @@ def deltanet_inputs(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
     v = mixed.new_empty(T, Hv, dv)
     g, beta = (mixed.new_empty(T, Hv) for _ in range(2))
     if T:
-        _inputs_kernel[(T, Hv)](mixed, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta, C,
+        _inputs_kernel[(T, Hv)](mixed, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta,
+                                mixed, mixed, mixed, C,
                                 b.stride(0), a.stride(0), k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
                                 BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv))
     return q, k, v, g, beta
+
+
+def deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int):
+    """One token's conv step and deltanet_inputs in one launch: (q, k, v, g, beta, the
+    conv's new window) from the window (C, K - 1), the projection's qkv (1, C) and the
+    taps (C, K) (dilation 1). The conv's output is conv_step's bit for bit (its taps in
+    its order, no fused multiply-add in this launch); the rest is deltanet_inputs'."""
+    _check("deltanet_conv_inputs", window=window, qkv=qkv, taps=taps)
+    C = qkv.shape[-1]
+    if qkv.shape[0] != 1 or taps.dim() != 2 or tuple(taps.shape[:1]) != (C,) or \
+            tuple(window.shape) != (C, taps.shape[1] - 1):
+        raise ValueError(f"deltanet_conv_inputs: one token's qkv (1, C), taps (C, K) and window (C, K - 1); got "
+                         f"{tuple(qkv.shape)}, {tuple(taps.shape)} and {tuple(window.shape)}")
+    if not use_triton(qkv):
+        return deltanet_conv_inputs_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk)
+    _check("deltanet_conv_inputs", b=b, a=a, dt_bias=dt_bias, a_coef=a_coef)
+    Hv = b.shape[-1]
+    dv, rest = divmod(C - 2 * k_heads * dk, Hv)
+    if rest or dv <= 0 or Hv % k_heads or a.shape != b.shape or b.shape[0] != 1:
+        raise ValueError(f"deltanet_conv_inputs: qkv {tuple(qkv.shape)} and b, a {tuple(b.shape)}, {tuple(a.shape)} "
+                         f"do not fit {k_heads} key heads of {dk} and {Hv} value heads")
+    qkv, window, taps = qkv.contiguous(), window.contiguous(), taps.contiguous()
+    b, a = (x if x.stride(-1) == 1 else x.contiguous() for x in (b, a))
+    q, k = (qkv.new_empty(1, Hv, dk) for _ in range(2))
+    v = qkv.new_empty(1, Hv, dv)
+    g, beta = (qkv.new_empty(1, Hv) for _ in range(2))
+    new = torch.empty_like(window)
+    _inputs_kernel[(1, Hv)](qkv, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta,
+                            window, taps, new, C, b.stride(0), a.stride(0), k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
+                            BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+                            CONV=True, SPAN=window.shape[1], KT=taps.shape[1], enable_fp_fusion=False)
+    return q, k, v, g, beta, new
+
+
+def deltanet_conv_inputs_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int):
+    """conv_step in torch, then deltanet_inputs_torch."""
+    mixed, new = causal_conv_torch(window, qkv, taps)
+    return (*deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads, dk), new)
 
 
 def deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):

@@ -24,7 +24,7 @@ import quant
 
 from .conv import conv_step
 from .deltanet import deltanet_step
-from .deltanet_inputs import deltanet_gated_norm, deltanet_inputs
+from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
 from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
@@ -142,11 +142,17 @@ def _deltanet_inputs(mixed: Tensor, b: Tensor, a: Tensor, dt_bias: Tensor, a_coe
     return deltanet_inputs(mixed, b, a, dt_bias, a_coef, k_heads, dk)
 
 
+def _deltanet_conv_inputs(window: Tensor, qkv: Tensor, taps: Tensor, b: Tensor, a: Tensor, dt_bias: Tensor,
+                          a_coef: Tensor, k_heads: int, dk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk)
+
+
 def _deltanet_gated_norm(o: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
     return deltanet_gated_norm(o, z, w, eps)
 
 
 OPS["deltanet_inputs"] = _register("deltanet_inputs", _deltanet_inputs)
+OPS["deltanet_conv_inputs"] = _register("deltanet_conv_inputs", _deltanet_conv_inputs)
 OPS["deltanet_gated_norm"] = _register("deltanet_gated_norm", _deltanet_gated_norm)
 
 
@@ -244,10 +250,15 @@ _CALLS = {
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),
+    "deltanet_conv_inputs": lambda window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk:
+        OPS["deltanet_conv_inputs"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk),
     "deltanet_gated_norm": lambda o, z, w, eps: OPS["deltanet_gated_norm"](o, z, w, eps),
     "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
     "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
+    "hc_mix": lambda both, w_up, xn, rank, streams: OPS["hc_mix"](both, w_up, xn, rank, streams),
+    "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation:
+        OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
     "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
     "hc_write_norm": lambda x, out, inj, w, eps: OPS["hc_write_norm"](x, out, inj, w, eps),

@@ -11,8 +11,8 @@ import torch
 
 from .conv import conv_step, conv_step_torch
 from .deltanet import deltanet_step, deltanet_step_torch
-from .deltanet_inputs import (deltanet_gated_norm, deltanet_gated_norm_torch, deltanet_inputs,
-                              deltanet_inputs_torch)
+from .deltanet_inputs import (deltanet_conv_inputs, deltanet_conv_inputs_torch, deltanet_gated_norm,
+                              deltanet_gated_norm_torch, deltanet_inputs, deltanet_inputs_torch)
 from .dequant import dequantize, dequantize_torch
 from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_mix, hc_mix_torch, hc_norm,
                         hc_norm_torch, hc_write, hc_write_norm, hc_write_norm_torch, hc_write_torch)
@@ -38,6 +38,7 @@ OPS = {
     "stage_rows": (stage_rows, stage_rows_torch),
     "deltanet_step": (deltanet_step, deltanet_step_torch),
     "deltanet_inputs": (deltanet_inputs, deltanet_inputs_torch),
+    "deltanet_conv_inputs": (deltanet_conv_inputs, deltanet_conv_inputs_torch),
     "deltanet_gated_norm": (deltanet_gated_norm, deltanet_gated_norm_torch),
     "conv_step": (conv_step, conv_step_torch),
     "hc_norm": (hc_norm, hc_norm_torch),

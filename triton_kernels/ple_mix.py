@@ -93,8 +93,11 @@ def ple_mix(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.T
         return ple_mix_torch(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
     out, new = torch.empty_like(x), torch.empty_like(window)
     args = [t.contiguous() for t in (x, k, v, norm_key, norm_query, norm_conv, taps, window)]
+    bh = triton.next_power_of_2(H)
+    # a whole stream a program: 8 warps from 2048 channels (202 registers a thread at 4, 110
+    # at 8 for sm_90), 16 past 4096
     _ple_mix_kernel[(streams,)](*args, out, new, H, eps, float(H ** 0.5), SPAN=window.shape[1], K=Kt,
-                                DIL=dilation, BH=triton.next_power_of_2(H))
+                                DIL=dilation, BH=bh, num_warps=4 if bh < 2048 else 8 if bh <= 4096 else 16)
     return out, new
 
 
