@@ -45,9 +45,10 @@ def _silu(x):
 
 
 @triton.jit
-def _conv_mixed(x_ptr, win_ptr, taps_ptr, new_win_ptr, c, live, write, SPAN: tl.constexpr, KT: tl.constexpr):
+def _conv_mixed(x_ptr, win_ptr, taps_ptr, new_win_ptr, c, live, SPAN: tl.constexpr, KT: tl.constexpr):
     """conv_step's output at channels c (its taps in its order, each product and sum rounded
-    on its own), and at the channels `write` masks the new window: [window | x] moved on by one."""
+    on its own), and the channels' new window: [window | x] moved on by one (each element
+    read before it is written: in place too)."""
     x = tl.load(x_ptr + c, mask=live, other=0.0)
     y = tl.zeros(c.shape, tl.float32)
     for j in tl.static_range(KT):  # dilation 1: column j of [window | x]
@@ -61,35 +62,24 @@ def _conv_mixed(x_ptr, win_ptr, taps_ptr, new_win_ptr, c, live, write, SPAN: tl.
             y = y + f * tl.load(taps_ptr + c * KT + j, mask=live, other=0.0)
     for p in tl.static_range(1, SPAN):
         tl.store(new_win_ptr + c * SPAN + p - 1, tl.load(win_ptr + c * SPAN + p, mask=live, other=0.0),
-                 mask=write)
+                 mask=live)
     if SPAN > 0:
-        tl.store(new_win_ptr + c * SPAN + SPAN - 1, x, mask=write)
+        tl.store(new_win_ptr + c * SPAN + SPAN - 1, x, mask=live)
     return y
 
 
 @triton.jit
 def _inputs_kernel(mixed_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-                   win_ptr, taps_ptr, new_win_ptr,
-                   C, b_stride, a_stride, Hk, Hv, DK, DV, scale, eps, BK: tl.constexpr, BV: tl.constexpr,
-                   CONV: tl.constexpr = False, SPAN: tl.constexpr = 0, KT: tl.constexpr = 1):
+                   C, b_stride, a_stride, Hk, Hv, DK, DV, scale, eps, BK: tl.constexpr, BV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h % Hk  # the tiled head order (see the module)
     rk, rv = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = rk < DK, rv < DV
     row = mixed_ptr + t * C
-    if CONV:  # one token: mixed is the conv's step over the projection's row (mixed_ptr)
-        # the key heads' channels are read by every value head of theirs; the first writes
-        # their window
-        wk = mk & (rk * 0 + h < Hk)
-        q = _silu(_conv_mixed(mixed_ptr, win_ptr, taps_ptr, new_win_ptr, kh * DK + rk, mk, wk, SPAN, KT))
-        k = _silu(_conv_mixed(mixed_ptr, win_ptr, taps_ptr, new_win_ptr, (Hk + kh) * DK + rk, mk, wk, SPAN, KT))
-        v = _silu(_conv_mixed(mixed_ptr, win_ptr, taps_ptr, new_win_ptr, 2 * Hk * DK + h * DV + rv, mv, mv,
-                              SPAN, KT))
-    else:
-        q = _silu(tl.load(row + kh * DK + rk, mask=mk, other=0.0))
-        k = _silu(tl.load(row + (Hk + kh) * DK + rk, mask=mk, other=0.0))
-        v = _silu(tl.load(row + 2 * Hk * DK + h * DV + rv, mask=mv, other=0.0))
+    q = _silu(tl.load(row + kh * DK + rk, mask=mk, other=0.0))
+    k = _silu(tl.load(row + (Hk + kh) * DK + rk, mask=mk, other=0.0))
+    v = _silu(tl.load(row + 2 * Hk * DK + h * DV + rv, mask=mv, other=0.0))
     # rounded as torch's rsqrt is, not approximated
     q = q * (1.0 / tl.sqrt_rn(tl.sum(q * q, axis=0) + eps)) * scale
     k = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) + eps))
@@ -97,15 +87,42 @@ def _inputs_kernel(mixed_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v_pt
     tl.store(q_ptr + out * DK + rk, q, mask=mk)
     tl.store(k_ptr + out * DK + rk, k, mask=mk)
     tl.store(v_ptr + out * DV + rv, v, mask=mv)
-    b = tl.load(b_ptr + t * b_stride + h)
+    _beta_g(b_ptr + t * b_stride, a_ptr + t * a_stride, dt_ptr, coef_ptr, g_ptr, beta_ptr, h, out)
+
+
+@triton.jit
+def _beta_g(b_row, a_row, dt_ptr, coef_ptr, g_ptr, beta_ptr, h, out):
+    b = tl.load(b_row + h)
     tl.store(beta_ptr + out, 1.0 / (1.0 + tl.exp(-b)))
-    x = tl.load(a_ptr + t * a_stride + h) + tl.load(dt_ptr + h)
+    x = tl.load(a_row + h) + tl.load(dt_ptr + h)
     # softplus as torch's (threshold 20), log1p(e) by Goldberg's log(u) e / (u - 1), u = 1 + e,
     # exact to a few ulp where e is below float32's epsilon and log(1 + e) would round to 0
     e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
     tl.store(g_ptr + out, tl.load(coef_ptr + h) * tl.where(x > 20.0, x, log1p))
+
+
+@triton.jit
+def _conv_inputs_kernel(qkv_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+                        win_ptr, taps_ptr, new_win_ptr, Hk, Hv, DK, DV, scale, eps,
+                        BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr, KT: tl.constexpr):
+    # one token; a program a key head and its value heads h = kh, kh + Hk, ... (the tiled
+    # order): every channel's conv and window are one program's, so the window may be
+    # moved on in place (new_win_ptr == win_ptr)
+    kh = tl.program_id(0)
+    rk, rv = tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv = rk < DK, rv < DV
+    q = _silu(_conv_mixed(qkv_ptr, win_ptr, taps_ptr, new_win_ptr, kh * DK + rk, mk, SPAN, KT))
+    k = _silu(_conv_mixed(qkv_ptr, win_ptr, taps_ptr, new_win_ptr, (Hk + kh) * DK + rk, mk, SPAN, KT))
+    q = q * (1.0 / tl.sqrt_rn(tl.sum(q * q, axis=0) + eps)) * scale
+    k = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) + eps))
+    for h in range(kh, Hv, Hk):
+        tl.store(q_ptr + h * DK + rk, q, mask=mk)
+        tl.store(k_ptr + h * DK + rk, k, mask=mk)
+        v = _silu(_conv_mixed(qkv_ptr, win_ptr, taps_ptr, new_win_ptr, 2 * Hk * DK + h * DV + rv, mv, SPAN, KT))
+        tl.store(v_ptr + h * DV + rv, v, mask=mv)
+        _beta_g(b_ptr, a_ptr, dt_ptr, coef_ptr, g_ptr, beta_ptr, h, h)
 
 
 @triton.jit
@@ -146,18 +163,19 @@ def deltanet_inputs(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
     v = mixed.new_empty(T, Hv, dv)
     g, beta = (mixed.new_empty(T, Hv) for _ in range(2))
     if T:
-        _inputs_kernel[(T, Hv)](mixed, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta,
-                                mixed, mixed, mixed, C,
+        _inputs_kernel[(T, Hv)](mixed, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta, C,
                                 b.stride(0), a.stride(0), k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
                                 BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv))
     return q, k, v, g, beta
 
 
-def deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int):
+def deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int,
+                         in_place: bool = False):
     """One token's conv step and deltanet_inputs in one launch: (q, k, v, g, beta, the
     conv's new window) from the window (C, K - 1), the projection's qkv (1, C) and the
     taps (C, K) (dilation 1). The conv's output is conv_step's bit for bit (its taps in
-    its order, no fused multiply-add in this launch); the rest is deltanet_inputs'."""
+    its order, no fused multiply-add in this launch); the rest is deltanet_inputs'.
+    in_place: the new window written over `window` (contiguous) and returned."""
     _check("deltanet_conv_inputs", window=window, qkv=qkv, taps=taps)
     C = qkv.shape[-1]
     if qkv.shape[0] != 1 or taps.dim() != 2 or tuple(taps.shape[:1]) != (C,) or \
@@ -172,22 +190,27 @@ def deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int,
     if rest or dv <= 0 or Hv % k_heads or a.shape != b.shape or b.shape[0] != 1:
         raise ValueError(f"deltanet_conv_inputs: qkv {tuple(qkv.shape)} and b, a {tuple(b.shape)}, {tuple(a.shape)} "
                          f"do not fit {k_heads} key heads of {dk} and {Hv} value heads")
+    if in_place and not window.is_contiguous():
+        raise ValueError("deltanet_conv_inputs: in_place needs a contiguous window")
     qkv, window, taps = qkv.contiguous(), window.contiguous(), taps.contiguous()
-    b, a = (x if x.stride(-1) == 1 else x.contiguous() for x in (b, a))
+    b, a = (x.contiguous() for x in (b, a))
     q, k = (qkv.new_empty(1, Hv, dk) for _ in range(2))
     v = qkv.new_empty(1, Hv, dv)
     g, beta = (qkv.new_empty(1, Hv) for _ in range(2))
-    new = torch.empty_like(window)
-    _inputs_kernel[(1, Hv)](qkv, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta,
-                            window, taps, new, C, b.stride(0), a.stride(0), k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
-                            BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
-                            CONV=True, SPAN=window.shape[1], KT=taps.shape[1], enable_fp_fusion=False)
+    new = window if in_place else torch.empty_like(window)
+    _conv_inputs_kernel[(k_heads,)](qkv, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta,
+                                    window, taps, new, k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
+                                    BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+                                    SPAN=window.shape[1], KT=taps.shape[1], enable_fp_fusion=False)
     return q, k, v, g, beta, new
 
 
-def deltanet_conv_inputs_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int):
+def deltanet_conv_inputs_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int,
+                               in_place: bool = False):
     """conv_step in torch, then deltanet_inputs_torch."""
     mixed, new = causal_conv_torch(window, qkv, taps)
+    if in_place:
+        new = window.copy_(new)
     return (*deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads, dk), new)
 
 

@@ -60,6 +60,7 @@ from strata.nn.ple import mix
 from strata.nn.rope import rotate
 from strata.runtime.graphs import enabled
 from triton_kernels import backend, invariant
+from triton_kernels.ops import impl
 
 
 def _write(st: AttentionState, name: str, x: torch.Tensor, at: torch.Tensor) -> None:
@@ -105,12 +106,20 @@ class _Where:
         return self._causal
 
 
+def _norm_rope(m, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, Hx, D) RMS-normed per head by w and roped on its first m.rope.dim dims: (Hx, T, D);
+    with the Triton kernels one launch (triton_kernels.rope), else torch's seven."""
+    if m.kernels == "triton":
+        return impl("norm_rope", "triton")(x, w, m.eps, cos, sin)
+    return rotate(_heads_norm(x, w, m.eps).transpose(0, 1), cos, sin, m.rope.dim)
+
+
 def _pool(m, st: AttentionState, at: _Where) -> None:
     """Write the pooled indexer key of the block each position lies in: the mean of its
     raw keys, normed, roped at its first position (GatedAttention._blocks)."""
     rows = at.pool_at                                                            # (T, r)
     raw = _rows(st._idx[rows], None if st._is is None else st._is[rows]).mean(dim=1)  # (T, d)
-    key = rotate(_heads_norm(raw, m.idx_k_norm, m.eps).unsqueeze(0), at.pool_cos, at.pool_sin, m.rope.dim)[0]
+    key = _norm_rope(m, raw.unsqueeze(1), m.idx_k_norm, at.pool_cos, at.pool_sin)[0]
     st._blocks.index_copy_(0, at.block, key)
 
 
@@ -119,7 +128,7 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     T, keep = q.shape[1], min(m.budget // m.ratio, st._blocks.shape[0])
     _pool(m, st, at)
     qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
-    qi = rotate(_heads_norm(qi, m.idx_q_norm, m.eps).transpose(0, 1), at.cos, at.sin, m.rope.dim)
+    qi = _norm_rope(m, qi, m.idx_q_norm, at.cos, at.sin)
     blocks = st._blocks                                                          # (NB, d)
     if invariant.enabled():
         scores = invariant.scores(qi, blocks)
@@ -187,9 +196,10 @@ def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
     Hk, Hv, dk, dv = heads = m.k_heads, m.v_heads, m.dk, m.dv
     qkv, z, b, g = m.proj(a).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
     q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
-                                                m.proj.kernels)
+                                                m.proj.kernels, in_place=True)
     o = deltanet.recurrent(q, k, v, g, beta, st.rec, m.recurrence(a.device)[1])
-    st.conv.copy_(window)
+    if window is not st.conv:  # (one token's Triton step moves it on in place)
+        st.conv.copy_(window)
     if rows is not None:
         rows.append((qkv, q, k, v, g, beta))
     return m.out(m.gated_norm(o, z))

@@ -19,7 +19,8 @@ against float64 (u = 2^-24, gamma(n) = n u / (1 - n u)):
 - deltanet_conv_inputs (one token): the conv's output is conv_step's bit for bit (the same
   taps in the same order, no fused multiply-add: checked equal to conv_step_torch's), so
   q, k, v, g and beta take the bounds above with `mixed` that output; the new window is
-  conv_step's exactly.
+  conv_step's exactly, also where it is written over the old one (in place, one program
+  owning each channel).
 Each row is computed by its own program: a row's result is the same in any batch (checked
 bit for bit, the first row alone against the batch)."""
 from __future__ import annotations
@@ -113,6 +114,11 @@ def test_the_conv_and_inputs_in_one_launch_within_the_float32_bound(Hk, rep, dk,
     want = deltanet_inputs(mixed, b, a, dt_bias, a_coef, Hk, dk)
     got = deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, Hk, dk)
     assert torch.equal(got[2], want[2])
+    # in place (a CUDA graph's window): the same outputs, the window moved on where it lies
+    held = window.clone()
+    again = deltanet_conv_inputs(held, qkv, taps, b, a, dt_bias, a_coef, Hk, dk, in_place=True)
+    assert again[5] is held and torch.equal(held, new64)
+    assert all(torch.equal(x, y) for x, y in zip(again[:5], got[:5]))
 
 
 @settings(max_examples=examples(20), deadline=None)
