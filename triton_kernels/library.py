@@ -33,7 +33,7 @@ from .ple_mix import ple_mix
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
 from .rope import norm_rope
-from .shared_expert import gated_add, silu_mul
+from .shared_expert import gated_add, sigmoid_mul, silu_mul
 from .stage import stage_rows
 
 Tensor = torch.Tensor
@@ -202,12 +202,16 @@ def _silu_mul(g: Tensor, u: Tensor) -> Tensor:
     return silu_mul(g, u)
 
 
+def _sigmoid_mul(g: Tensor, u: Tensor) -> Tensor:
+    return sigmoid_mul(g, u)
+
+
 def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
     return gated_add(a, gate, b)
 
 
 for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine), ("hc_mix", _hc_mix),
-                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul),
+                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul), ("sigmoid_mul", _sigmoid_mul),
                   ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)
 
@@ -264,5 +268,6 @@ _CALLS = {
     "hc_write_norm": lambda x, out, inj, w, eps: OPS["hc_write_norm"](x, out, inj, w, eps),
     "norm_rope": lambda x, w, eps, cos, sin: OPS["norm_rope"](x, w, eps, cos, sin),
     "silu_mul": lambda g, u: OPS["silu_mul"](g, u),
+    "sigmoid_mul": lambda g, u: OPS["sigmoid_mul"](g, u),
     "gated_add": lambda a, gate, b: OPS["gated_add"](a, gate, b),
 }

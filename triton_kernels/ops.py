@@ -22,7 +22,7 @@ from .ple_mix import ple_mix, ple_mix_torch
 from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
 from .rope import norm_rope, norm_rope_torch
-from .shared_expert import gated_add, gated_add_torch, silu_mul, silu_mul_torch
+from .shared_expert import gated_add, gated_add_torch, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
 from .stage import stage_rows, stage_rows_torch
 
 OPS = {
@@ -49,6 +49,7 @@ OPS = {
     "hc_write_norm": (hc_write_norm, hc_write_norm_torch),
     "norm_rope": (norm_rope, norm_rope_torch),
     "silu_mul": (silu_mul, silu_mul_torch),
+    "sigmoid_mul": (sigmoid_mul, sigmoid_mul_torch),
     "gated_add": (gated_add, gated_add_torch),
 }
 

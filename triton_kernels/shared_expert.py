@@ -2,6 +2,7 @@
 kernel each:
 
     silu_mul(g (T, I), u (T, I))                          -> silu(g) * u (T, I), float32
+    sigmoid_mul(g (T, N), u (T, N))                       -> sigmoid(g) * u (the same kernel)
     gated_add(routed (T, H), gate (T, 1), shared (T, H))  -> routed + sigmoid(gate) * shared
                      routed (T, k, H): the MoE's per-slot rows, summed first (in slot order):
                      the routed experts' sum in this launch, not one of its own
@@ -27,13 +28,17 @@ BLOCK = 1024  # columns a program
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr,
+                     SILU: tl.constexpr = True):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = c < N
     g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0)
     u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0)
-    tl.store(out_ptr + t * N + c, g / (1.0 + tl.exp(-g)) * u, mask=live)
+    if SILU:
+        tl.store(out_ptr + t * N + c, g / (1.0 + tl.exp(-g)) * u, mask=live)
+    else:  # sigmoid_mul
+        tl.store(out_ptr + t * N + c, (1.0 / (1.0 + tl.exp(-g))) * u, mask=live)
 
 
 @triton.jit
@@ -61,15 +66,31 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g) * u for g, u (T, N): (T, N) float32."""
     if not use_triton(g):
         return silu_mul_torch(g, u)
-    _rows("silu_mul", g, u)
+    return _gate_mul("silu_mul", g, u, True)
+
+
+def sigmoid_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sigmoid(g) * u for g, u (T, N): (T, N) float32 (the gated attention's output gate,
+    strata.nn.gated_attention.finish: two launches in torch)."""
+    if not use_triton(g):
+        return sigmoid_mul_torch(g, u)
+    return _gate_mul("sigmoid_mul", g, u, False)
+
+
+def _gate_mul(name: str, g: torch.Tensor, u: torch.Tensor, silu: bool) -> torch.Tensor:
+    _rows(name, g, u)
     if g.shape != u.shape:
-        raise ValueError(f"silu_mul: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
+        raise ValueError(f"{name}: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
     T, N = g.shape
     out = g.new_empty(T, N)
     if out.numel():
         bn = min(BLOCK, triton.next_power_of_2(N))
-        _silu_mul_kernel[(T, triton.cdiv(N, bn))](g, u, out, N, g.stride(0), u.stride(0), BLOCK_N=bn)
+        _silu_mul_kernel[(T, triton.cdiv(N, bn))](g, u, out, N, g.stride(0), u.stride(0), BLOCK_N=bn, SILU=silu)
     return out
+
+
+def sigmoid_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return u * torch.sigmoid(g)
 
 
 def silu_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -176,7 +176,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
         vals = _rows(st._v, None if scales is None else scales[1])
         T = q.shape[1]
         out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal())
-    return m.o(finish(out, gate))
+    return m.o(finish(out, gate, m.kernels))
 
 
 def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:

@@ -70,6 +70,7 @@ def cases():
                      1e-6, 3)),
         ("norm_rope", (torch.randn(2, 3, 2 * 16)[..., :16], torch.randn(16), 1e-6, torch.randn(2, 8), torch.randn(2, 8))),
         ("silu_mul", (torch.randn(2, 40)[:, :20], torch.randn(2, 40)[:, 20:])),
+        ("sigmoid_mul", (torch.randn(2, 40)[:, :20], torch.randn(2, 20))),
         ("gated_add", (torch.randn(2, 24), torch.randn(2, 25)[:, 24:], torch.randn(2, 24))),
         ("gated_add", (torch.randn(2, 3, 24), torch.randn(2, 25)[:, 24:], torch.randn(2, 24))),
     ]
