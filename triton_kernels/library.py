@@ -34,7 +34,7 @@ from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
 from .rope import norm_rope
 from .shared_expert import gated_add, sigmoid_mul, silu_mul
-from .stage import stage_rows
+from .stage import cache_lookup, stage_rows
 
 Tensor = torch.Tensor
 
@@ -128,6 +128,13 @@ OPS = {name: _register(name, f) for name, f in (
     ("ngram_ids", _ngram_ids), ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
     ("qsa_attention", _qsa_attention))}
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
+
+
+def _cache_lookup(ids: Tensor, lut: Tensor, routed: Tensor, missed: Tensor, first: int) -> tuple[Tensor, Tensor]:
+    return cache_lookup(ids, lut, routed, missed, first)
+
+
+OPS["cache_lookup"] = _register("cache_lookup", _cache_lookup, mutates=("routed", "missed"))
 
 
 def _deltanet_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
@@ -251,6 +258,7 @@ _CALLS = {
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](src, dst, ids, slots, first),
+    "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),

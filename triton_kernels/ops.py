@@ -23,7 +23,7 @@ from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
 from .rope import norm_rope, norm_rope_torch
 from .shared_expert import gated_add, gated_add_torch, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
-from .stage import stage_rows, stage_rows_torch
+from .stage import cache_lookup, cache_lookup_torch, stage_rows, stage_rows_torch
 
 OPS = {
     "qmatmul": (qmatmul, qmatmul_torch),
@@ -36,6 +36,7 @@ OPS = {
     "qsa_scores": (qsa_scores, qsa_scores_torch),
     "qsa_attention": (qsa_attention, qsa_attention_torch),
     "stage_rows": (stage_rows, stage_rows_torch),
+    "cache_lookup": (cache_lookup, cache_lookup_torch),
     "deltanet_step": (deltanet_step, deltanet_step_torch),
     "deltanet_inputs": (deltanet_inputs, deltanet_inputs_torch),
     "deltanet_conv_inputs": (deltanet_conv_inputs, deltanet_conv_inputs_torch),

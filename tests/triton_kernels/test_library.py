@@ -50,6 +50,8 @@ def cases():
         ("qsa_attention", (qh, kh, vh, sel, 21, 4, None, None, 16)),
         ("stage_rows", (torch.arange(40, dtype=torch.uint8).reshape(5, 8), torch.zeros(4, 8, dtype=torch.uint8),
                         torch.tensor([4, 0]), torch.tensor([-1, 2]), 1)),
+        ("cache_lookup", (torch.tensor([3, 0, 3], dtype=torch.int32), torch.tensor([-1, 1, -1, 0]),
+                          torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), 2)),
         ("deltanet_step", (torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 16), -torch.rand(2),
                            torch.rand(2), torch.randn(2, 8, 16))),
         ("deltanet_inputs", (torch.randn(2, 2 * 8 + 4 * 6), torch.randn(2, 4), torch.randn(2, 4), torch.randn(4),
