@@ -10,6 +10,10 @@ output's gated RMSNorm, one kernel each (strata.nn.deltanet says what the layer 
         v[t, h] = silu(v heads of mixed)[h]
         beta    = sigmoid(b);  g = a_coef * softplus(a + dt_bias)  (g: the log of the decay)
 
+    deltanet_conv_inputs(window, qkv (1, C), taps, b, a, dt_bias, a_coef, Hk, dk)
+        -> one token's conv step (triton_kernels.conv) and then the above in one launch,
+           and the conv's new window
+
     deltanet_gated_norm(o (T, Hv, dv), z (T, Hv * dv), w (dv,), eps)
         -> rms_norm(o over dv) * w * sigmoid(z), as rows (T, Hv * dv)
 
@@ -31,12 +35,37 @@ import triton
 import triton.language as tl
 
 from .backend import use_triton
+from .conv import causal_conv_torch
 from .norms import l2norm_torch
 
 
 @triton.jit
 def _silu(x):
     return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _conv_mixed(x_ptr, win_ptr, taps_ptr, new_win_ptr, c, live, SPAN: tl.constexpr, KT: tl.constexpr):
+    """conv_step's output at channels c (its taps in its order, each product and sum rounded
+    on its own), and the channels' new window: [window | x] moved on by one (each element
+    read before it is written: in place too)."""
+    x = tl.load(x_ptr + c, mask=live, other=0.0)
+    y = tl.zeros(c.shape, tl.float32)
+    for j in tl.static_range(KT):  # dilation 1: column j of [window | x]
+        if j < SPAN:
+            f = tl.load(win_ptr + c * SPAN + j, mask=live, other=0.0)
+        else:
+            f = x
+        if j == 0:
+            y = f * tl.load(taps_ptr + c * KT + j, mask=live, other=0.0)
+        else:
+            y = y + f * tl.load(taps_ptr + c * KT + j, mask=live, other=0.0)
+    for p in tl.static_range(1, SPAN):
+        tl.store(new_win_ptr + c * SPAN + p - 1, tl.load(win_ptr + c * SPAN + p, mask=live, other=0.0),
+                 mask=live)
+    if SPAN > 0:
+        tl.store(new_win_ptr + c * SPAN + SPAN - 1, x, mask=live)
+    return y
 
 
 @triton.jit
@@ -58,15 +87,42 @@ def _inputs_kernel(mixed_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v_pt
     tl.store(q_ptr + out * DK + rk, q, mask=mk)
     tl.store(k_ptr + out * DK + rk, k, mask=mk)
     tl.store(v_ptr + out * DV + rv, v, mask=mv)
-    b = tl.load(b_ptr + t * b_stride + h)
+    _beta_g(b_ptr + t * b_stride, a_ptr + t * a_stride, dt_ptr, coef_ptr, g_ptr, beta_ptr, h, out)
+
+
+@triton.jit
+def _beta_g(b_row, a_row, dt_ptr, coef_ptr, g_ptr, beta_ptr, h, out):
+    b = tl.load(b_row + h)
     tl.store(beta_ptr + out, 1.0 / (1.0 + tl.exp(-b)))
-    x = tl.load(a_ptr + t * a_stride + h) + tl.load(dt_ptr + h)
+    x = tl.load(a_row + h) + tl.load(dt_ptr + h)
     # softplus as torch's (threshold 20), log1p(e) by Goldberg's log(u) e / (u - 1), u = 1 + e,
     # exact to a few ulp where e is below float32's epsilon and log(1 + e) would round to 0
     e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
     tl.store(g_ptr + out, tl.load(coef_ptr + h) * tl.where(x > 20.0, x, log1p))
+
+
+@triton.jit
+def _conv_inputs_kernel(qkv_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+                        win_ptr, taps_ptr, new_win_ptr, Hk, Hv, DK, DV, scale, eps,
+                        BK: tl.constexpr, BV: tl.constexpr, SPAN: tl.constexpr, KT: tl.constexpr):
+    # one token; a program a key head and its value heads h = kh, kh + Hk, ... (the tiled
+    # order): every channel's conv and window are one program's, so the window may be
+    # moved on in place (new_win_ptr == win_ptr)
+    kh = tl.program_id(0)
+    rk, rv = tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv = rk < DK, rv < DV
+    q = _silu(_conv_mixed(qkv_ptr, win_ptr, taps_ptr, new_win_ptr, kh * DK + rk, mk, SPAN, KT))
+    k = _silu(_conv_mixed(qkv_ptr, win_ptr, taps_ptr, new_win_ptr, (Hk + kh) * DK + rk, mk, SPAN, KT))
+    q = q * (1.0 / tl.sqrt_rn(tl.sum(q * q, axis=0) + eps)) * scale
+    k = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) + eps))
+    for h in range(kh, Hv, Hk):
+        tl.store(q_ptr + h * DK + rk, q, mask=mk)
+        tl.store(k_ptr + h * DK + rk, k, mask=mk)
+        v = _silu(_conv_mixed(qkv_ptr, win_ptr, taps_ptr, new_win_ptr, 2 * Hk * DK + h * DV + rv, mv, SPAN, KT))
+        tl.store(v_ptr + h * DV + rv, v, mask=mv)
+        _beta_g(b_ptr, a_ptr, dt_ptr, coef_ptr, g_ptr, beta_ptr, h, h)
 
 
 @triton.jit
@@ -111,6 +167,51 @@ def deltanet_inputs(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
                                 b.stride(0), a.stride(0), k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
                                 BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv))
     return q, k, v, g, beta
+
+
+def deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int,
+                         in_place: bool = False):
+    """One token's conv step and deltanet_inputs in one launch: (q, k, v, g, beta, the
+    conv's new window) from the window (C, K - 1), the projection's qkv (1, C) and the
+    taps (C, K) (dilation 1). The conv's output is conv_step's bit for bit (its taps in
+    its order, no fused multiply-add in this launch); the rest is deltanet_inputs'.
+    in_place: the new window written over `window` (contiguous) and returned."""
+    _check("deltanet_conv_inputs", window=window, qkv=qkv, taps=taps)
+    C = qkv.shape[-1]
+    if qkv.shape[0] != 1 or taps.dim() != 2 or tuple(taps.shape[:1]) != (C,) or \
+            tuple(window.shape) != (C, taps.shape[1] - 1):
+        raise ValueError(f"deltanet_conv_inputs: one token's qkv (1, C), taps (C, K) and window (C, K - 1); got "
+                         f"{tuple(qkv.shape)}, {tuple(taps.shape)} and {tuple(window.shape)}")
+    if not use_triton(qkv):
+        return deltanet_conv_inputs_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk)
+    _check("deltanet_conv_inputs", b=b, a=a, dt_bias=dt_bias, a_coef=a_coef)
+    Hv = b.shape[-1]
+    dv, rest = divmod(C - 2 * k_heads * dk, Hv)
+    if rest or dv <= 0 or Hv % k_heads or a.shape != b.shape or b.shape[0] != 1:
+        raise ValueError(f"deltanet_conv_inputs: qkv {tuple(qkv.shape)} and b, a {tuple(b.shape)}, {tuple(a.shape)} "
+                         f"do not fit {k_heads} key heads of {dk} and {Hv} value heads")
+    if in_place and not window.is_contiguous():
+        raise ValueError("deltanet_conv_inputs: in_place needs a contiguous window")
+    qkv, window, taps = qkv.contiguous(), window.contiguous(), taps.contiguous()
+    b, a = (x.contiguous() for x in (b, a))
+    q, k = (qkv.new_empty(1, Hv, dk) for _ in range(2))
+    v = qkv.new_empty(1, Hv, dv)
+    g, beta = (qkv.new_empty(1, Hv) for _ in range(2))
+    new = window if in_place else torch.empty_like(window)
+    _conv_inputs_kernel[(k_heads,)](qkv, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta,
+                                    window, taps, new, k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
+                                    BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+                                    SPAN=window.shape[1], KT=taps.shape[1], enable_fp_fusion=False)
+    return q, k, v, g, beta, new
+
+
+def deltanet_conv_inputs_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int,
+                               in_place: bool = False):
+    """conv_step in torch, then deltanet_inputs_torch."""
+    mixed, new = causal_conv_torch(window, qkv, taps)
+    if in_place:
+        new = window.copy_(new)
+    return (*deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads, dk), new)
 
 
 def deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):

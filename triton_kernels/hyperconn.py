@@ -8,13 +8,18 @@
                                                  weights 2 sigmoid(both[:, R:] / S) (T, S)
     hc_combine(up (T, S*H), xn (T, S*H), S)   -> the block's input (T, H): the mean over
                                                  streams of sigmoid(up) * xn
+    hc_mix(both, w_up (S*H, R), xn, R, S)     -> hc_gates, the up projection by w_up (the
+                                                 weight dequantized, float32) and hc_combine
+                                                 in one launch: (the block's input (T, H),
+                                                 the injection weights (T, S) or (T, 0))
     hc_write(x (T, S*H), out (T, H), inj (T, S)) -> x + inj * out in every stream
     hc_write_norm(x, out, inj, w, eps)        -> hc_write's result and its hc_norm by the
                                                  next read's weight: a block's write and the
                                                  following block's norm in one launch
 
 In torch a read is nine launches beside its GEMVs and a write two or three; here a read is
-three and a write one, so that a decode step of Flash-Next launches about 14 fewer kernels
+three and a write one (a read two and one GEMV with hc_mix, whose program multiplies its
+columns' rows of the small up weight itself), so that a decode step of Flash-Next launches about 14 fewer kernels
 a layer. Each program reads one token's row, so a row's result does not depend on the rows
 beside it (a decode and a verify agree). All float32. Not bit for bit with the torch twins:
 the norm's sum and the streams' mean add in another order, and exp, the square root and a
@@ -31,6 +36,7 @@ import triton.language as tl
 from .backend import use_triton
 
 BLOCK = 1024  # columns a program of hc_combine and hc_write
+MIX_TILE = 4096  # weights of w_up a program of hc_mix holds at once (BLOCK_H x rank)
 
 
 @triton.jit
@@ -66,6 +72,32 @@ def _combine_kernel(up_ptr, xn_ptr, out_ptr, S, H, BS: tl.constexpr, BLOCK_H: tl
     xn = tl.load(xn_ptr + at, mask=live, other=0.0)
     m = xn / (1.0 + tl.exp(-u))
     tl.store(out_ptr + t * H + h, tl.sum(tl.where(live, m, 0.0), axis=0) / S, mask=h < H)
+
+
+@triton.jit
+def _mix_kernel(both_ptr, w_ptr, xn_ptr, out_ptr, inj_ptr, R, C, S, H,
+                BR: tl.constexpr, BC: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    r = tl.arange(0, BR)
+    v = tl.load(both_ptr + t * C + r, mask=r < R, other=0.0) / S
+    a = v * (1.0 / (1.0 + tl.exp(-v)))  # _gates_kernel's silu, recomputed by each program
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    live = h < H
+    wmask = live[:, None] & (r[None, :] < R)
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for s in range(0, S):
+        rows = (s * H + h).to(tl.int64)
+        w = tl.load(w_ptr + rows[:, None] * R + r[None, :], mask=wmask, other=0.0)
+        u = tl.sum(w * a[None, :], axis=1)
+        xn = tl.load(xn_ptr + t * S * H + s * H + h, mask=live, other=0.0)
+        acc += xn / (1.0 + tl.exp(-u))
+    tl.store(out_ptr + t * H + h, acc / S, mask=live)
+    if hb == 0:  # the injection weights: _gates_kernel's, once a row
+        c = tl.arange(0, BC)
+        n = C - R
+        vi = tl.load(both_ptr + t * C + R + c, mask=c < n, other=0.0) / S
+        tl.store(inj_ptr + t * n + c, 2.0 * (1.0 / (1.0 + tl.exp(-vi))), mask=c < n)
 
 
 @triton.jit
@@ -159,6 +191,40 @@ def hc_combine(up: torch.Tensor, xn: torch.Tensor, streams: int) -> torch.Tensor
 def hc_combine_torch(up: torch.Tensor, xn: torch.Tensor, streams: int) -> torch.Tensor:
     T = xn.shape[0]
     return (torch.sigmoid(up).reshape(T, streams, -1) * xn.reshape(T, streams, -1)).mean(dim=1)
+
+
+def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
+           streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A read's work after its down projection, one launch: hc_gates(both, rank, S), the up
+    projection of the gates by w_up (S*H, rank) float32, and hc_combine of it with xn
+    (T, S*H): (the block's input (T, H), the injection weights (T, S) or (T, 0)). Each
+    program takes one row and BLOCK_H columns of every stream: it recomputes the row's
+    rank gates (a few dozen exps) and reads its columns' rows of w_up."""
+    _f32("hc_mix", both, w_up, xn)
+    if not use_triton(xn):
+        return hc_mix_torch(both, w_up, xn, rank, streams)
+    T, C = both.shape
+    SH = xn.shape[-1]
+    H = SH // streams
+    if C not in (rank, rank + streams):
+        raise ValueError(f"hc_mix: both has {C} columns, not rank {rank} (+ streams {streams})")
+    if tuple(w_up.shape) != (SH, rank) or SH != streams * H or xn.shape[0] != T:
+        raise ValueError(f"hc_mix: w_up must be (streams * width {SH}, rank {rank}) and xn ({T}, {SH}), "
+                         f"got {tuple(w_up.shape)} and {tuple(xn.shape)}")
+    both, w_up, xn = both.contiguous(), w_up.contiguous(), xn.contiguous()
+    out, inj = xn.new_empty(T, H), both.new_empty(T, C - rank)
+    if T:
+        br = triton.next_power_of_2(rank)
+        bh = min(triton.next_power_of_2(H), max(16, MIX_TILE // br))
+        _mix_kernel[(T, triton.cdiv(H, bh))](both, w_up, xn, out, inj, rank, C, streams, H, BR=br,
+                                             BC=triton.next_power_of_2(max(C - rank, 1)), BLOCK_H=bh)
+    return out, inj
+
+
+def hc_mix_torch(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
+                 streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    a, inj = hc_gates_torch(both, rank, streams)
+    return hc_combine_torch(a @ w_up.T, xn, streams), inj
 
 
 def hc_write(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:

@@ -24,16 +24,17 @@ import quant
 
 from .conv import conv_step
 from .deltanet import deltanet_step
-from .deltanet_inputs import deltanet_gated_norm, deltanet_inputs
+from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
-from .hyperconn import hc_combine, hc_gates, hc_norm, hc_write, hc_write_norm
+from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
+from .ple_mix import ple_mix
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
 from .rope import norm_rope
-from .shared_expert import gated_add, silu_mul
-from .stage import stage_rows
+from .shared_expert import gated_add, sigmoid_mul, silu_mul
+from .stage import cache_lookup, stage_rows
 
 Tensor = torch.Tensor
 
@@ -129,6 +130,13 @@ OPS = {name: _register(name, f) for name, f in (
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
 
 
+def _cache_lookup(ids: Tensor, lut: Tensor, routed: Tensor, missed: Tensor, first: int) -> tuple[Tensor, Tensor]:
+    return cache_lookup(ids, lut, routed, missed, first)
+
+
+OPS["cache_lookup"] = _register("cache_lookup", _cache_lookup, mutates=("routed", "missed"))
+
+
 def _deltanet_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
     return deltanet_step(q, k, v, g, beta, state)
 
@@ -141,11 +149,17 @@ def _deltanet_inputs(mixed: Tensor, b: Tensor, a: Tensor, dt_bias: Tensor, a_coe
     return deltanet_inputs(mixed, b, a, dt_bias, a_coef, k_heads, dk)
 
 
+def _deltanet_conv_inputs(window: Tensor, qkv: Tensor, taps: Tensor, b: Tensor, a: Tensor, dt_bias: Tensor,
+                          a_coef: Tensor, k_heads: int, dk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk)
+
+
 def _deltanet_gated_norm(o: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
     return deltanet_gated_norm(o, z, w, eps)
 
 
 OPS["deltanet_inputs"] = _register("deltanet_inputs", _deltanet_inputs)
+OPS["deltanet_conv_inputs"] = _register("deltanet_conv_inputs", _deltanet_conv_inputs)
 OPS["deltanet_gated_norm"] = _register("deltanet_gated_norm", _deltanet_gated_norm)
 
 
@@ -170,12 +184,21 @@ def _hc_combine(up: Tensor, xn: Tensor, streams: int) -> Tensor:
     return hc_combine(up, xn, streams)
 
 
+def _hc_mix(both: Tensor, w_up: Tensor, xn: Tensor, rank: int, streams: int) -> tuple[Tensor, Tensor]:
+    return hc_mix(both, w_up, xn, rank, streams)
+
+
 def _hc_write(x: Tensor, out: Tensor, inj: Tensor) -> Tensor:
     return hc_write(x, out, inj)
 
 
 def _hc_write_norm(x: Tensor, out: Tensor, inj: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return hc_write_norm(x, out, inj, w, eps)
+
+
+def _ple_mix(x: Tensor, k: Tensor, v: Tensor, norm_key: Tensor, norm_query: Tensor, norm_conv: Tensor,
+             taps: Tensor, window: Tensor, streams: int, eps: float, dilation: int) -> tuple[Tensor, Tensor]:
+    return ple_mix(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
 
 
 def _norm_rope(x: Tensor, w: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
@@ -186,12 +209,16 @@ def _silu_mul(g: Tensor, u: Tensor) -> Tensor:
     return silu_mul(g, u)
 
 
+def _sigmoid_mul(g: Tensor, u: Tensor) -> Tensor:
+    return sigmoid_mul(g, u)
+
+
 def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
     return gated_add(a, gate, b)
 
 
-for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine),
-                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul),
+for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine), ("hc_mix", _hc_mix),
+                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul), ("sigmoid_mul", _sigmoid_mul),
                   ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)
 
@@ -231,17 +258,24 @@ _CALLS = {
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](src, dst, ids, slots, first),
+    "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),
+    "deltanet_conv_inputs": lambda window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk:
+        OPS["deltanet_conv_inputs"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk),
     "deltanet_gated_norm": lambda o, z, w, eps: OPS["deltanet_gated_norm"](o, z, w, eps),
     "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
     "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
+    "hc_mix": lambda both, w_up, xn, rank, streams: OPS["hc_mix"](both, w_up, xn, rank, streams),
+    "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation:
+        OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
     "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
     "hc_write_norm": lambda x, out, inj, w, eps: OPS["hc_write_norm"](x, out, inj, w, eps),
     "norm_rope": lambda x, w, eps, cos, sin: OPS["norm_rope"](x, w, eps, cos, sin),
     "silu_mul": lambda g, u: OPS["silu_mul"](g, u),
+    "sigmoid_mul": lambda g, u: OPS["sigmoid_mul"](g, u),
     "gated_add": lambda a, gate, b: OPS["gated_add"](a, gate, b),
 }

@@ -77,7 +77,7 @@ from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
 from .int8 import dot_units, quantize_x, row_start
-from .moe_align import moe_align_block_size
+from .moe_align import aligns_in_one_launch, moe_align_block_size
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -95,9 +95,9 @@ MOE_DP4A_MAX_TOKENS = 4
 # --- routing -----------------------------------------------------------------------------
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t,
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, hits_ptr, E, stride_t,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                  NORM: tl.constexpr):
+                  NORM: tl.constexpr, COUNT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     live = offs < E
@@ -123,6 +123,8 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t,
         top_w = top_w / tl.sum(top_w, axis=0)
     tl.store(weights_ptr + t * TOP_K + kk, top_w, mask=kk < TOP_K)
     tl.store(ids_ptr + t * TOP_K + kk, top_i, mask=kk < TOP_K)
+    if COUNT:  # an expert store's tally of slots per expert (atomic: integers, any order)
+        tl.atomic_add(hits_ptr + top_i, tl.full((K_PAD,), 1, tl.int64), mask=kk < TOP_K)
 
 
 def _shape(t) -> str:
@@ -138,12 +140,19 @@ def _check_route(logits: torch.Tensor, top_k: int) -> None:
         raise ValueError(f"route: top_k={top_k} must be between 1 and the {logits.shape[1]} experts")
 
 
-def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True,
+          hits: torch.Tensor | None = None):
     """Top-k routing of (T, E) router logits -> (weights float32 (T, k), ids int32 (T, k)),
-    highest probability first; weights renormalised to sum to one if norm_topk_prob."""
+    highest probability first; weights renormalised to sum to one if norm_topk_prob.
+    hits: an int64 (E,) tally on the logits' device, plus one for each slot routed to an
+    expert (an expert store's hit counter, counted in this launch)."""
     _check_route(logits, top_k)
+    if hits is not None and (hits.dtype != torch.int64 or tuple(hits.shape) != (logits.shape[1],)
+                             or hits.device != logits.device):
+        raise ValueError(f"route: hits must be an int64 ({logits.shape[1]},) tensor on {logits.device}, "
+                         f"got {hits.dtype} {tuple(hits.shape)} on {hits.device}")
     if not use_triton(logits):
-        return route_torch(logits, top_k, norm_topk_prob)
+        return route_torch(logits, top_k, norm_topk_prob, hits)
     T, E = logits.shape
     if not logits.is_cuda and logits.dtype == torch.bfloat16:
         logits = logits.float()  # the interpreter holds bf16 as raw uint16; widening is exact
@@ -152,19 +161,23 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k,
-                            K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
-                            NORM=norm_topk_prob)
+        _route_kernel[(T,)](logits, weights, ids, ids if hits is None else hits, E, logits.stride(0),
+                            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
+                            NORM=norm_topk_prob, COUNT=hits is not None)
     return weights, ids
 
 
-def route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True):
-    """transformers' Qwen4ExpTextTopKRouter after the linear layer, weights kept float32."""
+def route_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True,
+                hits: torch.Tensor | None = None):
+    """transformers' Qwen4ExpTextTopKRouter after the linear layer, weights kept float32;
+    `hits` as route's."""
     _check_route(logits, top_k)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if hits is not None:
+        hits += torch.bincount(ids.reshape(-1), minlength=logits.shape[1])
     return weights, ids.to(torch.int32)
 
 
@@ -437,8 +450,10 @@ def choose_path(fmt_gate, fmt_up, fmt_down, tokens: int) -> str:
 def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
         fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor, *,
         tiles: tuple[int, int, int] | None = None, path: str | None = None,
-        tile_slots: int | None = None) -> torch.Tensor:
+        tile_slots: int | None = None, slots: bool = False) -> torch.Tensor:
     """Σ_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, H); result (T, H) in x's dtype.
+    slots: with the kernels, the weighted slots' rows unsummed instead, (T, k, H) float32
+    (a dropped slot's row 0), for a later launch to sum (shared_expert.gated_add).
 
     path: "dot" (aligned blocks, tl.dot) or "dp4a" (int8 x, one GEMV a slot); None takes
     dp4a for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8 units.
@@ -474,8 +489,10 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         if len(tiles) != 3 or any(t < 16 or t & (t - 1) for t in tiles):
             raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
     dev, out_dtype = x.device, x.dtype
-    # a dropped slot's row is 0: the dp4a kernels write every slot's, the dot kernels skip them
-    alloc = torch.empty if path == "dp4a" and n_slots and H and I else torch.zeros
+    # a dropped slot's row is 0: the dp4a kernels write every slot's, the dot kernels skip
+    # them, and the alignment's one program zeroes them (aligns_in_one_launch)
+    alloc = (torch.empty if n_slots and H and I and (path == "dp4a" or aligns_in_one_launch(ids))
+             else torch.zeros)
     per_slot = alloc((n_slots, H), dtype=torch.float32, device=dev)
     if n_slots and H and I:
         gate_se, gate_sr = _expert_strides(w_gate, fmt_gate, "w_gate")
@@ -484,7 +501,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         if path == "dp4a":
             _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids, per_slot,
                       ((gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr)), T, H, I, E, k, tiles)
-            return per_slot.view(T, k, H).sum(dim=1).to(out_dtype)
+            return _slot_sum(per_slot.view(T, k, H), slots, out_dtype)
         block_m, block_n, block_k = tiles
         if x.is_cuda:
             dot_dtype, precision = _CUDA_DOT_DTYPES[x.dtype], "tf32"
@@ -492,7 +509,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             dot_dtype, precision = tl.float32, "ieee"
             if x.dtype == torch.bfloat16:
                 x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
-        sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m)
+        sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m, zero_rows=per_slot)
         rw = weights.reshape(-1).to(torch.float32).contiguous()
         h = torch.empty((n_slots, I), dtype=torch.float32, device=dev)
         blocks = expert_ids.shape[0]
@@ -513,7 +530,12 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
             num_warps=configs.num_warps("moe_down", fmt_down.name, dev, "dot_num_warps"))
-    return per_slot.view(T, k, H).sum(dim=1).to(out_dtype)
+    return _slot_sum(per_slot.view(T, k, H), slots, out_dtype)
+
+
+def _slot_sum(per_slot: torch.Tensor, slots: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The (T, k, H) slots' rows summed (T, H) in `dtype`, or as they are with `slots`."""
+    return per_slot if slots else per_slot.sum(dim=1).to(dtype)
 
 
 def moe_torch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,

@@ -49,7 +49,14 @@ def _length(n: int, num_experts: int, block_m: int) -> int:
     return n + min(num_experts, n) * (block_m - 1)
 
 
-def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
+def aligns_in_one_launch(ids: torch.Tensor) -> bool:
+    """Whether moe_align_block_size runs its one Triton program for these ids (then its
+    `zero_rows` are zeroed there, not left to the caller)."""
+    return use_triton(ids) and 0 < ids.numel() <= ALIGN_MAX_SLOTS
+
+
+def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int,
+                         zero_rows: torch.Tensor | None = None):
     """Token slots grouped by expert, each group padded to a multiple of block_m.
 
     ids: (T, k) expert ids (any integer dtype). Returns, all int32 on ids' device:
@@ -62,11 +69,19 @@ def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
     L = T*k + min(E, T*k) * (block_m - 1) bounds the used length without looking at the
     ids. Slots whose id lies outside [0, num_experts) are left out (expert parallelism
     marks other ranks' experts -1).
+
+    zero_rows: a float32 (T * k, H) tensor of per-slot rows with unit column stride; where
+    the one program runs (`aligns_in_one_launch`) it zeroes the rows of the slots left out
+    (the rows a MoE's dot kernels never write), in the same launch. Else untouched.
     """
     _check(ids, num_experts, block_m)
     n = ids.numel()
-    if not use_triton(ids) or not 0 < n <= ALIGN_MAX_SLOTS:
+    if not aligns_in_one_launch(ids):
         return moe_align_block_size_torch(ids, num_experts, block_m)
+    if zero_rows is not None and (zero_rows.dim() != 2 or zero_rows.shape[0] != n or zero_rows.dtype != torch.float32
+                                  or (zero_rows.shape[1] > 1 and zero_rows.stride(1) != 1)):
+        raise ValueError(f"moe_align_block_size: zero_rows must be float32 ({n}, H) with unit column stride, got "
+                         f"{zero_rows.dtype} {tuple(zero_rows.shape)}")
     length = _length(n, num_experts, block_m)
     n_blocks = -(-length // block_m)
     dev = ids.device
@@ -74,14 +89,18 @@ def moe_align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_ids = torch.empty(length, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     n_post = torch.empty(1, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](flat, sorted_ids, expert_ids, n_post, n, num_experts, length, n_blocks,
-                        N_PAD=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK)
+    zero = zero_rows is not None and zero_rows.shape[1] > 0
+    _align_kernel[(1,)](flat, sorted_ids, expert_ids, n_post, zero_rows if zero else flat,
+                        zero_rows.shape[1] if zero else 0, zero_rows.stride(0) if zero else 0,
+                        n, num_experts, length, n_blocks,
+                        N_PAD=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, ZERO=zero)
     return sorted_ids, expert_ids, n_post
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, n, E, length, n_blocks,
-                  N_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, rows_ptr, H, stride_r,
+                  n, E, length, n_blocks,
+                  N_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ZERO: tl.constexpr):
     i = tl.arange(0, N_PAD)
     raw = tl.load(ids_ptr + i, mask=i < n, other=-1)
     kept = (i < n) & (raw >= 0) & (raw < E)
@@ -112,6 +131,12 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, n, E, length,
         e = tl.sum(tl.where(own, key[None, :], 0), axis=1)
         found = tl.max(own.to(tl.int32), axis=1) > 0
         tl.store(expert_ids_ptr + b, tl.where(found, e, -1), mask=b < n_blocks)
+    if ZERO:  # the left-out slots' rows, which no later kernel writes
+        dropped = (i < n) & (kept == 0)
+        for h0 in range(0, H, CHUNK):
+            h = h0 + tl.arange(0, CHUNK)
+            at = rows_ptr + i[:, None].to(tl.int64) * stride_r + h[None, :]
+            tl.store(at, tl.zeros((N_PAD, CHUNK), tl.float32), mask=dropped[:, None] & (h[None, :] < H))
 
 
 def moe_align_block_size_torch(ids: torch.Tensor, num_experts: int, block_m: int):

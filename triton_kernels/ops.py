@@ -11,18 +11,19 @@ import torch
 
 from .conv import conv_step, conv_step_torch
 from .deltanet import deltanet_step, deltanet_step_torch
-from .deltanet_inputs import (deltanet_gated_norm, deltanet_gated_norm_torch, deltanet_inputs,
-                              deltanet_inputs_torch)
+from .deltanet_inputs import (deltanet_conv_inputs, deltanet_conv_inputs_torch, deltanet_gated_norm,
+                              deltanet_gated_norm_torch, deltanet_inputs, deltanet_inputs_torch)
 from .dequant import dequantize, dequantize_torch
-from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_norm, hc_norm_torch, hc_write,
-                        hc_write_norm, hc_write_norm_torch, hc_write_torch)
+from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_mix, hc_mix_torch, hc_norm,
+                        hc_norm_torch, hc_write, hc_write_norm, hc_write_norm_torch, hc_write_torch)
 from .moe import moe, moe_torch, route, route_torch
 from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
+from .ple_mix import ple_mix, ple_mix_torch
 from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
 from .rope import norm_rope, norm_rope_torch
-from .shared_expert import gated_add, gated_add_torch, silu_mul, silu_mul_torch
-from .stage import stage_rows, stage_rows_torch
+from .shared_expert import gated_add, gated_add_torch, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
+from .stage import cache_lookup, cache_lookup_torch, stage_rows, stage_rows_torch
 
 OPS = {
     "qmatmul": (qmatmul, qmatmul_torch),
@@ -31,20 +32,25 @@ OPS = {
     "moe": (moe, moe_torch),
     "ngram_ids": (ngram_ids, ngram_ids_torch),
     "ple_gather": (ple_gather, ple_gather_torch),
+    "ple_mix": (ple_mix, ple_mix_torch),
     "qsa_scores": (qsa_scores, qsa_scores_torch),
     "qsa_attention": (qsa_attention, qsa_attention_torch),
     "stage_rows": (stage_rows, stage_rows_torch),
+    "cache_lookup": (cache_lookup, cache_lookup_torch),
     "deltanet_step": (deltanet_step, deltanet_step_torch),
     "deltanet_inputs": (deltanet_inputs, deltanet_inputs_torch),
+    "deltanet_conv_inputs": (deltanet_conv_inputs, deltanet_conv_inputs_torch),
     "deltanet_gated_norm": (deltanet_gated_norm, deltanet_gated_norm_torch),
     "conv_step": (conv_step, conv_step_torch),
     "hc_norm": (hc_norm, hc_norm_torch),
     "hc_gates": (hc_gates, hc_gates_torch),
     "hc_combine": (hc_combine, hc_combine_torch),
+    "hc_mix": (hc_mix, hc_mix_torch),
     "hc_write": (hc_write, hc_write_torch),
     "hc_write_norm": (hc_write_norm, hc_write_norm_torch),
     "norm_rope": (norm_rope, norm_rope_torch),
     "silu_mul": (silu_mul, silu_mul_torch),
+    "sigmoid_mul": (sigmoid_mul, sigmoid_mul_torch),
     "gated_add": (gated_add, gated_add_torch),
 }
 

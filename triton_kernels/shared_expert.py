@@ -2,7 +2,10 @@
 kernel each:
 
     silu_mul(g (T, I), u (T, I))                          -> silu(g) * u (T, I), float32
+    sigmoid_mul(g (T, N), u (T, N))                       -> sigmoid(g) * u (the same kernel)
     gated_add(routed (T, H), gate (T, 1), shared (T, H))  -> routed + sigmoid(gate) * shared
+                     routed (T, k, H): the MoE's per-slot rows, summed first (in slot order):
+                     the routed experts' sum in this launch, not one of its own
 
 In torch these are two and three launches a layer (silu, mul; sigmoid, mul, add). The
 inputs may be strided views (g, u and gate are column ranges of the block's fused
@@ -25,23 +28,29 @@ BLOCK = 1024  # columns a program
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr,
+                     SILU: tl.constexpr = True):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = c < N
     g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0)
     u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0)
-    tl.store(out_ptr + t * N + c, g / (1.0 + tl.exp(-g)) * u, mask=live)
+    if SILU:
+        tl.store(out_ptr + t * N + c, g / (1.0 + tl.exp(-g)) * u, mask=live)
+    else:  # sigmoid_mul
+        tl.store(out_ptr + t * N + c, (1.0 / (1.0 + tl.exp(-g))) * u, mask=live)
 
 
 @triton.jit
-def _gated_add_kernel(a_ptr, gate_ptr, b_ptr, out_ptr, N, stride_a, stride_gate, stride_b,
+def _gated_add_kernel(a_ptr, gate_ptr, b_ptr, out_ptr, N, K, stride_a, stride_k, stride_gate, stride_b,
                       BLOCK_N: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = c < N
     s = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + t * stride_gate)))
     a = tl.load(a_ptr + t * stride_a + c, mask=live, other=0.0)
+    for j in range(1, K):  # the other slots' rows, in order
+        a += tl.load(a_ptr + t * stride_a + j * stride_k + c, mask=live, other=0.0)
     b = tl.load(b_ptr + t * stride_b + c, mask=live, other=0.0)
     tl.store(out_ptr + t * N + c, a + s * b, mask=live)
 
@@ -57,15 +66,31 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g) * u for g, u (T, N): (T, N) float32."""
     if not use_triton(g):
         return silu_mul_torch(g, u)
-    _rows("silu_mul", g, u)
+    return _gate_mul("silu_mul", g, u, True)
+
+
+def sigmoid_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sigmoid(g) * u for g, u (T, N): (T, N) float32 (the gated attention's output gate,
+    strata.nn.gated_attention.finish: two launches in torch)."""
+    if not use_triton(g):
+        return sigmoid_mul_torch(g, u)
+    return _gate_mul("sigmoid_mul", g, u, False)
+
+
+def _gate_mul(name: str, g: torch.Tensor, u: torch.Tensor, silu: bool) -> torch.Tensor:
+    _rows(name, g, u)
     if g.shape != u.shape:
-        raise ValueError(f"silu_mul: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
+        raise ValueError(f"{name}: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
     T, N = g.shape
     out = g.new_empty(T, N)
     if out.numel():
         bn = min(BLOCK, triton.next_power_of_2(N))
-        _silu_mul_kernel[(T, triton.cdiv(N, bn))](g, u, out, N, g.stride(0), u.stride(0), BLOCK_N=bn)
+        _silu_mul_kernel[(T, triton.cdiv(N, bn))](g, u, out, N, g.stride(0), u.stride(0), BLOCK_N=bn, SILU=silu)
     return out
+
+
+def sigmoid_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return u * torch.sigmoid(g)
 
 
 def silu_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -73,22 +98,33 @@ def silu_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def gated_add(a: torch.Tensor, gate: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + sigmoid(gate) * b for a, b (T, N) and gate (T, 1): (T, N) float32."""
+    """a + sigmoid(gate) * b for a, b (T, N) and gate (T, 1): (T, N) float32. a may be
+    (T, K, N), K rows a token (the MoE's slots): their sum, in slot order, takes a's place."""
     if not use_triton(a):
         return gated_add_torch(a, gate, b)
-    _rows("gated_add", a, gate, b)
-    if a.shape != b.shape or gate.shape != (a.shape[0], 1):
+    if a.dim() == 3:
+        if a.dtype != torch.float32 or (a.shape[2] > 1 and a.stride(2) != 1):
+            raise ValueError(f"gated_add: expects float32 (tokens, slots, n) rows with unit column stride, got "
+                             f"{a.dtype} {tuple(a.shape)} strides {a.stride()}")
+        K, stride_k = a.shape[1], a.stride(1)
+        a2 = a[:, 0]
+    else:
+        K, stride_k, a2 = 1, 0, a
+    _rows("gated_add", a2, gate, b)
+    if a2.shape != b.shape or gate.shape != (a.shape[0], 1) or K < 1:
         raise ValueError(f"gated_add: a {tuple(a.shape)}, b {tuple(b.shape)} and gate {tuple(gate.shape)} "
-                         f"must be (T, N), (T, N) and (T, 1)")
-    T, N = a.shape
+                         f"must be (T, N) or (T, K >= 1, N), (T, N) and (T, 1)")
+    T, N = a2.shape
     out = a.new_empty(T, N)
     if out.numel():
         bn = min(BLOCK, triton.next_power_of_2(N))
-        _gated_add_kernel[(T, triton.cdiv(N, bn))](a, gate, b, out, N, a.stride(0), gate.stride(0), b.stride(0),
-                                                   BLOCK_N=bn)
+        _gated_add_kernel[(T, triton.cdiv(N, bn))](a, gate, b, out, N, K, a.stride(0), stride_k, gate.stride(0),
+                                                   b.stride(0), BLOCK_N=bn)
     return out
 
 
 def gated_add_torch(a: torch.Tensor, gate: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # the sigmoid through invariant.pointwise: a narrow (T, 1) column in batch-invariant mode
+    if a.dim() == 3:
+        a = a.sum(dim=1)
     return a + invariant.pointwise(torch.sigmoid, gate) * b

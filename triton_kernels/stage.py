@@ -13,6 +13,13 @@ never asks the host which experts missed, and a CUDA graph can hold it.
 
 Rows are copied as 32-bit words where B allows (16-byte accesses a lane once the block
 is contiguous), else bytes. `stage_rows_torch` is the same copy in torch.
+
+    cache_lookup(ids (n,), lut (E,) int64, routed (E,), missed (E,) int64, first)
+        -> slots = lut[ids] (n,) int64, local = slots where >= 0 else first + j (n,), ids' dtype;
+           routed[ids] += 1, missed[ids where slots < 0] += 1, in place
+
+the lookup before it and its counters in one program (seven launches in torch: a gather,
+a comparison and a choice, two scatter-adds and the miss mask's two).
 """
 from __future__ import annotations
 
@@ -35,6 +42,49 @@ def _stage_kernel(src_ptr, dst_ptr, ids_ptr, slots_ptr, first, row_words, BLOCK:
     live = offs < words
     v = tl.load(src_ptr + e * row_words + offs, mask=live)
     tl.store(dst_ptr + (first + j).to(tl.int64) * row_words + offs, v, mask=live)
+
+
+@triton.jit
+def _lookup_kernel(ids_ptr, lut_ptr, routed_ptr, missed_ptr, slots_ptr, local_ptr, n, first, BN: tl.constexpr):
+    j = tl.arange(0, BN)
+    live = j < n
+    e = tl.load(ids_ptr + j, mask=live, other=0).to(tl.int64)
+    s = tl.load(lut_ptr + e, mask=live, other=0)
+    tl.store(slots_ptr + j, s, mask=live)
+    tl.store(local_ptr + j, tl.where(s >= 0, s, first + j), mask=live)
+    one = tl.full((BN,), 1, tl.int64)  # the counters: integers, in any order
+    tl.atomic_add(routed_ptr + e, one, mask=live)
+    tl.atomic_add(missed_ptr + e, one, mask=live & (s < 0))
+
+
+def cache_lookup(ids: torch.Tensor, lut: torch.Tensor, routed: torch.Tensor, missed: torch.Tensor,
+                 first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, local ids) of routed `ids` (n,) in the table `lut`, the counters added to in
+    place (see the module); every id in [0, E)."""
+    E = lut.shape[0]
+    if ids.dim() != 1 or ids.dtype.is_floating_point or any(
+            t.dtype != torch.int64 or tuple(t.shape) != (E,) for t in (lut, routed, missed)):
+        raise ValueError(f"cache_lookup: ids must be 1-D integers and lut, routed, missed int64 ({E},); got ids "
+                         f"{ids.dtype} {tuple(ids.shape)}, routed {routed.dtype} {tuple(routed.shape)}, missed "
+                         f"{missed.dtype} {tuple(missed.shape)}")
+    if not use_triton(lut):
+        return cache_lookup_torch(ids, lut, routed, missed, first)
+    n = ids.numel()
+    slots = torch.empty(n, dtype=torch.int64, device=lut.device)
+    local = torch.empty(n, dtype=ids.dtype, device=lut.device)
+    if n:
+        _lookup_kernel[(1,)](ids, lut, routed, missed, slots, local, n, first,
+                             BN=max(16, triton.next_power_of_2(n)))
+    return slots, local
+
+
+def cache_lookup_torch(ids: torch.Tensor, lut: torch.Tensor, routed: torch.Tensor, missed: torch.Tensor,
+                       first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = lut[ids]
+    local = torch.where(slots >= 0, slots, torch.arange(first, first + ids.numel(), device=lut.device))
+    routed.index_add_(0, ids.long(), torch.ones_like(slots))
+    missed.index_add_(0, ids.long(), (slots < 0).long())
+    return slots, local.to(ids.dtype)
 
 
 def _check(src, dst, ids, slots, first):

@@ -51,25 +51,44 @@ class Layer(torch.nn.Module):
     def forward(self, x, tokens, mixer_state, ple_state, start, ple_ids=None, positions=None):
         """x (T, S*H) continuing at `start`; the states are this layer's, updated in place;
         `positions`: the sequence's M-RoPE positions (strata.nn.mrope)."""
+        return self.run(x, tokens, mixer_state, ple_state, start, ple_ids, positions)[0]
+
+    def run(self, x, tokens, mixer_state, ple_state, start, ple_ids=None, positions=None, xn=None, then=None):
+        """`forward`, handing norms on: `xn`, x's streams normed by this layer's attn_hc (the
+        layer before gave them, or None); `then`, the hyper-connection that reads the result
+        next (the next layer's attn_hc, the output mixer), or None. (the result, its streams
+        normed for `then` in the FFN write's launch, or None: with the Triton kernels only)."""
         # one token on the CPU: compiled calls where they apply (qwen4exp_step)
         if self.ple is not None:
             y = qwen4exp_step.ple_block(self, x, tokens, ple_state, ple_ids)
             x = self.ple(x, tokens, ple_state, ple_ids) if y is None else y
+            xn = None  # x changed
         if not self.recurrent:
             y = qwen4exp_step.attention_layer(self, x, mixer_state, start, positions)
             if y is not None:
-                return y
-        y, xn = qwen4exp_step.mixer_half(self, x, mixer_state), None
+                return y, None
+        y, xn2 = qwen4exp_step.mixer_half(self, x, mixer_state), None
         if y is None:
-            a, w = self.attn_hc.read(x)
+            a, w = self.attn_hc.read(x, xn)
             out = self.mixer(a, mixer_state) if self.recurrent else self.mixer(a, mixer_state, start, positions)
-            y, xn = self.attn_hc.write_and_norm(x, out, w, self.ffn_hc)  # xn: the FFN's normed streams
+            y, xn2 = self.attn_hc.write_and_norm(x, out, w, self.ffn_hc)  # xn2: the FFN's normed streams
         x = y
         y = qwen4exp_step.ffn_half(self, x)
         if y is not None:
-            return y
-        m, w = self.ffn_hc.read(x, xn)
-        return self.ffn_hc.write(x, self.moe(m), w)
+            return y, None
+        m, w = self.ffn_hc.read(x, xn2)
+        if then is not None:
+            return self.ffn_hc.write_and_norm(x, self.moe(m), w, then)
+        return self.ffn_hc.write(x, self.moe(m), w), None
+
+
+def next_norm(layers, i: int, last=None):
+    """The hyper-connection that reads layer i's result next, whose norm layer i's last
+    write can give in its launch (Layer.run): the next layer's attn_hc (not where a PLE
+    block changes the streams first), or after the last layer `last`."""
+    if i + 1 == len(layers):
+        return last
+    return layers[i + 1].attn_hc if layers[i + 1].ple is None else None
 
 
 class _Verify:
@@ -311,7 +330,9 @@ class Qwen4Exp(torch.nn.Module):
         asynchronous assert: a step never waits to read them)."""
         n = self.embedding.shape[0]
         if tokens.device.type != "cpu":
-            torch._assert_async(((tokens >= 0) & (tokens < n)).all(), f"token ids must lie in 0..{n - 1}")
+            # 0 <= id < n exactly where id // n == 0 (floor division): a launch fewer than two
+            # comparisons and their conjunction
+            torch._assert_async((tokens // n == 0).all(), f"token ids must lie in 0..{n - 1}")
         elif tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= n):
             raise ValueError(f"token ids must lie in 0..{n - 1}")
 
@@ -349,16 +370,17 @@ class Qwen4Exp(torch.nn.Module):
                     g = state.graphs[T] = graphs_qwen4exp.Qwen4ExpGraph(self, state, T)
                 out.append(g(tokens)[-rows:])
                 continue
-            x = self._trunk(tokens, state)
+            x, xn = self._trunk(tokens, state)
             if pipe is None or pipe.last:
-                out.append(self.logits(x[-rows:]))
+                out.append(self.logits(x[-rows:], None if xn is None else xn[-rows:]))
             else:
                 pipe.hand_on(x)
                 out.append(rows)
         return out if pipe is None else pipe.logits(out, self.cfg.vocab_size)
 
-    def _trunk(self, tokens: torch.Tensor, state: Qwen4ExpState) -> torch.Tensor:
-        """The streams (T, S*H) after this model's layers (under --pp, its stage's)."""
+    def _trunk(self, tokens: torch.Tensor, state: Qwen4ExpState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The streams (T, S*H) after this model's layers (under --pp, its stage's), and
+        their norm by the output mixer's weight where the last layer's write gave it."""
         pipe = self.pipe
         if pipe is None or pipe.first:
             x = self._with_media(self.embed(tokens), state).repeat(1, self.cfg.streams)
@@ -375,10 +397,13 @@ class Qwen4Exp(torch.nn.Module):
             # so the drive reads them while layer 0 computes
             ple_ids = self.ple.ids(tokens, state.ple)
             self.ple.table.prefetch(ple_ids)
-        for layer, st in zip(self.layers, state.layers):
+        xn, layers = None, list(self.layers)
+        last = self.out_hc if pipe is None or pipe.last else None
+        for i, (layer, st) in enumerate(zip(layers, state.layers)):
             if verify is not None and layer.ple is not None:
                 verify.ple_input = x
-            x = layer(x, tokens, st, state.ple, start, ple_ids, state.positions)
+            x, xn = layer.run(x, tokens, st, state.ple, start, ple_ids, state.positions, xn,
+                              next_norm(layers, i, last))
         if state.mtp is not None:
             prev = x.new_zeros(1, x.shape[1]) if state.hidden is None else state.hidden.reshape(1, -1)
             self.mtp.keys(self, tokens, torch.cat([prev, x[:-1]]), state.mtp, start, state.positions)
@@ -386,7 +411,7 @@ class Qwen4Exp(torch.nn.Module):
         if verify is not None:
             verify.tokens, verify.streams = tokens, x
         state.length = start + tokens.numel()
-        return x
+        return x, xn
 
     def add_images(self, state: Qwen4ExpState, tokens, images: list[tuple[torch.Tensor | None, tuple[int, int]]],
                    pad: int) -> None:
@@ -436,9 +461,10 @@ class Qwen4Exp(torch.nn.Module):
             state.media = None
         return x
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, vocab) float32 from the streams after the last layer."""
-        h, _ = self.out_hc.read(x)
+    def logits(self, x: torch.Tensor, xn: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, vocab) float32 from the streams after the last layer (`xn`: their norm by the
+        output mixer's weight, where the last write gave it)."""
+        h, _ = self.out_hc.read(x, xn)
         return self.output(h).float()
 
     def verify(self, tokens, state: Qwen4ExpState) -> torch.Tensor:

@@ -223,9 +223,13 @@ def project(parts: torch.Tensor, splits, q_norm, k_norm, eps: float, n_heads: in
     return q, k, v, idx_q, idx_k, gate
 
 
-def finish(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The attention's output (H, T, D) as rows (T, H*D), gated: the output projection's input."""
-    return out.transpose(0, 1).reshape(gate.shape) * torch.sigmoid(gate)
+def finish(out: torch.Tensor, gate: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """The attention's output (H, T, D) as rows (T, H*D), gated: the output projection's input
+    (with the Triton kernels the gate and product one launch, triton_kernels.shared_expert)."""
+    rows = out.transpose(0, 1).reshape(gate.shape)
+    if kernels == "triton":
+        return impl("sigmoid_mul", "triton")(gate, rows.float())
+    return rows * torch.sigmoid(gate)
 
 
 class GatedAttention(torch.nn.Module):
@@ -262,7 +266,7 @@ class GatedAttention(torch.nn.Module):
         pos = self.positions(start, x.shape[0], positions)
         cos, sin = self.rope._rows(pos, x.device)
         q, k, v, idx_q, idx_k, gate = project(self.proj(x).float(), *self.project_args(), cos, sin)
-        return self.o(finish(self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate))
+        return self.o(finish(self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate, self.kernels))
 
     @staticmethod
     def positions(start: int, T: int, positions: Positions | None = None) -> torch.Tensor:

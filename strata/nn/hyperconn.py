@@ -10,8 +10,9 @@ and returns the injection weights 2*sigmoid(inject(xn) / S), one per stream; `wr
 adds the block's output to each stream times its weight. The final mixer is a `read`
 without injection.
 
-With Triton kernels (a GPU) the work around the two GEMVs runs as four kernels
-(triton_kernels.hyperconn), three where a write and the next block's norm share one
+With Triton kernels (a GPU) a read is its norm, the down GEMV and one kernel for the rest
+(triton_kernels.hyperconn.hc_mix: the gates, the small up projection and the streams'
+mix), the norm left out where a write and the next block's norm share one launch
 (`write_and_norm`); the torch form below is the CPU's and the compiled step's.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from triton_kernels.dequant import dequantize_torch
 from triton_kernels.hyperconn import hc_norm_torch, hc_write_torch
 from triton_kernels.ops import impl
 
@@ -36,6 +38,13 @@ class HyperConnection(torch.nn.Module):
         self.norm = torch.nn.Parameter(norm.float().reshape(streams, self.width), requires_grad=False)
         self.down, self.up = down, up
         self.injects = down.out_features > rank
+        # with the Triton kernels: the up weight dequantized (float32, exact for any format;
+        # S*H x rank values, small), which hc_mix multiplies inside its launch
+        self.up_w = None
+        if up.kernels == "triton" and up.mode == "triton":
+            self.up_w = torch.nn.Parameter(
+                dequantize_torch(up.blocks, up.fmt, torch.float32, compiled=False).reshape(up.out_features, rank),
+                requires_grad=False)
 
     def read(self, x: torch.Tensor, xn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input (T, H) and the streams' injection weights (T, S) (None for the
@@ -49,6 +58,9 @@ class HyperConnection(torch.nn.Module):
         S, rank = self.streams, self.rank
         if xn is None:
             xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps)
+        if self.up_w is not None:  # gates, up and combine in one launch
+            inp, inj = impl("hc_mix", "triton")(self.down(xn), self.up_w, xn, rank, S)
+            return inp, (inj if self.injects else None)
         a, inj = impl("hc_gates", "triton")(self.down(xn), rank, S)
         inp = impl("hc_combine", "triton")(self.up(a), xn, S)
         return inp, (inj if self.injects else None)

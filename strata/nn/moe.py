@@ -5,7 +5,8 @@
 
 Where the experts' weights live and how they are multiplied is the expert store's
 business (strata.storage.experts): this module routes, asks the store for the experts
-the batch needs, and sums.
+the batch needs, and sums (with the Triton kernels, the routed slots' rows in the launch
+that adds the gated shared expert).
 """
 from __future__ import annotations
 
@@ -38,8 +39,15 @@ class MoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
-        weights, ids = self.route(logits, self.top_k, self.norm_topk)
-        if self.share is None:
+        kernels = self.proj.kernels == "triton" and self.share is None and not torch.compiler.is_compiling()
+        tally = self.experts.route_tally() if kernels and hasattr(self.experts, "route_tally") else None
+        if tally is not None:  # the store's hit counter counted in the router's launch
+            weights, ids = self.route(logits, self.top_k, self.norm_topk, hits=tally)
+        else:
+            weights, ids = self.route(logits, self.top_k, self.norm_topk)
+        if kernels:  # the slots' rows summed by gated_add's launch
+            routed, summed = self.experts(x.float(), weights, ids, slots=True, counted=tally is not None), None
+        elif self.share is None:
             routed, summed = self.experts(x.float(), weights, ids), None
         else:  # the shares' sum travels while this rank computes the shared expert
             routed, summed = self.share.reduce_start(self.experts(x.float(), weights, self.share.local(ids)))

@@ -106,12 +106,20 @@ class _Where:
         return self._causal
 
 
+def _norm_rope(m, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, Hx, D) RMS-normed per head by w and roped on its first m.rope.dim dims: (Hx, T, D);
+    with the Triton kernels one launch (triton_kernels.rope), else torch's seven."""
+    if m.kernels == "triton":
+        return impl("norm_rope", "triton")(x, w, m.eps, cos, sin)
+    return rotate(_heads_norm(x, w, m.eps).transpose(0, 1), cos, sin, m.rope.dim)
+
+
 def _pool(m, st: AttentionState, at: _Where) -> None:
     """Write the pooled indexer key of the block each position lies in: the mean of its
     raw keys, normed, roped at its first position (GatedAttention._blocks)."""
     rows = at.pool_at                                                            # (T, r)
     raw = _rows(st._idx[rows], None if st._is is None else st._is[rows]).mean(dim=1)  # (T, d)
-    key = rotate(_heads_norm(raw, m.idx_k_norm, m.eps).unsqueeze(0), at.pool_cos, at.pool_sin, m.rope.dim)[0]
+    key = _norm_rope(m, raw.unsqueeze(1), m.idx_k_norm, at.pool_cos, at.pool_sin)[0]
     st._blocks.index_copy_(0, at.block, key)
 
 
@@ -120,7 +128,7 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     T, keep = q.shape[1], min(m.budget // m.ratio, st._blocks.shape[0])
     _pool(m, st, at)
     qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
-    qi = rotate(_heads_norm(qi, m.idx_q_norm, m.eps).transpose(0, 1), at.cos, at.sin, m.rope.dim)
+    qi = _norm_rope(m, qi, m.idx_q_norm, at.cos, at.sin)
     blocks = st._blocks                                                          # (NB, d)
     if invariant.enabled():
         scores = invariant.scores(qi, blocks)
@@ -168,7 +176,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
         vals = _rows(st._v, None if scales is None else scales[1])
         T = q.shape[1]
         out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal())
-    return m.o(finish(out, gate))
+    return m.o(finish(out, gate, m.kernels))
 
 
 def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:
@@ -188,9 +196,10 @@ def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
     Hk, Hv, dk, dv = heads = m.k_heads, m.v_heads, m.dk, m.dv
     qkv, z, b, g = m.proj(a).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
     q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
-                                                m.proj.kernels)
+                                                m.proj.kernels, in_place=True)
     o = deltanet.recurrent(q, k, v, g, beta, st.rec, m.recurrence(a.device)[1])
-    st.conv.copy_(window)
+    if window is not st.conv:  # (one token's Triton step moves it on in place)
+        st.conv.copy_(window)
     if rows is not None:
         rows.append((qkv, q, k, v, g, beta))
     return m.out(m.gated_norm(o, z))
@@ -203,8 +212,7 @@ def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
     history.copy_(st.history)
     st.history = history
     e = p.table.gather(ids)
-    step = impl("conv_step", "triton") if p.key.kernels == "triton" else None
-    x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, conv_step=step)
+    x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, **p.kernels())
     st.conv.copy_(window)
     return x
 
@@ -230,24 +238,30 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
     x = model.embed(tok).repeat(1, model.cfg.streams)
     where: dict = {}
     kept: dict = {"rows": []} if T > 1 else {}
-    for layer, st in zip(model.layers, state.layers):
+    from strata.models.qwen4exp import next_norm  # (that module imports this one)
+    layers, xn = list(model.layers), None  # xn: x's streams normed for the next read (Layer.run)
+    for i, (layer, st) in enumerate(zip(layers, state.layers)):
         if layer.ple is not None:
             if kept:
                 kept["ple_input"] = x
-            x = _ple(layer.ple, x, tok, state.ple)
-        a, w = layer.attn_hc.read(x)
+            x, xn = _ple(layer.ple, x, tok, state.ple), None
+        a, w = layer.attn_hc.read(x, xn)
         if layer.recurrent:
             y = _deltanet(layer.mixer, a, st, kept.get("rows"))
         else:
             y = _attention(layer.mixer, a, st, P, _where(where, P, layer.mixer, st, True))
         x, xn = layer.attn_hc.write_and_norm(x, y, w, layer.ffn_hc)
         m, w = layer.ffn_hc.read(x, xn)
-        x = layer.ffn_hc.write(x, layer.moe(m), w)
+        then = next_norm(layers, i, model.out_hc)
+        if then is not None:
+            x, xn = layer.ffn_hc.write_and_norm(x, layer.moe(m), w, then)
+        else:
+            x, xn = layer.ffn_hc.write(x, layer.moe(m), w), None
     if state.mtp is not None:
         mtp = model.mtp
         a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]])))
         _keys(mtp.block.mixer, a, state.mtp, P, _where(where, P, mtp.block.mixer, state.mtp, False))
-    return model.logits(x), x, kept
+    return model.logits(x, xn), x, kept
 
 
 def usable(model, state, T: int) -> bool:

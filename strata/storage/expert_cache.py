@@ -58,6 +58,8 @@ class DeviceCache:
         self._rows = torch.arange(slots, slots + staging, device=dev)
         self._ones = torch.ones(staging, dtype=torch.int64, device=dev)
         self._stage = impl("stage_rows", kernels)
+        # the lookup and its counters in one launch (the Triton kernels, every id held here)
+        self._lookup = impl("cache_lookup", kernels) if kernels == "triton" and not partial else None
         self.partial = partial  # ids of -1: experts another rank holds (--ep)
         # the host's view: published slots, copies in flight, free slots, scores
         self.slot_of: dict[int, int] = {}
@@ -75,6 +77,11 @@ class DeviceCache:
         """(gate, up, down, local ids) for routed `ids` (T, k), T * k <= staging."""
         flat = ids.reshape(-1)
         n = flat.numel()
+        if self._lookup is not None:
+            slot, local = self._lookup(flat, self.lut, self.routed, self.missed, self.n)
+            for h, w in zip(self.host, self.w):
+                self._stage(h, w, flat, slot, self.n)
+            return (*self.w, local.reshape(ids.shape))
         safe = flat.clamp(min=0) if self.partial else flat
         slot = self.lut[safe]
         local = torch.where(slot >= 0, slot, self._rows[:n])

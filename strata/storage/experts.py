@@ -214,11 +214,23 @@ class ExpertStore(torch.nn.Module):
             self._counts["calls"] += 1
         return flat
 
-    def _count_on_device(self, ids: torch.Tensor) -> None:
+    def route_tally(self) -> torch.Tensor | None:
+        """The tally of slots per expert that the router's launch may count into
+        (triton_kernels.moe.route's `hits`): a GPU's resident tier holding every expert,
+        where each routed slot is a hit; then `forward(..., counted=True)`. None otherwise:
+        the store counts."""
+        if self.hits.device.type != "cpu" and not self.partial and not compiled.warming():
+            return self.hits
+        return None
+
+    def _count_on_device(self, ids: torch.Tensor, counted: bool = False) -> None:
         """A GPU's resident tier: every routed slot reads its expert's weights, so each is a
-        hit; tokens per expert added up on the device (one kernel, nothing read back)."""
+        hit; tokens per expert added up on the device (one kernel, nothing read back; none
+        where the router's launch `counted` them into `hits`, see route_tally)."""
         flat = ids.reshape(-1)
-        if self.partial:  # -1: another rank's expert (--ep), which counts nothing here
+        if counted:
+            pass
+        elif self.partial:  # -1: another rank's expert (--ep), which counts nothing here
             self.hits.index_add_(0, flat.clamp(min=0), (flat >= 0).long())
         else:
             # one tensor of ones a size, kept: a CUDA graph of each window reads its own
@@ -234,16 +246,21 @@ class ExpertStore(torch.nn.Module):
 
     _ones = None  # a slot's count by the number of slots, kept on the device
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                slots: bool = False, counted: bool = False) -> torch.Tensor:
+        """The routed experts' sum (T, H); `slots`: where one call of the MoE kernels runs
+        them all (the resident and streamed tiers, a device cache's decode), their weighted
+        rows unsummed (T, k, H) instead, for the MoE's last launch to sum (shared_expert.gated_add);
+        `counted`: the router's launch added `ids` to the tally `route_tally` gave."""
         if self.hits.device.type != "cpu":  # a GPU's resident tier: no host read in the step
             if not compiled.warming():
-                self._count_on_device(ids)
-            return self._moe(x, self.wg, self.wu, self.wd, weights, ids)
+                self._count_on_device(ids, counted)
+            return self._moe(x, self.wg, self.wu, self.wd, weights, ids, slots=slots)
         dc = self.device_cache
         if dc is not None and ids.numel() <= dc.staging:  # a decode step: on the device
             self._counts["calls"] += 1
             wg, wu, wd, local = dc(ids)
-            return self._moe(x, wg, wu, wd, weights, local)
+            return self._moe(x, wg, wu, wd, weights, local, slots=slots)
         flat = self.count(ids)
         kept = flat[flat >= 0]
         if self.spec.kind == "dense":
@@ -254,12 +271,12 @@ class ExpertStore(torch.nn.Module):
             return self._cached(x, weights, ids, flat, needed.tolist())
         if not self.compact:  # resident: every expert a hit
             self._counts["hits"] += needed.numel()
-            return self._moe(x, self.wg, self.wu, self.wd, weights, ids)
+            return self._moe(x, self.wg, self.wu, self.wd, weights, ids, slots=slots)
         ws = self._fetch(needed.tolist())
         self._counts["misses"] += needed.numel()
         lut = torch.full((self.n_experts,), -1, dtype=torch.long)
         lut[needed] = torch.arange(needed.numel())
-        return self._moe(x, *ws, weights, self._remap(lut, ids, flat))
+        return self._moe(x, *ws, weights, self._remap(lut, ids, flat), slots=slots)
 
     def _remap(self, lut: torch.Tensor, ids: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         # -1 (an expert held elsewhere) stays -1: the MoE drops it
@@ -267,16 +284,19 @@ class ExpertStore(torch.nn.Module):
         return out.reshape(ids.shape).to(device=ids.device, dtype=ids.dtype)
 
     def _moe(self, x, wg, wu, wd, weights, ids, n_slots: int | None = None,
-             tokens: int | None = None) -> torch.Tensor:
+             tokens: int | None = None, slots: bool = False) -> torch.Tensor:
         if self.kernels == "torch":
             return impl("moe", "torch")(x, wg, wu, wd, *self.fmts, weights, ids).float()
         # the path and tiles of the resident call (all E experts, the batch's T tokens and
         # T * k slots), so that a compact set or a group runs the kernels' arithmetic and
         # blocks exactly as the resident tier does
-        slots = ids.numel() if n_slots is None else n_slots
+        n = ids.numel() if n_slots is None else n_slots
         path = choose_path(*self.fmts, x.shape[0] if tokens is None else tokens)
+        if slots and not torch.compiler.is_compiling():  # the registered op sums
+            return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
+                                         tile_slots=n, slots=True)
         return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
-                                     tile_slots=slots).float()
+                                     tile_slots=n).float()
 
     def _fetch(self, experts: list[int]) -> tuple[torch.Tensor, ...]:
         t = time.perf_counter()

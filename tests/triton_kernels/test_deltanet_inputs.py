@@ -16,6 +16,11 @@ against float64 (u = 2^-24, gamma(n) = n u / (1 - n u)):
 - the gated norm o / sqrt(mean(o^2) + eps) w sigmoid(z): gamma(dv) of the mean, four
   roundings to the reciprocal, three products, the sigmoid's gamma(|z| + 4):
   gamma(dv + |z| + 12) |y64|.
+- deltanet_conv_inputs (one token): the conv's output is conv_step's bit for bit (the same
+  taps in the same order, no fused multiply-add: checked equal to conv_step_torch's), so
+  q, k, v, g and beta take the bounds above with `mixed` that output; the new window is
+  conv_step's exactly, also where it is written over the old one (in place, one program
+  owning each channel).
 Each row is computed by its own program: a row's result is the same in any batch (checked
 bit for bit, the first row alone against the batch)."""
 from __future__ import annotations
@@ -28,8 +33,9 @@ from hypothesis import strategies as st
 
 from tests.tiers import examples
 from triton_kernels.backend import interpreter_on
-from triton_kernels.deltanet_inputs import (deltanet_gated_norm, deltanet_gated_norm_torch, deltanet_inputs,
-                                            deltanet_inputs_torch)
+from triton_kernels.conv import conv_step_torch
+from triton_kernels.deltanet_inputs import (deltanet_conv_inputs, deltanet_conv_inputs_torch, deltanet_gated_norm,
+                                            deltanet_gated_norm_torch, deltanet_inputs, deltanet_inputs_torch)
 
 U = 2.0 ** -24
 
@@ -84,6 +90,35 @@ def test_the_recurrence_inputs_within_the_float32_bound(T, Hk, rep, dk, dv, scal
             assert y.dtype == torch.float32 and within(y, ref, bound), (f.__name__, name, (y.double() - ref).abs().max())
     first = deltanet_inputs(mixed[:1], b[:1], a[:1], dt_bias, a_coef, Hk, dk)
     assert all(torch.equal(x, y[:1]) for x, y in zip(first, deltanet_inputs(mixed, b, a, dt_bias, a_coef, Hk, dk)))
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(Hk=st.integers(1, 3), rep=st.integers(1, 3), dk=st.integers(1, 40), dv=st.integers(1, 40),
+       K=st.integers(2, 4), scale=st.sampled_from([0.1, 1.0, 8.0]), seed=st.integers(0, 2 ** 32 - 1))
+def test_the_conv_and_inputs_in_one_launch_within_the_float32_bound(Hk, rep, dk, dv, K, scale, seed):
+    rng = np.random.default_rng(seed)
+    Hv = Hk * rep
+    C = 2 * Hk * dk + Hv * dv
+    proj = data(rng, 1, C + 2 * Hv, scale=scale)
+    qkv, b, a = proj[:, :C], proj[:, C:C + Hv], proj[:, C + Hv:]
+    window, taps = data(rng, C, K - 1, scale=scale), data(rng, C, K, scale=0.5)
+    dt_bias, a_coef = data(rng, Hv, scale=4.0), -torch.from_numpy(rng.uniform(0.01, 20, Hv).astype(np.float32))
+    mixed, new64 = conv_step_torch(window, qkv, taps)
+    refs, bounds = reference(mixed, b, a, dt_bias, a_coef, Hk, dk)
+    for f in (deltanet_conv_inputs, deltanet_conv_inputs_torch):
+        *got, new = f(window, qkv, taps, b, a, dt_bias, a_coef, Hk, dk)
+        assert torch.equal(new, new64), f.__name__
+        for name, y, ref, bound in zip("q k v g beta".split(), got, refs, bounds):
+            assert y.dtype == torch.float32 and within(y, ref, bound), (f.__name__, name, (y.double() - ref).abs().max())
+    # the conv's output inside the launch is conv_step's: v = silu(mixed) as deltanet_inputs gives it
+    want = deltanet_inputs(mixed, b, a, dt_bias, a_coef, Hk, dk)
+    got = deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, Hk, dk)
+    assert torch.equal(got[2], want[2])
+    # in place (a CUDA graph's window): the same outputs, the window moved on where it lies
+    held = window.clone()
+    again = deltanet_conv_inputs(held, qkv, taps, b, a, dt_bias, a_coef, Hk, dk, in_place=True)
+    assert again[5] is held and torch.equal(held, new64)
+    assert all(torch.equal(x, y) for x, y in zip(again[:5], got[:5]))
 
 
 @settings(max_examples=examples(20), deadline=None)

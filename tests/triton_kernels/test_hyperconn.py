@@ -12,6 +12,13 @@ and their torch twins, against float64 (u = 2^-24, gamma(n) = n u / (1 - n u)):
 - hc_combine: each term xn / (1 + exp(-u)) within gamma(4) of itself (as above, u exact
   here), the sum of S terms gamma(S) of their magnitudes, the mean one more: |y - y64| <=
   gamma(S + 8) * mean |terms64|.
+- hc_mix: the gates a as hc_gates (relative error rel_a = gamma(8 + |v|)); the up row
+  u = sum_r w_r a_r, R products summed, errs by at most du = sum |w| |a64| rel_a +
+  gamma(R) (1 + max rel_a) sum |w| |a64| (the computed a's error carried, then the sum's
+  own; tl.sum's tree and an FMA round no more often); sigmoid's slope is at most 1/4, so
+  a term xn sigmoid(u) moves by at most |xn| du / 4 before hc_combine's own roundings
+  (gamma(S + 8) of the terms, as above): |y - y64| <= (1 + gamma(S + 8)) mean(|xn| du) / 4
+  + gamma(S + 8) mean |terms64|. Its injection weights are hc_gates' (the same bound).
 - hc_write: x + w o: the product and the sum round once each (or once, fused):
   |y - y64| <= gamma(2) (|x| + |w o|).
 Each row is computed by its own program: a row's result is the same in any batch (checked
@@ -26,7 +33,8 @@ from hypothesis import strategies as st
 
 from tests.tiers import examples
 from triton_kernels.backend import interpreter_on
-from triton_kernels.hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_norm, hc_norm_torch,
+from triton_kernels.hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_mix, hc_mix_torch,
+                                      hc_norm, hc_norm_torch,
                                       hc_write, hc_write_norm, hc_write_norm_torch, hc_write_torch)
 
 U = 2.0 ** -24
@@ -85,6 +93,31 @@ def test_hc_combine_within_the_float32_bound(T, S, H, seed):
     for f in (hc_combine, hc_combine_torch):
         assert within(f(up, xn, S), ref, gamma(S + 8) * terms.abs().mean(1)), f.__name__
     assert torch.equal(hc_combine(up[:1], xn[:1], S), hc_combine(up, xn, S)[:1])
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(T=st.integers(1, 3), S=st.integers(1, 4), H=st.integers(1, 200), R=st.integers(1, 40), injects=st.booleans(),
+       seed=st.integers(0, 2 ** 32 - 1), scale=st.sampled_from([0.1, 1.0, 30.0]))
+def test_hc_mix_within_the_float32_bound(T, S, H, R, injects, seed, scale):
+    both = data(seed, T, R + (S if injects else 0), scale=scale)
+    w, xn = data(seed + 1, S * H, R), data(seed + 2, T, S * H)
+    v = both.double() / S
+    sig = 1 / (1 + torch.exp(-v))
+    a64, ref_inj = (v * sig)[:, :R], (2 * sig)[:, R:]
+    rel = (8 + v.abs()) * U / (1 - (8 + v.abs()) * U)
+    rel_a = rel[:, :R]
+    wa = a64.abs() @ w.double().abs().T                                   # (T, S*H)
+    du = (rel_a * a64.abs()) @ w.double().abs().T + gamma(R) * (1 + float(rel_a.max())) * wa
+    terms = (xn.double() / (1 + torch.exp(-(a64 @ w.double().T)))).reshape(T, S, H)
+    ref = terms.mean(1)
+    g = gamma(S + 8)
+    bound = (1 + g) * (xn.double().abs() * du).reshape(T, S, H).mean(1) / 4 + g * terms.abs().mean(1)
+    for f in (hc_mix, hc_mix_torch):
+        y, inj = f(both, w, xn, R, S)
+        assert within(y, ref, bound), f.__name__
+        assert within(inj, ref_inj, rel[:, R:] * ref_inj.abs() + 1e-36), f.__name__
+    one = hc_mix(both[:1], w, xn[:1], R, S)
+    assert all(torch.equal(p, q[:1]) for p, q in zip(one, hc_mix(both, w, xn, R, S)))
 
 
 @settings(max_examples=examples(20), deadline=None)

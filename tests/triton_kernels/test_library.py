@@ -50,26 +50,37 @@ def cases():
         ("qsa_attention", (qh, kh, vh, sel, 21, 4, None, None, 16)),
         ("stage_rows", (torch.arange(40, dtype=torch.uint8).reshape(5, 8), torch.zeros(4, 8, dtype=torch.uint8),
                         torch.tensor([4, 0]), torch.tensor([-1, 2]), 1)),
+        ("cache_lookup", (torch.tensor([3, 0, 3], dtype=torch.int32), torch.tensor([-1, 1, -1, 0]),
+                          torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), 2)),
         ("deltanet_step", (torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 16), -torch.rand(2),
                            torch.rand(2), torch.randn(2, 8, 16))),
         ("deltanet_inputs", (torch.randn(2, 2 * 8 + 4 * 6), torch.randn(2, 4), torch.randn(2, 4), torch.randn(4),
                              -torch.rand(4), 1, 8)),
+        ("deltanet_conv_inputs", (torch.randn(2 * 8 + 4 * 6, 3), torch.randn(1, 2 * 8 + 4 * 6),
+                                  torch.randn(2 * 8 + 4 * 6, 4), torch.randn(1, 4), torch.randn(1, 4), torch.randn(4),
+                                  -torch.rand(4), 1, 8)),
         ("deltanet_gated_norm", (torch.randn(2, 4, 6), torch.randn(2, 24), torch.randn(6), 1e-6)),
         ("conv_step", (torch.randn(6, 6), torch.randn(1, 6), torch.randn(6, 4), 2)),
         ("hc_norm", (torch.randn(2, 4 * 24), torch.randn(4, 24), 1e-6)),
         ("hc_gates", (torch.randn(2, 8 + 4), 8, 4)),
         ("hc_combine", (torch.randn(2, 4 * 24), torch.randn(2, 4 * 24), 4)),
+        ("hc_mix", (torch.randn(2, 8 + 4), torch.randn(4 * 24, 8), torch.randn(2, 4 * 24), 8, 4)),
         ("hc_write", (torch.randn(2, 4 * 24), torch.randn(2, 24).bfloat16(), torch.rand(2, 4))),
         ("hc_write_norm", (torch.randn(2, 4 * 24), torch.randn(2, 24), torch.rand(2, 4), torch.randn(4, 24), 1e-6)),
+        ("ple_mix", (torch.randn(1, 4 * 24), torch.randn(1, 4 * 24), torch.randn(1, 24), torch.randn(4 * 24),
+                     torch.randn(4 * 24), torch.randn(4 * 24), torch.randn(4 * 24, 4), torch.randn(4 * 24, 9), 4,
+                     1e-6, 3)),
         ("norm_rope", (torch.randn(2, 3, 2 * 16)[..., :16], torch.randn(16), 1e-6, torch.randn(2, 8), torch.randn(2, 8))),
         ("silu_mul", (torch.randn(2, 40)[:, :20], torch.randn(2, 40)[:, 20:])),
+        ("sigmoid_mul", (torch.randn(2, 40)[:, :20], torch.randn(2, 20))),
         ("gated_add", (torch.randn(2, 24), torch.randn(2, 25)[:, 24:], torch.randn(2, 24))),
+        ("gated_add", (torch.randn(2, 3, 24), torch.randn(2, 25)[:, 24:], torch.randn(2, 24))),
     ]
 
 
 def test_every_op_is_registered():
     from triton_kernels.ops import OPS
-    assert sorted(library.OPS) == sorted(OPS) == sorted(op for op, _ in cases())
+    assert sorted(library.OPS) == sorted(OPS) == sorted({op for op, _ in cases()})
 
 
 @pytest.mark.parametrize("op, args", cases(), ids=[op for op, _ in cases()])

@@ -401,7 +401,10 @@ def test_route_matches_transformers_router(logits, k_frac, norm):
     # weight is within (E + k + 8) u of the exact value, relative, so the two are within
     # twice that; rtol doubles it again as margin.
     rtol = 4 * (E + k + 8) * U
-    for weights, ids in (route(logits, k, norm), route_torch(logits, k, norm)):
+    for f in (route, route_torch):
+        hits = torch.arange(E, dtype=torch.int64)  # a tally counted on: each slot adds one
+        weights, ids = f(logits, k, norm, hits=hits)
+        assert torch.equal(hits, torch.arange(E) + torch.bincount(ids.reshape(-1).long(), minlength=E))
         assert weights.dtype == torch.float32 and ids.dtype == torch.int32
         assert weights.shape == ids.shape == (T, k)
         assert ((ids >= 0) & (ids < E)).all()
@@ -496,9 +499,12 @@ def test_the_align_kernel_gives_the_torch_tensors(E, n, block_m, out_of_range, s
     assert n <= ALIGN_MAX_SLOTS
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(-out_of_range, E + out_of_range, (n,), generator=g, dtype=dtype)
-    got, want = moe_align_block_size(ids, E, block_m), moe_align_block_size_torch(ids, E, block_m)
+    rows = torch.full((n, 1 + seed % 80), float("nan"))  # per-slot rows: the left-out ones zeroed
+    got, want = moe_align_block_size(ids, E, block_m, zero_rows=rows), moe_align_block_size_torch(ids, E, block_m)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), (ids, a, b)
+    dropped = (ids < 0) | (ids >= E)
+    assert bool((rows[dropped] == 0).all()) and bool(rows[~dropped].isnan().all())
 
 
 def test_align_matches_vllms_documented_example():

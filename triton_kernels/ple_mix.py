@@ -1,0 +1,120 @@
+"""The n-gram PLE block's work after its two projections, for one token, in one kernel
+(strata.nn.ple says what the block computes; S streams of width H, a depthwise causal
+conv of K taps with dilation d over the S*H channels):
+
+    ple_mix(x (1, S*H), k (1, S*H), v (1, H), norm_key, norm_query, norm_conv (S*H each),
+            taps (S*H, K), window (S*H, (K-1) d), S, eps, d)
+        -> (x + gv + silu(conv(norm_conv(gv))) (1, S*H), the conv's new window)
+
+    per stream s:  kn = rmsnorm(k_s) norm_key_s,  q = rmsnorm(x_s) norm_query_s
+                   g  = signed_sqrt(sum(kn q) / sqrt(H)),  gv_s = sigmoid(g) v
+
+In torch (`ple_mix_torch`, strata.nn.ple.mix's ops) this is three norms of three or four
+launches each (or one each through hc_norm), eleven elementwise ops and reductions, the
+conv's step and the final sums: one launch here, one program a stream (its H channels:
+the norms, the gate, the conv's taps and the window's shift are all within the stream).
+Float32, not bit for bit with the twin (the sums' order, exp and sqrt may round otherwise);
+the bound is in tests/triton_kernels/test_ple_mix.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import invariant
+from .backend import use_triton
+from .conv import causal_conv_torch
+from .hyperconn import hc_norm_torch
+
+
+@triton.jit
+def _ple_mix_kernel(x_ptr, k_ptr, v_ptr, wk_ptr, wq_ptr, wc_ptr, taps_ptr, win_ptr, out_ptr, new_win_ptr,
+                    H, eps, root, SPAN: tl.constexpr, K: tl.constexpr, DIL: tl.constexpr, BH: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BH)
+    live = h < H
+    c = s * H + h  # the stream's channels
+    k = tl.load(k_ptr + c, mask=live, other=0.0)
+    x = tl.load(x_ptr + c, mask=live, other=0.0)
+    kn = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) / H + eps)) * tl.load(wk_ptr + c, mask=live, other=0.0)
+    qn = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)) * tl.load(wq_ptr + c, mask=live, other=0.0)
+    g = tl.sum(kn * qn, axis=0) / root
+    sign = tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0))
+    g = tl.sqrt_rn(tl.maximum(tl.abs(g), 1e-6)) * sign
+    gv = (1.0 / (1.0 + tl.exp(-g))) * tl.load(v_ptr + h, mask=live, other=0.0)
+    nc = gv * (1.0 / tl.sqrt_rn(tl.sum(gv * gv, axis=0) / H + eps)) * tl.load(wc_ptr + c, mask=live, other=0.0)
+    y = tl.zeros((BH,), tl.float32)
+    for j in tl.static_range(K):  # conv_step's taps, in order; column p of [window | nc]
+        p = j * DIL
+        if p < SPAN:
+            f = tl.load(win_ptr + c * SPAN + p, mask=live, other=0.0)
+        else:
+            f = nc
+        if j == 0:
+            y = f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+        else:
+            y = y + f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+    for p in tl.static_range(1, SPAN):  # the window moves on by one column
+        tl.store(new_win_ptr + c * SPAN + p - 1, tl.load(win_ptr + c * SPAN + p, mask=live, other=0.0), mask=live)
+    if SPAN > 0:
+        tl.store(new_win_ptr + c * SPAN + SPAN - 1, nc, mask=live)
+    tl.store(out_ptr + c, (x + gv) + y * (1.0 / (1.0 + tl.exp(-y))), mask=live)
+
+
+def _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dilation):
+    ts = dict(x=x, k=k, v=v, norm_key=norm_key, norm_query=norm_query, norm_conv=norm_conv, taps=taps,
+              window=window)
+    bad = [n for n, t in ts.items() if t.dtype != torch.float32]
+    if bad:
+        raise ValueError(f"ple_mix: expects float32 tensors, got {', '.join(f'{n} {ts[n].dtype}' for n in bad)}")
+    if streams < 1 or x.dim() != 2 or x.shape[1] % streams:
+        raise ValueError(f"ple_mix: x must be (1, streams * width) for {streams} streams, got {tuple(x.shape)}")
+    C = x.shape[1]
+    H = C // streams
+    Kt = taps.shape[1] if taps.dim() == 2 else 0
+    if (x.shape[0] != 1 or tuple(k.shape) != (1, C) or tuple(v.shape) != (1, H)
+            or any(w.numel() != C for w in (norm_key, norm_query, norm_conv)) or taps.dim() != 2
+            or taps.shape[0] != C or Kt < 1 or tuple(window.shape) != (C, (Kt - 1) * dilation)):
+        raise ValueError(f"ple_mix: one token's x (1, {C}), k (1, {C}), v (1, {H}), norms of {C}, taps ({C}, K) and "
+                         f"a window ({C}, (K - 1) * {dilation}); got x {tuple(x.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, taps {tuple(taps.shape)}, window {tuple(window.shape)}")
+    return C, H, Kt
+
+
+def ple_mix(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.Tensor, norm_query: torch.Tensor,
+            norm_conv: torch.Tensor, taps: torch.Tensor, window: torch.Tensor, streams: int, eps: float,
+            dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the PLE block after its projections: (x plus the block's output
+    (1, S*H), the conv's new window), float32 (see the module)."""
+    C, H, Kt = _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dilation)
+    if not use_triton(x):
+        return ple_mix_torch(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
+    out, new = torch.empty_like(x), torch.empty_like(window)
+    args = [t.contiguous() for t in (x, k, v, norm_key, norm_query, norm_conv, taps, window)]
+    bh = triton.next_power_of_2(H)
+    # a whole stream a program: 8 warps from 2048 channels (202 registers a thread at 4, 110
+    # at 8 for sm_90), 16 past 4096
+    _ple_mix_kernel[(streams,)](*args, out, new, H, eps, float(H ** 0.5), SPAN=window.shape[1], K=Kt,
+                                DIL=dilation, BH=bh, num_warps=4 if bh < 2048 else 8 if bh <= 4096 else 16)
+    return out, new
+
+
+def ple_mix_torch(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.Tensor,
+                  norm_query: torch.Tensor, norm_conv: torch.Tensor, taps: torch.Tensor, window: torch.Tensor,
+                  streams: int, eps: float, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """strata.nn.ple.mix's ops after the projections, for any number of rows."""
+    T, C = x.shape
+    H = C // streams
+
+    def norm(t, w):
+        return hc_norm_torch(t, w.reshape(streams, H), eps).reshape(T, streams, H)
+
+    kn, q = norm(k, norm_key), norm(x, norm_query)
+    gate = (kn * q).sum(dim=-1, keepdim=True) / H ** 0.5
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gv = invariant.pointwise(torch.sigmoid, gate) * v.unsqueeze(1)  # (T, S, H)
+    normed = norm(gv.reshape(T, -1), norm_conv).reshape(T, -1)
+    out, new = causal_conv_torch(window, normed, taps, dilation)
+    return x + gv.reshape(T, -1) + F.silu(out), new
