@@ -61,7 +61,11 @@ def constant(cache: dict, key, make, device) -> torch.Tensor:
             held[id(cache), key] = to_device(make(), device)
         return held[id(cache), key]
     if key not in cache:
-        cache[key] = to_device(make(), device)
+        # real bytes even while torch.compile's fake implementations run the launchers: a
+        # fake tensor kept here would reach a later real launch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            cache[key] = to_device(make(), device)
     return cache[key]
 
 

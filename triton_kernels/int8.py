@@ -28,6 +28,7 @@ computes the same product, x̂ @ W.T, as one float32 torch matmul with the dequa
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -38,7 +39,7 @@ import quant
 
 from . import configs
 from .asm import asm_for, dp4a
-from .backend import backend_name, device_name, use_triton
+from .backend import backend_name, device_name, faking, use_triton
 from .decode import launch_args, unit, unit_table
 from .decode.common import halves
 from .decode.split import block_ptr
@@ -216,11 +217,12 @@ def dot_units(q_ptr, p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
 
 
 @triton.jit
-def _gemv_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, N, K, stride_om,
+def _gemv_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, part_ptr, count_ptr,
+                      N, K, stride_om,
                       UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                       BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                       BODY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-                      MASK: tl.constexpr, ASM: tl.constexpr):
+                      MASK: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -231,20 +233,93 @@ def _gemv_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, N, K, str
     xq = xq_ptr + m * (K // 4)
     xd = xd_ptr + m * (K // 32)
     xs = xs_ptr + m * (K // 32)
+    if SPLIT == 1:
+        lo = 0
+        hi = units
+    else:
+        # split K: program_id(2) takes its share of whole steps (none past the last one)
+        per = tl.cdiv(tl.cdiv(units, BLOCK_U), SPLIT) * BLOCK_U
+        lo = tl.program_id(2) * per
+        hi = tl.minimum(lo + per, units)
     acc = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
-    for v0 in range(0, units, BLOCK_U):
+    for v0 in range(lo, hi, BLOCK_U):
         v = (v0 + tl.arange(0, BLOCK_U))[None, :]
         acc += dot_units(q_ptr, p_row, v, v < units, xq, xd, xs, tab_ptr, UNIT, UW, UPB,
                          BLOCK_HW, ZERO, OFFSET, BODY, MASK, ASM)
     y = tl.sum(acc, axis=1)  # the one cross-lane reduction
-    tl.store(out_ptr + m * stride_om + rows, y, mask=rows < N)
+    if SPLIT == 1:
+        tl.store(out_ptr + m * stride_om + rows, y, mask=rows < N)
+    else:
+        _sum_split(y, out_ptr + m * stride_om + rows, rows < N, part_ptr, count_ptr,
+                   m * tl.num_programs(0) + pid_n, BLOCK_N, SPLIT)
+
+
+@triton.jit
+def _sum_split(y, out, mask, part_ptr, count_ptr, slot, BLOCK_N: tl.constexpr,
+               SPLIT: tl.constexpr):
+    """Split K's reduction in the same launch: each program stores its partial sums, and
+    the last of a tile's SPLIT programs to count itself in adds them in split order (the
+    same bits whichever finishes last) and sets the count back to 0 for the next launch."""
+    i = tl.arange(0, BLOCK_N)
+    tl.store(part_ptr + (slot * SPLIT + tl.program_id(2)) * BLOCK_N + i, y)
+    tl.debug_barrier()  # every lane's partial stored before the count says so
+    if tl.atomic_add(count_ptr + slot, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        total = tl.zeros((BLOCK_N,), tl.float32)
+        for s in tl.static_range(SPLIT):
+            # .cg: from L2, where the other programs' stores are, never a stale L1 line
+            total += tl.load(part_ptr + (slot * SPLIT + s) * BLOCK_N + i, cache_modifier=".cg")
+        tl.store(out, total, mask=mask)
+        tl.atomic_xchg(count_ptr + slot, 0, sem="relaxed", scope="gpu")
+
+
+MAX_SPLIT = 16
+
+
+def split_for(tiles_n: int, steps: int, sms: int | None) -> int:
+    """Split K's ways for a GEMV of `tiles_n` programs a row of x and `steps` K steps each,
+    on a GPU of `sms` multiprocessors: 1 where the programs fill the GPU (or it is
+    unknown), else enough to fill it, at most one way a step and MAX_SPLIT. Depends on
+    neither M nor the data, so a row's result is the same in any batch."""
+    if not sms or tiles_n >= sms or steps < 2:
+        return 1
+    return min(steps, -(-sms // tiles_n), MAX_SPLIT)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _multiprocessors(device: torch.device) -> int | None:
+    if device.type != "cuda" or faking():
+        return None
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_COUNTS: dict = {}
+
+
+def _counts(device: torch.device, n: int) -> torch.Tensor:
+    """Split K's per-tile counts on `device`: zeros, kept (each launch leaves them at 0), one
+    set a stream so that launches on two streams never share one. Made on the device, so a
+    graph that captures their making zeroes them again on replay, which is harmless."""
+    size = max(1024, 1 << (n - 1).bit_length())
+    if faking():
+        return torch.zeros(size, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, size)
+    if key not in _COUNTS:
+        _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _COUNTS[key]
 
 
 def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: str | quant.Format, N: int,
-              tiles: tuple[int, int] | None = None) -> torch.Tensor:
+              tiles: tuple[int, int] | None = None, split: int | None = None) -> torch.Tensor:
     """(M, N) float32 = x̂ @ W.T for W's N rows of GGUF blocks in q (contiguous uint8,
     2-D or flat). tiles: (BLOCK_N rows, BLOCK_U units along K) a program, powers of two;
-    by default triton_kernels.configs' "gemv" entry for the format and device."""
+    by default triton_kernels.configs' "gemv" entry for the format and device. split: K
+    split so many ways (one launch, the partial sums added in split order); by default the
+    config's "split_k", an integer or "auto" (split_for)."""
     fmt = quant.get(fmt)
     u = unit(fmt)
     if u is None:
@@ -261,11 +336,22 @@ def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: str | quant.Format, N: int,
         return out.zero_()
     block_n, block_u = tiles
     units = K // u.weights
-    grid = (triton.cdiv(N, block_n), M)
-    _gemv_dp4a_kernel[grid](
+    tiles_n = triton.cdiv(N, block_n)
+    if split is None:
+        split = cfg.get("split_k", 1)
+        if split == "auto":
+            split = split_for(tiles_n, triton.cdiv(units, block_u), _multiprocessors(q.device))
+    if not (isinstance(split, int) and 1 <= split <= MAX_SPLIT):
+        raise ValueError(f"{fmt.name}: split must be an integer from 1 to {MAX_SPLIT}, got {split!r}")
+    part, counts = out, out  # unread when K is not split
+    if split > 1:
+        part = torch.empty(M * tiles_n * split * block_n, dtype=torch.float32, device=q.device)
+        counts = _counts(q.device, M * tiles_n)
+    _gemv_dp4a_kernel[(tiles_n, M, split)](
         x8.q, x8.d, x8.s, q.reshape(-1).view(torch.uint16), unit_table(fmt, q.device), out,
-        N, K, out.stride(0), **launch_args(fmt, u), BLOCK_N=block_n, BLOCK_U=block_u,
-        MASK=units % block_u != 0, ASM=asm_for(q.device), num_warps=cfg.get("num_warps", 4))
+        part, counts, N, K, out.stride(0), **launch_args(fmt, u), BLOCK_N=block_n,
+        BLOCK_U=block_u, MASK=units % block_u != 0, SPLIT=split, ASM=asm_for(q.device),
+        num_warps=cfg.get("num_warps", 4))
     return out
 
 

@@ -11,7 +11,9 @@ int8 activations, then the GEMV) and as launched from Python, as GB/s of weight 
 read (graph time) against the device-to-device copy measured in the same run, the static
 prediction beside it; then the MoE decode at Qwen3.8-Flash-Next's shape (one token, top
 10 of 512 experts, gate and up 2560 -> 640 in IQ3_XXS, down 640 -> 2560 in IQ4_NL, as
-llama.cpp's IQ3_XXS mix) as GB/s of the routed experts' bytes. Weights are held as the
+llama.cpp's IQ3_XXS mix) as GB/s of the routed experts' bytes; then the prefill GEMM (512
+rows over the same weight) against torch's bf16 matmul of the dequantized weight, both
+graph-timed in the same run. Weights are held as the
 engine holds them there (triton_kernels.layout; STRATA_LAYOUT=gguf for GGUF order). --tune
 (CUDA): times candidate GEMV tiles per format (graph time) and writes the fastest into
 triton_kernels/configs/<device>.json.
@@ -31,6 +33,7 @@ TABLE_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "IQ4_NL", "IQ3_S", "IQ3_XXS")
 GEMV_SHAPE = (4096, 14336)  # (N, K): a Llama-3-8B ffn_down
 # Flash-Next's routed experts: (experts, top k, hidden, intermediate, gate/up and down formats)
 MOE_SHAPE = (512, 10, 2560, 640, "IQ3_XXS", "IQ4_NL")
+GEMM_M = 512  # prefill rows: the GEMM of GEMV_SHAPE against torch's bf16 matmul
 TUNE_TILES = [(bn, bu) for bn in (1, 2, 4, 8, 16) for bu in (4, 8, 16, 32, 64) if bn * bu >= 32]
 
 
@@ -150,6 +153,27 @@ def _moe_row(rng, copy: float) -> dict:
             "pct_copy": 100 * gbps / copy, "max_rel_err": rel}
 
 
+def _gemm_row(name: str, rng) -> dict:
+    """The prefill GEMM of GEMM_M rows over GEMV_SHAPE's weight, graph-timed, against torch's
+    bf16 matmul of the same shape on the dequantized weight in the same run (which reads
+    about four times the weight bytes)."""
+    import triton
+
+    from triton_kernels import dequantize, qmatmul
+    q, _, fmt = gemv_case(quant.get(name), rng)
+    N, K = GEMV_SHAPE
+    x = torch.from_numpy(rng.uniform(-1, 1, (GEMM_M, K)).astype(np.float32)).to("cuda", torch.bfloat16)
+    w = dequantize(q, fmt, dtype=torch.bfloat16).reshape(N, K)
+    y = qmatmul(x, q, fmt, path="gemm").float()
+    ref = (x.float() @ w.float().T)
+    rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    ms = triton.testing.do_bench_cudagraph(lambda: qmatmul(x, q, fmt, path="gemm"), rep=50)
+    ms_ref = triton.testing.do_bench_cudagraph(lambda: torch.matmul(x, w.T), rep=50)
+    return {"op": f"gemm M={GEMM_M}", "format": name, "layout": fmt.layout, "N": N, "K": K,
+            "us": ms * 1e3, "us_torch_bf16": ms_ref * 1e3, "x_torch_bf16": ms / ms_ref,
+            "tflops": 2 * GEMM_M * N * K / (ms * 1e-3) / 1e12, "max_rel_err": rel}
+
+
 def time_gemv(fmt, q, x, tiles=None, graph: bool = False) -> float:
     """Milliseconds a qmatmul call takes: as launched from Python (do_bench), or replayed
     from a CUDA graph (do_bench_cudagraph: the kernels' own time, without the launches)."""
@@ -187,11 +211,13 @@ def _run_measured(args, formats) -> int:
                      "instr_per_weight": st.instr_per_weight, "pred_bw_h200": st.pred_bw.get("H200")})
         del q, x
     rows.append(_moe_row(rng, copy))
+    rows += [_gemm_row(name, rng) for name in formats]
     result = {"machine": machine(), "copy_gb_per_s": copy, "rows": rows}
     cols = [("op", "op"), ("format", "format"), ("layout", "layout"), ("us", "µs (graph)"), ("us_launched", "µs (launched)"),
             ("gb_per_s", "GB/s"), ("pct_copy", "% copy"),
             ("max_rel_err", "max rel err"), ("instr_per_weight", "instr/w (sm_90)"),
-            ("pred_bw_h200", "predicted (H200)")]
+            ("pred_bw_h200", "predicted (H200)"), ("tflops", "TFLOP/s"),
+            ("x_torch_bf16", "time / torch bf16")]
     emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write)",
          args.json)
     return 0

@@ -31,7 +31,7 @@ from strata.nn import kv as kv_types
 from strata.nn.deltanet import GatedDeltaNet
 from triton_kernels.deltanet_fla import deltanet_path
 from strata.nn.gated_attention import AttentionState
-from strata.nn.hyperconn import HyperConnection
+from strata.nn.hyperconn import HyperConnection, next_norm
 from strata.nn.mrope import Positions
 from strata.nn.moe import MoE
 from strata.nn.ple import NgramPLE
@@ -80,15 +80,6 @@ class Layer(torch.nn.Module):
         if then is not None:
             return self.ffn_hc.write_and_norm(x, self.moe(m), w, then)
         return self.ffn_hc.write(x, self.moe(m), w), None
-
-
-def next_norm(layers, i: int, last=None):
-    """The hyper-connection that reads layer i's result next, whose norm layer i's last
-    write can give in its launch (Layer.run): the next layer's attn_hc (not where a PLE
-    block changes the streams first), or after the last layer `last`."""
-    if i + 1 == len(layers):
-        return last
-    return layers[i + 1].attn_hc if layers[i + 1].ple is None else None
 
 
 class _Verify:

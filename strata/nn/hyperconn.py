@@ -103,3 +103,12 @@ def stream_norm(x: torch.Tensor, w: torch.Tensor, streams: int, eps: float) -> t
     values): (T, S, H)."""
     width = w.numel() // streams
     return hc_norm_torch(x, w.reshape(streams, width), eps).reshape(x.shape[0], streams, width)
+
+
+def next_norm(layers, i: int, last=None):
+    """The hyper-connection that reads layer i's result next, whose norm layer i's last
+    write can give in its launch (Layer.run): the next layer's attn_hc (not where a PLE
+    block changes the streams first), or after the last layer `last`."""
+    if i + 1 == len(layers):
+        return last
+    return layers[i + 1].attn_hc if layers[i + 1].ple is None else None

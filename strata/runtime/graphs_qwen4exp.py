@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from strata.nn import deltanet, kv
 from strata.nn.gated_attention import AttentionState, _heads_norm, finish, project
+from strata.nn.hyperconn import next_norm
 from strata.nn.ple import mix
 from strata.nn.rope import rotate
 from strata.runtime.graphs import enabled
@@ -238,7 +239,6 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
     x = model.embed(tok).repeat(1, model.cfg.streams)
     where: dict = {}
     kept: dict = {"rows": []} if T > 1 else {}
-    from strata.models.qwen4exp import next_norm  # (that module imports this one)
     layers, xn = list(model.layers), None  # xn: x's streams normed for the next read (Layer.run)
     for i, (layer, st) in enumerate(zip(layers, state.layers)):
         if layer.ple is not None:

@@ -314,12 +314,15 @@ def test_bench_kernels_static_table():
     assert lines[0] == "## sm_90"
     cells = lambda line: [c.strip() for c in line.split("|")[1:-1]]  # noqa: E731
     head = cells(lines[2])
-    assert head[:7] == ["op", "format", "kernel", "regs", "spill B", "instr/w loop", "instr/w 4096x14336"]
+    assert head[:8] == ["op", "format", "layout", "kernel", "regs", "spill B", "instr/w loop", "instr/w 4096x14336"]
+    assert head[8:12] == ["B/load", ">=8B share", "in flight", "mma"]
     assert "H200 bw" in head and head[-1] == "loop mix"
     rows = [dict(zip(head, cells(l))) for l in lines[4:] if l.startswith("|")]
     assert [(x["op"], x["format"]) for x in rows] == [("gemv", "Q8_0"), ("gemv", "Q4_0")]
     for x in rows:
         assert x["kernel"].startswith("_") and int(x["regs"]) > 0 and int(x["spill B"]) >= 0
+        assert x["layout"] == "split" and x["mma"] == "none"  # the layout a GPU holds them in
+        assert positive(x["B/load"]) >= 4 and 0.5 <= float(x[">=8B share"]) <= 1
         assert positive(x["instr/w loop"]) <= positive(x["instr/w 4096x14336"])
         assert 0 < positive(x["H200 bw"]) <= 1
         assert re.fullmatch(r"(\w+:\d+ ?)+", x["loop mix"])

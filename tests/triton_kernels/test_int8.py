@@ -74,7 +74,9 @@ from triton_kernels.backend import interpreter_on
 from triton_kernels import layout
 from triton_kernels.decode import UNITS
 from triton_kernels.layout.split import has_split
-from triton_kernels.int8 import Q8X, gemv_dp4a, gemv_dp4a_torch, quantize_x, quantize_x_torch
+from triton_kernels import int8
+from triton_kernels.int8 import (MAX_SPLIT, Q8X, gemv_dp4a, gemv_dp4a_torch, quantize_x, quantize_x_torch,
+                                 split_for)
 
 U = 2.0 ** -24
 DOT_FORMATS = [quant.get(name) for name in UNITS]
@@ -358,6 +360,45 @@ def test_gemv_dp4a_agrees_with_the_reference(fmt, tiles):
         tol = 2 * (K / 16 + 8) * U * t + K * 2.0 ** -149
         assert_within(y, ref, tol, f"gemv_dp4a m={m} n={n} K={K}")
     prop()
+
+
+@pytest.mark.parametrize("fmt", DOT_FORMATS, ids=lambda f: f.name)
+def test_split_k_agrees_with_the_reference_and_repeats_its_bits(fmt):
+    """K split over up to 5 programs a tile, summed in the launch: the same bound as one
+    program (each split adds one rounding a row, well inside the K / 16 allowance), the
+    same bits on a second call, and the per-tile counts back at zero."""
+    unit_weights = UNITS[fmt.name].weights
+
+    @given(nb=st.integers(1, 3), split=st.integers(2, 5), seed=st.integers(0, 2 ** 32 - 1),
+           data=st.data())
+    @settings(max_examples=examples(2), phases=NO_SHRINK)
+    def prop(nb, split, seed, data):
+        K = nb * fmt.block_elems
+        m = data.draw(st.integers(1, 2), label="m")
+        n = data.draw(st.integers(1, 9), label="n")
+        q = data.draw(weights(fmt, n, nb), label="q")
+        x8 = quantize_x_torch(gemv_x(np.random.default_rng(seed), m, K))
+        ref, _, t = reference(x8, q, fmt)
+        units = K // unit_weights
+        tiles = (4, 1 if units < 8 else 2)  # 1-12 K steps: some splits get none
+        y = gemv_dp4a(x8, torch.from_numpy(q), fmt, n, tiles=tiles, split=split)
+        assert_within(y, ref, 2 * (K / 16 + 8) * U * t + K * 2.0 ** -149, f"split {split} n={n} K={K}")
+        assert torch.equal(gemv_dp4a(x8, torch.from_numpy(q), fmt, n, tiles=tiles, split=split), y)
+        assert all(not c.any() for c in int8._COUNTS.values())
+    prop()
+
+
+def test_split_k_fills_an_idle_gpu_and_nothing_else():
+    assert split_for(tiles_n=64, steps=10, sms=132) == 3      # 64 programs: three ways
+    assert split_for(tiles_n=8, steps=10, sms=132) == 10      # no more ways than steps
+    assert split_for(tiles_n=2, steps=100, sms=132) == MAX_SPLIT
+    assert split_for(tiles_n=512, steps=10, sms=132) == 1     # the GPU is full
+    assert split_for(tiles_n=64, steps=1, sms=132) == 1       # one step: nothing to split
+    assert split_for(tiles_n=64, steps=10, sms=None) == 1     # no GPU (the interpreter)
+    fmt, x8 = quant.get("Q8_0"), quantize_x_torch(torch.ones((1, 64)))
+    q = torch.zeros((2, 68), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"Q8_0: split must be an integer from 1 to 16, got 0"):
+        gemv_dp4a(x8, q, fmt, 2, split=0)
 
 
 @pytest.mark.parametrize("fmt", DOT_FORMATS, ids=lambda f: f.name)

@@ -212,8 +212,9 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
         if u is not None:
             bn, bu = cfg["block_n"], cfg["block_u"]
             sig, cx = _sig("xq_ptr:*i32,xd_ptr:*fp32,xs_ptr:*fp32,q_ptr:*u16,tab_ptr:*i32,"
-                           "out_ptr:*fp32,N:i32,K:i32,stride_om:i32",
-                           **launch_args(fmt, u), BLOCK_N=bn, BLOCK_U=bu, MASK=False, ASM=asm)
+                           "out_ptr:*fp32,part_ptr:*fp32,count_ptr:*i32,N:i32,K:i32,stride_om:i32",
+                           **launch_args(fmt, u), BLOCK_N=bn, BLOCK_U=bu, MASK=False, SPLIT=1,
+                           ASM=asm)
             step = bu * u.weights
             return Spec(int8._gemv_dp4a_kernel, sig, cx, nw, bn * step, -(-K // step), -(-N // bn))
         bm, bn, bk = 1, *qmatmul.GEMV_TILES[1:]
