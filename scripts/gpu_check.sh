@@ -6,7 +6,9 @@
 #      the GPU against the torch path on the CPU (tests/strata/test_gpu_models.py);
 #   2. `strata bench kernels`: the decode GEMV of a 4096 x 14336 weight per format and the
 #      MoE decode at Flash-Next's shape, GB/s against the device copy, the static
-#      prediction beside it; in the device layout, then again in GGUF order (STRATA_LAYOUT=gguf);
+#      prediction beside it; a 512 x 2560 GEMV with K split and not; the 512-row prefill
+#      GEMM against torch's bf16 matmul; in the device layout, then again in GGUF order
+#      (STRATA_LAYOUT=gguf);
 #   3. `strata bench dequant --device cuda` for the formats of the decode path;
 #   4. the static table for sm_90, to set beside the measured one;
 #   5. the engine on the GPU: `strata generate --device cuda` for SmolLM2 (when its GGUF
@@ -64,9 +66,9 @@ timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -m cuda -q -n 8 -p no:cacheprov
 
 s2() {
 echo "== 2. decode GEMV, 4096 x 14336, GB/s against the device copy"
-timeout 150 python3 -m strata bench kernels --formats "$FORMATS" --json 2> "$OUT/bench_kernels.err" \
+timeout 200 python3 -m strata bench kernels --formats "$FORMATS" --json 2> "$OUT/bench_kernels.err" \
     | tee "$OUT/bench_kernels.json" || status=1
-STRATA_LAYOUT=gguf timeout 150 python3 -m strata bench kernels --formats "$FORMATS" --json \
+STRATA_LAYOUT=gguf timeout 200 python3 -m strata bench kernels --formats "$FORMATS" --json \
     2> "$OUT/bench_kernels_gguf.err" | tee "$OUT/bench_kernels_gguf.json" || status=1
 }
 

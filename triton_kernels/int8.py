@@ -19,7 +19,11 @@ Work per thread: a program owns BLOCK_N rows and walks K in steps of BLOCK_U uni
 thread decodes whole units (32 or 64 weights), sums their dp4a results in int32 and
 scales them once a group; the accumulator [BLOCK_N, BLOCK_U] is reduced across lanes once,
 after the loop. Rows past N are clamped (read, never stored), so the main loop carries no
-masks; K that is no whole number of steps takes masked loads (MASK). Weights in GGUF order
+masks; K that is no whole number of steps takes masked loads (MASK). Where a GEMV's tiles
+are fewer than the GPU's multiprocessors (N of 512 to 1,024 at BLOCK_N 8: an attention
+layer's k and v, a router), K splits over up to MAX_SPLIT programs a tile (split_for);
+the last of them to finish adds the partial sums in split order in the same launch, so
+the bits do not depend on which finishes last, nor on M. Weights in GGUF order
 or in the split device layout (triton_kernels.layout; BODY > 0), whose quants load as
 8-byte words; x̂'s codes load as 8-byte words either way.
 

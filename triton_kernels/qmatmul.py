@@ -29,8 +29,9 @@ Three Triton kernels:
   12-21 main-loop instructions a weight on sm_90, HGMMA, where the per-weight decode spends
   31-82 (strata bench kernels --static). Batch-invariant mode keeps the per-weight kernel.
 
-The two GEMVs run one program per BLOCK_N rows (and, for dp4a, per row of x). None splits K: a GEMV over a weight with few rows (N / BLOCK_N programs) leaves part
-of a large GPU idle; a split-K variant would add programs along K and an fp32 reduction.
+The two GEMVs run one program per BLOCK_N rows (and, for dp4a, per row of x). The dp4a GEMV
+splits K where those programs leave multiprocessors idle (triton_kernels.int8.split_for);
+the float GEMV, for the formats without int8 units, does not.
 
 Neither kernel is bit-exact with the torch path (different summation orders, FMA
 contraction left on); tests/triton_kernels/test_qmatmul.py states the error bound.

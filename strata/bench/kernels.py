@@ -11,7 +11,8 @@ int8 activations, then the GEMV) and as launched from Python, as GB/s of weight 
 read (graph time) against the device-to-device copy measured in the same run, the static
 prediction beside it; then the MoE decode at Qwen3.8-Flash-Next's shape (one token, top
 10 of 512 experts, gate and up 2560 -> 640 in IQ3_XXS, down 640 -> 2560 in IQ4_NL, as
-llama.cpp's IQ3_XXS mix) as GB/s of the routed experts' bytes; then the prefill GEMM (512
+llama.cpp's IQ3_XXS mix) as GB/s of the routed experts' bytes; a GEMV of 512 x 2560 with
+K split as the engine chooses against one program a tile; then the prefill GEMM (512
 rows over the same weight) against torch's bf16 matmul of the dequantized weight, both
 graph-timed in the same run. Weights are held as the
 engine holds them there (triton_kernels.layout; STRATA_LAYOUT=gguf for GGUF order). --tune
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 import quant
+from strata.bench.dequant import random_blocks
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
 from triton_kernels import configs, layout
 from triton_kernels.analysis import static
@@ -34,6 +36,9 @@ GEMV_SHAPE = (4096, 14336)  # (N, K): a Llama-3-8B ffn_down
 # Flash-Next's routed experts: (experts, top k, hidden, intermediate, gate/up and down formats)
 MOE_SHAPE = (512, 10, 2560, 640, "IQ3_XXS", "IQ4_NL")
 GEMM_M = 512  # prefill rows: the GEMM of GEMV_SHAPE against torch's bf16 matmul
+# (N, K) of a GEMV whose tiles leave an H200's multiprocessors idle (Flash-Next's k and v
+# projections, its router): split K against one program a tile
+SMALL_SHAPE = (512, 2560)
 TUNE_TILES = [(bn, bu) for bn in (1, 2, 4, 8, 16) for bu in (4, 8, 16, 32, 64) if bn * bu >= 32]
 
 
@@ -108,7 +113,6 @@ def _run_static(args, formats) -> int:
 def gemv_case(fmt: quant.Format, rng: np.random.Generator, device="cuda"):
     """(q, x, held format) on the GPU for one GEMV of GEMV_SHAPE: random blocks of `fmt` in
     the layout the engine holds them in there, and a bf16 row."""
-    from strata.bench.dequant import random_blocks
     N, K = GEMV_SHAPE
     raw = torch.from_numpy(random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1))
     held = layout.choose(fmt, device, N * K // fmt.block_elems)
@@ -119,7 +123,6 @@ def gemv_case(fmt: quant.Format, rng: np.random.Generator, device="cuda"):
 def moe_case(rng: np.random.Generator, shape=MOE_SHAPE, device="cuda"):
     """One decode token's MoE at `shape` (MOE_SHAPE): (moe's arguments, the routed experts'
     bytes), the experts random blocks in the layout the engine holds them in on `device`."""
-    from strata.bench.dequant import random_blocks
     E, k, H, I, f_gu, f_d = shape
     fmts, ws = [], []
     for f, rows, cols in ((f_gu, I, H), (f_gu, I, H), (f_d, H, I)):
@@ -150,6 +153,32 @@ def _moe_row(rng, copy: float) -> dict:
     E, k, H, I, f_gu, f_d = MOE_SHAPE
     return {"op": f"moe top-{k} of {E}", "format": f"{f_gu}/{f_d}", "layout": args[4].layout,
             "N": H, "K": I, "us": ms_graph * 1e3, "us_launched": ms * 1e3, "gb_per_s": gbps,
+            "pct_copy": 100 * gbps / copy, "max_rel_err": rel}
+
+
+def _split_row(name: str, rng, copy: float) -> dict:
+    """The dp4a GEMV of SMALL_SHAPE, graph-timed, with K split as "auto" chooses and not
+    split, in the same run."""
+    import triton
+
+    from triton_kernels.int8 import gemv_dp4a, quantize_x, split_for
+    N, K = SMALL_SHAPE
+    fmt = quant.get(name)
+    raw = torch.from_numpy(random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1))
+    held = layout.choose(fmt, "cuda", N * K // fmt.block_elems)
+    q = layout.place(raw, fmt, "cuda", held)
+    x8 = quantize_x(torch.from_numpy(rng.uniform(-1, 1, (1, K)).astype(np.float32)).to("cuda"))
+    cfg = configs.pick("gemv", name, torch.cuda.get_device_name())
+    bn, bu = cfg["block_n"], cfg["block_u"]
+    split = split_for(-(-N // bn), -(-K // unit(fmt).weights // bu),
+                      torch.cuda.get_device_properties(0).multi_processor_count)
+    one = gemv_dp4a(x8, q, held, N, split=1)
+    rel = float((gemv_dp4a(x8, q, held, N, split=split) - one).abs().max() / one.abs().max().clamp_min(1e-30))
+    ms = {s: triton.testing.do_bench_cudagraph(lambda s=s: gemv_dp4a(x8, q, held, N, split=s), rep=50)
+          for s in {1, split}}
+    gbps = q.numel() / (ms[split] * 1e-3) / 1e9
+    return {"op": f"gemv split {split}", "format": name, "layout": held.layout, "N": N, "K": K,
+            "us": ms[split] * 1e3, "us_unsplit": ms[1] * 1e3, "gb_per_s": gbps,
             "pct_copy": 100 * gbps / copy, "max_rel_err": rel}
 
 
@@ -211,12 +240,13 @@ def _run_measured(args, formats) -> int:
                      "instr_per_weight": st.instr_per_weight, "pred_bw_h200": st.pred_bw.get("H200")})
         del q, x
     rows.append(_moe_row(rng, copy))
+    rows += [_split_row(name, rng, copy) for name in formats if unit(quant.get(name)) is not None]
     rows += [_gemm_row(name, rng) for name in formats]
     result = {"machine": machine(), "copy_gb_per_s": copy, "rows": rows}
     cols = [("op", "op"), ("format", "format"), ("layout", "layout"), ("us", "µs (graph)"), ("us_launched", "µs (launched)"),
             ("gb_per_s", "GB/s"), ("pct_copy", "% copy"),
             ("max_rel_err", "max rel err"), ("instr_per_weight", "instr/w (sm_90)"),
-            ("pred_bw_h200", "predicted (H200)"), ("tflops", "TFLOP/s"),
+            ("pred_bw_h200", "predicted (H200)"), ("us_unsplit", "µs unsplit"), ("tflops", "TFLOP/s"),
             ("x_torch_bf16", "time / torch bf16")]
     emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write)",
          args.json)

@@ -8,7 +8,8 @@ the lanes a program, so twice the rows for the same work a lane); `<device>.json
 slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kernels
 --tune` on that device, overrides it. Later entries win: op defaults, then the op's
 format entry, then the device file's op defaults and format entry. The MoE ops' tiles and
-num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels'.
+num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels'. The
+dp4a GEMV's `split_k` is an integer or "auto" (triton_kernels.int8.split_for).
 
 Under "interpreter", larger tiles for a whole model run by the Triton interpreter
 (`--kernels triton` on the CPU): the interpreter's cost is per program and per
