@@ -213,8 +213,8 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
             bn, bu = cfg["block_n"], cfg["block_u"]
             sig, cx = _sig("xq_ptr:*i32,xd_ptr:*fp32,xs_ptr:*fp32,q_ptr:*u16,tab_ptr:*i32,"
                            "out_ptr:*fp32,part_ptr:*fp32,count_ptr:*i32,N:i32,K:i32,stride_om:i32",
-                           **launch_args(fmt, u), BLOCK_N=bn, BLOCK_U=bu, MASK=False, SPLIT=1,
-                           ASM=asm)
+                           **launch_args(fmt, u), BLOCK_N=bn, BLOCK_U=bu, MASK=False,
+                           SPLIT=cfg["split_k"] if isinstance(cfg.get("split_k"), int) else 1, ASM=asm)
             step = bu * u.weights
             return Spec(int8._gemv_dp4a_kernel, sig, cx, nw, bn * step, -(-K // step), -(-N // bn))
         bm, bn, bk = 1, *qmatmul.GEMV_TILES[1:]
@@ -574,7 +574,7 @@ def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None)
         bpw += 16  # the bf16 values written move through the same memory
     row = Row(op=op, format=fmt.name, target=target, kernel=spec.kernel.__name__,
               config={k_: v for k_, v in spec.constexprs.items()
-                      if k_.startswith("BLOCK") or k_ in ("MASK", "SCALED")} | {"num_warps": spec.num_warps},
+                      if k_.startswith("BLOCK") or k_ in ("MASK", "SCALED", "SPLIT")} | {"num_warps": spec.num_warps},
               regs=res["regs"], spill_bytes=res["spill"], shared_bytes=res["shared"],
               instructions=len(ins), loop_instructions=body, weights_per_iter=per_thread,
               instr_per_weight=round(ipw, 3), instr_per_weight_whole=round(whole, 3),
