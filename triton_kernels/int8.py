@@ -313,7 +313,10 @@ def _counts(device: torch.device, n: int) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream, size)
     if key not in _COUNTS:
-        _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+        # real ones even while torch.compile's fake implementations run this launcher
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            _COUNTS[key] = torch.zeros(size, dtype=torch.int32, device=device)
     return _COUNTS[key]
 
 
