@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import invariant
 from .backend import use_triton
 from .conv import causal_conv_torch
 from .norms import l2norm_torch
@@ -217,7 +218,9 @@ def deltanet_conv_inputs_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads
 def deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
     """The same as torch ops: the CPU path's (strata.nn.deltanet), in its order."""
     T, Hv = mixed.shape[0], b.shape[-1]
-    mixed = F.silu(mixed)
+    # batch-invariant: the vector code for every element also where a row's width is not a
+    # multiple of invariant.VEC (free where it is: no padding then)
+    mixed = invariant.pointwise(F.silu, mixed)
     qk, v = mixed.split([2 * k_heads * dk, mixed.shape[1] - 2 * k_heads * dk], dim=-1)
     rep = Hv // k_heads
     q = l2norm_torch(qk[:, :k_heads * dk].reshape(T, k_heads, dk))
@@ -225,8 +228,10 @@ def deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
     q = q.repeat(1, rep, 1) * dk ** -0.5
     k = k.repeat(1, rep, 1)
     v = v.reshape(T, Hv, -1)
-    beta = torch.sigmoid(b)
-    g = a_coef * F.softplus(a + dt_bias)
+    # a value a head, (T, Hv): batch-invariant, through the vector code for any T (ATen runs
+    # the last elements of a call through its scalar code, which rounds otherwise)
+    beta = invariant.pointwise(torch.sigmoid, b)
+    g = a_coef * invariant.pointwise(F.softplus, a + dt_bias)
     return q, k, v, g, beta
 
 

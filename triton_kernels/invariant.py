@@ -33,6 +33,7 @@ decay a head) through the same vector code for any number of tokens.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from contextlib import contextmanager
@@ -43,6 +44,8 @@ import torch.nn.functional as F
 # rows a GEMM call: prefill pays a call per ROWS rows, decode its one row padded to the
 # fewest rows the probe accepts (measured in bench model --batch-invariant)
 ROWS = 8
+# outputs compared for each size a probe tries, and rows at most (`_exact_size`)
+PROBE, PROBE_ROWS = 1 << 16, 1 << 13
 # block keys a call of the indexer's scores
 BLOCKS = 64
 # elements a pointwise call is padded to a multiple of: ATen's vector loops run the last
@@ -117,11 +120,13 @@ def rows(f, x: torch.Tensor, key=None) -> torch.Tensor:
     The last, short call of m rows is padded with zeros to the fewest rows (m or more) that a
     probe showed f computes as a full call computes them (`key` names f's kind and shapes for
     the probe's memo; None: pad to ROWS). Measured on CPUs: bfloat16 GEMMs and the int4
-    kernel compute any short call's rows alike, float32 ones all but a single row (a GEMV,
-    which sums in another order): decode's one row then costs two rows, not ROWS."""
+    kernel compute any short call's rows alike on AVX2, float32 ones all but a single row (a
+    GEMV, which sums in another order): decode's one row then costs two rows, not ROWS. With
+    AVX-512 and bfloat16 dot products, bfloat16 ones with K > 1024 all but a single row, and
+    float32 ones calls of 4 rows and more."""
     M = x.shape[0]
     m = M % ROWS
-    size = ROWS if not m else (_exact_sizes(f, x, key)[m] if key is not None else ROWS)
+    size = ROWS if not m else (_exact_size(f, x, key, m) if key is not None else ROWS)
     pad = size - m if m else 0
     if pad:
         x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
@@ -134,20 +139,45 @@ def rows(f, x: torch.Tensor, key=None) -> torch.Tensor:
 _sizes: dict = {}
 
 
-def _exact_sizes(f, x: torch.Tensor, key) -> list[int]:
-    """For each m < ROWS, the fewest rows n >= m whose call computes its first n (and last n)
-    rows of a ROWS-row tile bit for bit as the whole tile's call does, on a random tile like x
-    (shapes, not values, choose a GEMM's algorithm); memoised by (key, dtype, K, device)."""
+def _exact_size(f, x: torch.Tensor, key, m: int) -> int:
+    """The fewest rows n >= m (n <= ROWS) whose calls compute each of their rows bit for bit
+    as a ROWS-row call does, on random rows like x (shapes, not values, choose a GEMM's
+    algorithm); memoised by (key, dtype, K, device), each n probed when first asked.
+
+    The probe's rows sit at every position of the n-row calls and of the ROWS-row ones, and
+    there are rows enough that each n compares PROBE outputs (PROBE_ROWS rows at most): a
+    low-precision output hides most of a changed summation order. Measured on an AVX-512 CPU
+    with bfloat16 dot products: oneDNN's one-row bfloat16 GEMV for K > 1024 sums in another
+    order than its GEMM, and 1.5e-4 of the bfloat16 outputs show it (13 of 65536), so one
+    tile of 8 rows passed it and a one-token step parted from a speculative verify's row."""
     k = (key, x.dtype, tuple(x.shape[1:]), x.device)
-    got = _sizes.get(k)
-    if got is None:
-        g = torch.Generator().manual_seed(0)
-        tile = torch.randn(ROWS, *x.shape[1:], generator=g).to(x.dtype).to(x.device)
-        whole = f(tile)
-        ok = [n == ROWS or (torch.equal(f(tile[:n]), whole[:n]) and torch.equal(f(tile[ROWS - n:]), whole[ROWS - n:]))
-              for n in range(ROWS + 1)]
-        got = _sizes[k] = [next(n for n in range(max(m, 1), ROWS + 1) if ok[n]) for m in range(ROWS)]
-    return got
+    ok = _sizes.setdefault(k, {ROWS: True})
+    for n in range(max(m, 1), ROWS + 1):
+        if n not in ok:
+            # calls from each multiple of n, and the last n rows (a ROWS-row probe holds
+            # one call of n rows at its start and one at its end)
+            ok[n] = all(torch.equal(f(t[a:a + n]), whole[a:a + n]) for t, whole in _probe_rows(f, x)
+                        for a in [*range(0, len(t) - n + 1, n), len(t) - n])
+        if ok[n]:
+            return n
+    return ROWS
+
+
+def _probe_rows(f, x: torch.Tensor):
+    """(rows, f's result in calls of ROWS rows) in chunks, random rows like x, the same each
+    time (regenerated, not held: a narrow f's probe takes thousands of rows)."""
+    chunk, done = ROWS, 0
+    for c in itertools.count():
+        g = torch.Generator().manual_seed(c)
+        t = torch.randn(chunk, *x.shape[1:], generator=g).to(x.dtype).to(x.device)
+        whole = torch.cat([f(t[a:a + ROWS]) for a in range(0, chunk, ROWS)])
+        yield t, whole
+        done += chunk
+        width = max(whole[0].numel(), 1)
+        if done * width >= PROBE or done >= PROBE_ROWS:
+            return
+        # the next chunk: the rows still wanting, in a multiple of ROWS, 32 ROWS at most
+        chunk = min(-(-(-(-PROBE // width) - done) // ROWS), 32) * ROWS
 
 
 def pointwise(f, x: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,31 @@ def test_the_gated_norm_within_the_float32_bound(T, Hv, dv, scale, seed):
     assert torch.equal(deltanet_gated_norm(o[:1], z[:1], w, 1e-6), deltanet_gated_norm(o, z, w, 1e-6)[:1])
 
 
+@pytest.mark.parametrize("T", [2, 5, 9])
+@pytest.mark.parametrize("dv", [32, 37])
+def test_the_torch_twin_gives_a_row_the_same_bits_in_any_batch_when_invariant(T, dv):
+    """Batch-invariant (a decode step against a speculative verify's rows), the CPU path's
+    inputs of row t are the same bits from one row as from T: ATen runs the last elements
+    of a call, (T, Hv) of the decay's softplus and beta's sigmoid among them, through its
+    scalar code, which rounds otherwise than its vector code (6-9% of softplus' values on
+    AVX-512 and AVX2)."""
+    from triton_kernels import invariant
+    rng = np.random.default_rng(T * 100 + dv)
+    Hk, rep, dk = 2, 6, 32
+    Hv = Hk * rep
+    for _ in range(20):
+        W = 2 * Hk * dk + Hv * dv + 2 * Hv
+        proj = data(rng, T, W, scale=3.0)
+        mixed, b, a = proj[:, :W - 2 * Hv].contiguous(), proj[:, W - 2 * Hv:W - Hv], proj[:, W - Hv:]
+        dt_bias, a_coef = data(rng, Hv), -torch.from_numpy(rng.uniform(0.01, 20, Hv).astype(np.float32))
+        with invariant.batch_invariant():
+            whole = deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, Hk, dk)
+            for t in range(T):
+                one = deltanet_inputs_torch(mixed[t:t + 1], b[t:t + 1], a[t:t + 1], dt_bias, a_coef, Hk, dk)
+                for name, x, y in zip("q k v g beta".split(), one, whole):
+                    assert torch.equal(x, y[t:t + 1]), (name, t)
+
+
 def test_wrong_shapes_are_named():
     with pytest.raises(ValueError, match=r"deltanet_inputs: mixed \(1, 30\)"):
         deltanet_inputs(torch.zeros(1, 30), torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(4), torch.zeros(4), 1, 8)
