@@ -119,7 +119,7 @@ def _qsa_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, start: int, rat
     return qsa_attention(q, k, v, sel, start, ratio, k_scale, v_scale, block_s=block_s)
 
 
-def _stage_rows(src: Tensor, dst: Tensor, ids: Tensor, slots: Tensor, first: int) -> None:
+def _stage_rows(src: list[Tensor], dst: list[Tensor], ids: Tensor, slots: Tensor, first: int) -> None:
     stage_rows(src, dst, ids, slots, first)
 
 
@@ -257,7 +257,9 @@ _CALLS = {
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
-    "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](src, dst, ids, slots, first),
+    "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](
+        [src] if isinstance(src, Tensor) else list(src), [dst] if isinstance(dst, Tensor) else list(dst),
+        ids, slots, first),
     "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
