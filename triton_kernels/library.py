@@ -33,6 +33,7 @@ from .ple_mix import ple_mix
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
 from .rope import norm_rope
+from .route_align import route_align
 from .shared_expert import gated_add, sigmoid_mul, silu_mul
 from .stage import cache_lookup, stage_rows
 
@@ -128,6 +129,15 @@ OPS = {name: _register(name, f) for name, f in (
     ("ngram_ids", _ngram_ids), ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
     ("qsa_attention", _qsa_attention))}
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
+
+
+def _route_align(logits: Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
+                 hits: Optional[Tensor], lut: Optional[Tensor], routed: Optional[Tensor], missed: Optional[Tensor],
+                 first: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return route_align(logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first)
+
+
+OPS["route_align"] = _register("route_align", _route_align, mutates=("hits", "routed", "missed"))
 
 
 def _cache_lookup(ids: Tensor, lut: Tensor, routed: Tensor, missed: Tensor, first: int) -> tuple[Tensor, Tensor]:
@@ -260,6 +270,9 @@ _CALLS = {
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](
         [src] if isinstance(src, Tensor) else list(src), [dst] if isinstance(dst, Tensor) else list(dst),
         ids, slots, first),
+    "route_align": lambda logits, top_k, norm_topk_prob, block_m, rows, hits=None, lut=None, routed=None,
+                          missed=None, first=0:
+        OPS["route_align"](logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first),
     "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:

@@ -93,6 +93,17 @@ class DeviceCache:
         self.missed.index_add_(0, safe, counts * (slot < 0))
         return (*self.w, local.reshape(ids.shape).to(ids.dtype))
 
+    def stages_on_device(self) -> bool:
+        """Whether a step's lookup and counters may run in the router's launch
+        (triton_kernels.route_align), leaving `stage` the misses' copy."""
+        return self._lookup is not None
+
+    def stage(self, ids: torch.Tensor, slot: torch.Tensor):
+        """(gate, up, down) with the misses of routed `ids` staged, `slot` their table
+        entries (-1: a miss) as route_align looked them up."""
+        self._stage(list(self.host), list(self.w), ids.reshape(-1), slot, self.n)
+        return self.w
+
     # -- between steps: the host decides -----------------------------------------------------
 
     def rebalance(self) -> None:
