@@ -26,6 +26,7 @@ from .conv import conv_step
 from .deltanet import deltanet_step
 from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
+from .gated_gemv import gated_qmatmul
 from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
@@ -84,6 +85,10 @@ def _qmatmul(x: Tensor, q: Tensor, fmt: str, n: Optional[int], path: Optional[st
     return qmatmul(x, q, fmt, n=n, path=path, tiles=_tiles(tiles))
 
 
+def _gated_qmatmul(g: Tensor, u: Tensor, q: Tensor, fmt: str, silu: bool, dtype: torch.dtype) -> Tensor:
+    return gated_qmatmul(g, u, q, fmt, silu, dtype)
+
+
 def _dequantize(q: Tensor, fmt: str, dtype: torch.dtype, block: int) -> Tensor:
     return dequantize(q, fmt, dtype, block)
 
@@ -125,7 +130,8 @@ def _stage_rows(src: list[Tensor], dst: list[Tensor], ids: Tensor, slots: Tensor
 
 
 OPS = {name: _register(name, f) for name, f in (
-    ("qmatmul", _qmatmul), ("dequantize", _dequantize), ("route", _route), ("moe", _moe),
+    ("qmatmul", _qmatmul), ("gated_qmatmul", _gated_qmatmul), ("dequantize", _dequantize), ("route", _route),
+    ("moe", _moe),
     ("ngram_ids", _ngram_ids), ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
     ("qsa_attention", _qsa_attention))}
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
@@ -250,6 +256,8 @@ def call(op: str, *args, **kwargs):
 _CALLS = {
     "qmatmul": lambda x, q, fmt, *, n=None, path=None, tiles=None:
         OPS["qmatmul"](x, q, _fmt(fmt), n, path, list(tiles) if tiles else None),
+    "gated_qmatmul": lambda g, u, q, fmt, silu=True, dtype=torch.float32:
+        OPS["gated_qmatmul"](g, u, q, _fmt(fmt), silu, dtype),
     "dequantize": lambda q, fmt, dtype=torch.float32, block=1024:
         OPS["dequantize"](q, _fmt(fmt), dtype, block),
     "route": lambda logits, top_k, norm_topk_prob=True: OPS["route"](logits, top_k, norm_topk_prob),

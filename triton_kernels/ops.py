@@ -23,11 +23,13 @@ from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
 from .rope import norm_rope, norm_rope_torch
 from .shared_expert import gated_add, gated_add_torch, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
+from .gated_gemv import gated_qmatmul, gated_qmatmul_torch
 from .route_align import route_align, route_align_torch
 from .stage import cache_lookup, cache_lookup_torch, stage_rows, stage_rows_torch
 
 OPS = {
     "qmatmul": (qmatmul, qmatmul_torch),
+    "gated_qmatmul": (gated_qmatmul, gated_qmatmul_torch),
     "dequantize": (dequantize, dequantize_torch),
     "route": (route, route_torch),
     "route_align": (route_align, route_align_torch),

@@ -232,6 +232,14 @@ def finish(out: torch.Tensor, gate: torch.Tensor, kernels: str = "torch") -> tor
     return rows * torch.sigmoid(gate)
 
 
+def output(o, out: torch.Tensor, gate: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """o(finish(out, gate, kernels)): with the Triton kernels the gate in the output
+    projection's launch where its GEMV takes it (QuantLinear.gated)."""
+    if kernels == "triton":
+        return o.gated(gate, out.transpose(0, 1).reshape(gate.shape).float(), silu=False)
+    return o(finish(out, gate, kernels))
+
+
 class GatedAttention(torch.nn.Module):
     def __init__(self, proj: QuantLinear, o: QuantLinear, q_norm, k_norm, n_heads: int, n_kv_heads: int,
                  head_dim: int, rope: Rope, eps: float, idx_q_norm=None, idx_k_norm=None, n_idx: int = 0,
@@ -266,7 +274,7 @@ class GatedAttention(torch.nn.Module):
         pos = self.positions(start, x.shape[0], positions)
         cos, sin = self.rope._rows(pos, x.device)
         q, k, v, idx_q, idx_k, gate = project(self.proj(x).float(), *self.project_args(), cos, sin)
-        return self.o(finish(self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate, self.kernels))
+        return output(self.o, self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate, self.kernels)
 
     @staticmethod
     def positions(start: int, T: int, positions: Positions | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ class MoE(torch.nn.Module):
         self.proj, self.experts, self.shared_down = proj, experts, shared_down
         self.route = impl("route", proj.kernels)
         self.route_align = impl("route_align", proj.kernels)
-        self.silu_mul, self.gated_add = impl("silu_mul", proj.kernels), impl("gated_add", proj.kernels)
+        self.gated_add = impl("gated_add", proj.kernels)
         self.splits = [n_experts, shared_dim, shared_dim, 1]
         self.top_k, self.norm_topk = top_k, norm_topk
         self.share = None  # strata.dist.ExpertShare under --ep: this rank holds some experts
@@ -64,7 +64,7 @@ class MoE(torch.nn.Module):
         return self._finish(routed, summed, g, u, gate)
 
     def _finish(self, routed, summed, g, u, gate):
-        shared = self.shared_down(self.silu_mul(g, u)).float()
+        shared = self.shared_down.gated(g, u)  # the SwiGLU in the down GEMV's launch
         if summed is not None:
             summed()
         return self.gated_add(routed, gate, shared)

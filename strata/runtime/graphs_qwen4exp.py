@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.nn import deltanet, kv
-from strata.nn.gated_attention import AttentionState, _heads_norm, finish, project
+from strata.nn.gated_attention import AttentionState, _heads_norm, output, project
 from strata.nn.ple import mix
 from strata.nn.rope import rotate
 from strata.runtime.graphs import enabled
@@ -176,7 +176,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
         vals = _rows(st._v, None if scales is None else scales[1])
         T = q.shape[1]
         out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal())
-    return m.o(finish(out, gate, m.kernels))
+    return output(m.o, out, gate, m.kernels)
 
 
 def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:
