@@ -27,13 +27,14 @@ from .deltanet import deltanet_step
 from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
 from .gated_gemv import gated_qmatmul
+from .hc_moe_write import hc_write_moe
 from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .ple_mix import ple_mix
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
-from .rope import norm_rope
+from .rope import norm_rope, norm_rope2
 from .route_align import route_align
 from .shared_expert import gated_add, sigmoid_mul, silu_mul
 from .stage import cache_lookup, stage_rows
@@ -111,9 +112,9 @@ def _ngram_ids(tokens: Tensor, history: Optional[Tensor], multipliers: Tensor, h
 
 
 def _ple_gather(table: Tensor, ids: Tensor, fmt: str, scale: Optional[Tensor], scale_value: Optional[float],
-                out_dtype: torch.dtype, block_rows: int) -> Tensor:
+                out_dtype: torch.dtype, block_rows: int, bound: Optional[int]) -> Tensor:
     return ple_gather(table, ids, fmt, scale=scale if scale is not None else scale_value,
-                          out_dtype=out_dtype, block_rows=block_rows)
+                          out_dtype=out_dtype, block_rows=block_rows, bound=bound)
 
 
 def _qsa_scores(q: Tensor, blocks: Tensor, start: int, ratio: int, block_n: int) -> Tensor:
@@ -212,6 +213,11 @@ def _hc_write_norm(x: Tensor, out: Tensor, inj: Tensor, w: Tensor, eps: float) -
     return hc_write_norm(x, out, inj, w, eps)
 
 
+def _hc_write_moe(x: Tensor, routed: Tensor, gate: Tensor, shared: Tensor, inj: Tensor, w: Optional[Tensor],
+                  eps: float) -> tuple[Tensor, Tensor]:
+    return hc_write_moe(x, routed, gate, shared, inj, w, eps)
+
+
 def _ple_mix(x: Tensor, k: Tensor, v: Tensor, norm_key: Tensor, norm_query: Tensor, norm_conv: Tensor,
              taps: Tensor, window: Tensor, streams: int, eps: float, dilation: int) -> tuple[Tensor, Tensor]:
     return ple_mix(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
@@ -219,6 +225,11 @@ def _ple_mix(x: Tensor, k: Tensor, v: Tensor, norm_key: Tensor, norm_query: Tens
 
 def _norm_rope(x: Tensor, w: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
     return norm_rope(x, w, eps, cos, sin)
+
+
+def _norm_rope2(q: Tensor, wq: Tensor, k: Tensor, wk: Tensor, eps: float, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor]:
+    return norm_rope2(q, wq, k, wk, eps, cos, sin)
 
 
 def _silu_mul(g: Tensor, u: Tensor) -> Tensor:
@@ -234,7 +245,7 @@ def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
 
 
 for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine), ("hc_mix", _hc_mix),
-                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul), ("sigmoid_mul", _sigmoid_mul),
+                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("hc_write_moe", _hc_write_moe), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("norm_rope2", _norm_rope2), ("silu_mul", _silu_mul), ("sigmoid_mul", _sigmoid_mul),
                   ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)
 
@@ -268,9 +279,11 @@ _CALLS = {
                         heads_per_ngram=8, *, block=64:
         OPS["ngram_ids"](tokens, history, _ints(multipliers, tokens.device), _ints(head_vocab_sizes, tokens.device),
                          _ints(head_offsets, tokens.device), eos_id, heads_per_ngram, block),
-    "ple_gather": lambda table, ids, fmt, *, scale=None, out_dtype=torch.float32, block_rows=PLE_BLOCK_ROWS:
+    "ple_gather": lambda table, ids, fmt, *, scale=None, out_dtype=torch.float32, block_rows=PLE_BLOCK_ROWS,
+                         bound=None:
         OPS["ple_gather"](table, ids, _fmt(fmt), scale if isinstance(scale, Tensor) else None,
-                          None if scale is None or isinstance(scale, Tensor) else float(scale), out_dtype, block_rows),
+                          None if scale is None or isinstance(scale, Tensor) else float(scale), out_dtype, block_rows,
+                          bound),
     "qsa_scores": lambda q, blocks, start, ratio, *, block_n=SCORES_BLOCK_N:
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
@@ -292,12 +305,15 @@ _CALLS = {
     "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     "hc_mix": lambda both, w_up, xn, rank, streams: OPS["hc_mix"](both, w_up, xn, rank, streams),
+    "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0:
+        OPS["hc_write_moe"](x, routed, gate, shared, inj, w, eps),
     "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation:
         OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
     "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
     "hc_write_norm": lambda x, out, inj, w, eps: OPS["hc_write_norm"](x, out, inj, w, eps),
     "norm_rope": lambda x, w, eps, cos, sin: OPS["norm_rope"](x, w, eps, cos, sin),
+    "norm_rope2": lambda q, wq, k, wk, eps, cos, sin: OPS["norm_rope2"](q, wq, k, wk, eps, cos, sin),
     "silu_mul": lambda g, u: OPS["silu_mul"](g, u),
     "sigmoid_mul": lambda g, u: OPS["sigmoid_mul"](g, u),
     "gated_add": lambda a, gate, b: OPS["gated_add"](a, gate, b),

@@ -39,6 +39,13 @@ class MoE(torch.nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gated_add(*self.parts(x))
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's output unsummed: (the routed experts' rows (T, k, H) with the kernels,
+        else their sum (T, H); the shared expert's gate (T, 1); the shared expert (T, H)),
+        whose gated_add is `forward`'s result; a hyper-connection's write sums them in its
+        launch (HyperConnection.write)."""
         logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
         kernels = self.proj.kernels == "triton" and self.share is None and not torch.compiler.is_compiling()
         plan = (self.experts.route_plan(x.shape[0], self.top_k) if kernels and hasattr(self.experts, "route_plan")
@@ -67,4 +74,4 @@ class MoE(torch.nn.Module):
         shared = self.shared_down.gated(g, u)  # the SwiGLU in the down GEMV's launch
         if summed is not None:
             summed()
-        return self.gated_add(routed, gate, shared)
+        return routed, gate, shared

@@ -211,7 +211,7 @@ def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
     ids = p.ids(tok, st)
     history.copy_(st.history)
     st.history = history
-    e = p.table.gather(ids)
+    e = p.table.gather(ids, bound=p.id_bound)
     x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, **p.kernels())
     st.conv.copy_(window)
     return x
@@ -254,9 +254,9 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
         m, w = layer.ffn_hc.read(x, xn)
         then = next_norm(layers, i, model.out_hc)
         if then is not None:
-            x, xn = layer.ffn_hc.write_and_norm(x, layer.moe(m), w, then)
+            x, xn = layer.ffn_hc.write_and_norm(x, layer.moe.parts(m), w, then)
         else:
-            x, xn = layer.ffn_hc.write(x, layer.moe(m), w), None
+            x, xn = layer.ffn_hc.write(x, layer.moe.parts(m), w), None
     if state.mtp is not None:
         mtp = model.mtp
         a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]])))
