@@ -74,10 +74,11 @@ class HyperConnection(torch.nn.Module):
             return impl("hc_write", "triton")(x.float(), out, weights)
         return write(x, _summed(out, self.down.kernels), weights)
 
-    def write_and_norm(self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+    def write_and_norm(self, x: torch.Tensor, out, weights: torch.Tensor,
                        then: "HyperConnection") -> tuple[torch.Tensor, torch.Tensor | None]:
         """`write`, and with the Triton kernels the result's streams normed for `then`, the
-        next block's connection (its `read(x, xn)`), in the same launch; (x, None) in torch."""
+        next block's connection (its `read(x, xn)`), in the same launch; (x, None) in torch.
+        `out` as `write`'s."""
         if self.down.kernels == "triton":
             if isinstance(out, tuple):
                 return impl("hc_write_moe", "triton")(x.float(), *out, weights, then.norm, then.eps)
