@@ -26,13 +26,16 @@ from .conv import conv_step
 from .deltanet import deltanet_step
 from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
+from .gated_gemv import gated_qmatmul
+from .hc_moe_write import hc_write_moe
 from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .ple_mix import ple_mix
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
-from .rope import norm_rope
+from .rope import norm_rope, norm_rope2
+from .route_align import route_align
 from .shared_expert import gated_add, sigmoid_mul, silu_mul
 from .stage import cache_lookup, stage_rows
 
@@ -83,6 +86,10 @@ def _qmatmul(x: Tensor, q: Tensor, fmt: str, n: Optional[int], path: Optional[st
     return qmatmul(x, q, fmt, n=n, path=path, tiles=_tiles(tiles))
 
 
+def _gated_qmatmul(g: Tensor, u: Tensor, q: Tensor, fmt: str, silu: bool, dtype: torch.dtype) -> Tensor:
+    return gated_qmatmul(g, u, q, fmt, silu, dtype)
+
+
 def _dequantize(q: Tensor, fmt: str, dtype: torch.dtype, block: int) -> Tensor:
     return dequantize(q, fmt, dtype, block)
 
@@ -105,9 +112,9 @@ def _ngram_ids(tokens: Tensor, history: Optional[Tensor], multipliers: Tensor, h
 
 
 def _ple_gather(table: Tensor, ids: Tensor, fmt: str, scale: Optional[Tensor], scale_value: Optional[float],
-                out_dtype: torch.dtype, block_rows: int) -> Tensor:
+                out_dtype: torch.dtype, block_rows: int, bound: Optional[int]) -> Tensor:
     return ple_gather(table, ids, fmt, scale=scale if scale is not None else scale_value,
-                          out_dtype=out_dtype, block_rows=block_rows)
+                          out_dtype=out_dtype, block_rows=block_rows, bound=bound)
 
 
 def _qsa_scores(q: Tensor, blocks: Tensor, start: int, ratio: int, block_n: int) -> Tensor:
@@ -119,15 +126,25 @@ def _qsa_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, start: int, rat
     return qsa_attention(q, k, v, sel, start, ratio, k_scale, v_scale, block_s=block_s)
 
 
-def _stage_rows(src: Tensor, dst: Tensor, ids: Tensor, slots: Tensor, first: int) -> None:
+def _stage_rows(src: list[Tensor], dst: list[Tensor], ids: Tensor, slots: Tensor, first: int) -> None:
     stage_rows(src, dst, ids, slots, first)
 
 
 OPS = {name: _register(name, f) for name, f in (
-    ("qmatmul", _qmatmul), ("dequantize", _dequantize), ("route", _route), ("moe", _moe),
+    ("qmatmul", _qmatmul), ("gated_qmatmul", _gated_qmatmul), ("dequantize", _dequantize), ("route", _route),
+    ("moe", _moe),
     ("ngram_ids", _ngram_ids), ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
     ("qsa_attention", _qsa_attention))}
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
+
+
+def _route_align(logits: Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
+                 hits: Optional[Tensor], lut: Optional[Tensor], routed: Optional[Tensor], missed: Optional[Tensor],
+                 first: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return route_align(logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first)
+
+
+OPS["route_align"] = _register("route_align", _route_align, mutates=("hits", "routed", "missed"))
 
 
 def _cache_lookup(ids: Tensor, lut: Tensor, routed: Tensor, missed: Tensor, first: int) -> tuple[Tensor, Tensor]:
@@ -196,6 +213,11 @@ def _hc_write_norm(x: Tensor, out: Tensor, inj: Tensor, w: Tensor, eps: float) -
     return hc_write_norm(x, out, inj, w, eps)
 
 
+def _hc_write_moe(x: Tensor, routed: Tensor, gate: Tensor, shared: Tensor, inj: Tensor, w: Optional[Tensor],
+                  eps: float) -> tuple[Tensor, Tensor]:
+    return hc_write_moe(x, routed, gate, shared, inj, w, eps)
+
+
 def _ple_mix(x: Tensor, k: Tensor, v: Tensor, norm_key: Tensor, norm_query: Tensor, norm_conv: Tensor,
              taps: Tensor, window: Tensor, streams: int, eps: float, dilation: int) -> tuple[Tensor, Tensor]:
     return ple_mix(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
@@ -203,6 +225,11 @@ def _ple_mix(x: Tensor, k: Tensor, v: Tensor, norm_key: Tensor, norm_query: Tens
 
 def _norm_rope(x: Tensor, w: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
     return norm_rope(x, w, eps, cos, sin)
+
+
+def _norm_rope2(q: Tensor, wq: Tensor, k: Tensor, wk: Tensor, eps: float, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor]:
+    return norm_rope2(q, wq, k, wk, eps, cos, sin)
 
 
 def _silu_mul(g: Tensor, u: Tensor) -> Tensor:
@@ -218,7 +245,7 @@ def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
 
 
 for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine), ("hc_mix", _hc_mix),
-                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("silu_mul", _silu_mul), ("sigmoid_mul", _sigmoid_mul),
+                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("hc_write_moe", _hc_write_moe), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("norm_rope2", _norm_rope2), ("silu_mul", _silu_mul), ("sigmoid_mul", _sigmoid_mul),
                   ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)
 
@@ -240,6 +267,8 @@ def call(op: str, *args, **kwargs):
 _CALLS = {
     "qmatmul": lambda x, q, fmt, *, n=None, path=None, tiles=None:
         OPS["qmatmul"](x, q, _fmt(fmt), n, path, list(tiles) if tiles else None),
+    "gated_qmatmul": lambda g, u, q, fmt, silu=True, dtype=torch.float32:
+        OPS["gated_qmatmul"](g, u, q, _fmt(fmt), silu, dtype),
     "dequantize": lambda q, fmt, dtype=torch.float32, block=1024:
         OPS["dequantize"](q, _fmt(fmt), dtype, block),
     "route": lambda logits, top_k, norm_topk_prob=True: OPS["route"](logits, top_k, norm_topk_prob),
@@ -250,14 +279,21 @@ _CALLS = {
                         heads_per_ngram=8, *, block=64:
         OPS["ngram_ids"](tokens, history, _ints(multipliers, tokens.device), _ints(head_vocab_sizes, tokens.device),
                          _ints(head_offsets, tokens.device), eos_id, heads_per_ngram, block),
-    "ple_gather": lambda table, ids, fmt, *, scale=None, out_dtype=torch.float32, block_rows=PLE_BLOCK_ROWS:
+    "ple_gather": lambda table, ids, fmt, *, scale=None, out_dtype=torch.float32, block_rows=PLE_BLOCK_ROWS,
+                         bound=None:
         OPS["ple_gather"](table, ids, _fmt(fmt), scale if isinstance(scale, Tensor) else None,
-                          None if scale is None or isinstance(scale, Tensor) else float(scale), out_dtype, block_rows),
+                          None if scale is None or isinstance(scale, Tensor) else float(scale), out_dtype, block_rows,
+                          bound),
     "qsa_scores": lambda q, blocks, start, ratio, *, block_n=SCORES_BLOCK_N:
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
-    "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](src, dst, ids, slots, first),
+    "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](
+        [src] if isinstance(src, Tensor) else list(src), [dst] if isinstance(dst, Tensor) else list(dst),
+        ids, slots, first),
+    "route_align": lambda logits, top_k, norm_topk_prob, block_m, rows, hits=None, lut=None, routed=None,
+                          missed=None, first=0:
+        OPS["route_align"](logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first),
     "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
@@ -269,12 +305,15 @@ _CALLS = {
     "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     "hc_mix": lambda both, w_up, xn, rank, streams: OPS["hc_mix"](both, w_up, xn, rank, streams),
+    "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0:
+        OPS["hc_write_moe"](x, routed, gate, shared, inj, w, eps),
     "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation:
         OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
     "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
     "hc_write_norm": lambda x, out, inj, w, eps: OPS["hc_write_norm"](x, out, inj, w, eps),
     "norm_rope": lambda x, w, eps, cos, sin: OPS["norm_rope"](x, w, eps, cos, sin),
+    "norm_rope2": lambda q, wq, k, wk, eps, cos, sin: OPS["norm_rope2"](q, wq, k, wk, eps, cos, sin),
     "silu_mul": lambda g, u: OPS["silu_mul"](g, u),
     "sigmoid_mul": lambda g, u: OPS["sigmoid_mul"](g, u),
     "gated_add": lambda a, gate, b: OPS["gated_add"](a, gate, b),

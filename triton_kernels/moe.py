@@ -95,13 +95,8 @@ MOE_DP4A_MAX_TOKENS = 4
 # --- routing -----------------------------------------------------------------------------
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, hits_ptr, E, stride_t,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                  NORM: tl.constexpr, COUNT: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E_PAD)
-    live = offs < E
-    logit = tl.load(logits_ptr + t * stride_t + offs, mask=live, other=float("-inf")).to(tl.float32)
+def _top_k(logit, offs, live, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, NORM: tl.constexpr):
+    """(weights, ids) (K_PAD,) of one token's float32 logits (E_PAD,), lanes past TOP_K zero."""
     ex = tl.where(live, tl.exp(logit - tl.max(logit, axis=0)), 0.0)
     prob = ex / tl.sum(ex, axis=0)
     # Chosen on the logits: softmax is monotonic, and the logits order experts whose
@@ -121,6 +116,19 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, hits_ptr, E, stride_t,
         free = free & (offs != pick)
     if NORM:
         top_w = top_w / tl.sum(top_w, axis=0)
+    return top_w, top_i
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, hits_ptr, E, stride_t,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                  NORM: tl.constexpr, COUNT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    live = offs < E
+    logit = tl.load(logits_ptr + t * stride_t + offs, mask=live, other=float("-inf")).to(tl.float32)
+    top_w, top_i = _top_k(logit, offs, live, TOP_K, K_PAD, E_PAD, NORM)
+    kk = tl.arange(0, K_PAD)
     tl.store(weights_ptr + t * TOP_K + kk, top_w, mask=kk < TOP_K)
     tl.store(ids_ptr + t * TOP_K + kk, top_i, mask=kk < TOP_K)
     if COUNT:  # an expert store's tally of slots per expert (atomic: integers, any order)
@@ -437,6 +445,15 @@ def _default_tiles(n_slots: int, E: int) -> tuple[int, int, int]:
     return block_m, block_n, block_k
 
 
+def block_m_for(fmt_gate, fmt_up, fmt_down, tokens: int, tile_slots: int, E: int) -> int:
+    """The BLOCK_M in which a moe() call of the default tiles aligns its slots (its path
+    chosen for `tokens`, its tiles for `tile_slots` over E experts); 0 on the dp4a path,
+    which aligns nothing."""
+    if choose_path(fmt_gate, fmt_up, fmt_down, tokens) != "dot":
+        return 0
+    return _default_tiles(64 * E if invariant.enabled() else tile_slots, E)[0]
+
+
 def choose_path(fmt_gate, fmt_up, fmt_down, tokens: int) -> str:
     """"dp4a" for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8
     units, else "dot". A caller that splits a batch (an expert cache running groups) passes
@@ -450,7 +467,7 @@ def choose_path(fmt_gate, fmt_up, fmt_down, tokens: int) -> str:
 def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
         fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor, *,
         tiles: tuple[int, int, int] | None = None, path: str | None = None,
-        tile_slots: int | None = None, slots: bool = False) -> torch.Tensor:
+        tile_slots: int | None = None, slots: bool = False, aligned: tuple | None = None) -> torch.Tensor:
     """Σ_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, H); result (T, H) in x's dtype.
     slots: with the kernels, the weighted slots' rows unsummed instead, (T, k, H) float32
     (a dropped slot's row 0), for a later launch to sum (shared_expert.gated_add).
@@ -491,7 +508,8 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
     dev, out_dtype = x.device, x.dtype
     # a dropped slot's row is 0: the dp4a kernels write every slot's, the dot kernels skip
     # them, and the alignment's one program zeroes them (aligns_in_one_launch)
-    alloc = (torch.empty if n_slots and H and I and (path == "dp4a" or aligns_in_one_launch(ids))
+    alloc = (torch.empty if n_slots and H and I and (path == "dp4a" or aligned is not None
+                                                     or aligns_in_one_launch(ids))
              else torch.zeros)
     per_slot = alloc((n_slots, H), dtype=torch.float32, device=dev)
     if n_slots and H and I:
@@ -509,7 +527,12 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             dot_dtype, precision = tl.float32, "ieee"
             if x.dtype == torch.bfloat16:
                 x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
-        sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m, zero_rows=per_slot)
+        if aligned is not None:
+            sorted_ids, expert_ids, n_post, aligned_m = aligned
+            if aligned_m != block_m:
+                raise ValueError(f"moe: aligned in blocks of {aligned_m}, the tiles' are {block_m}")
+        else:
+            sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m, zero_rows=per_slot)
         rw = weights.reshape(-1).to(torch.float32).contiguous()
         h = torch.empty((n_slots, I), dtype=torch.float32, device=dev)
         blocks = expert_ids.shape[0]

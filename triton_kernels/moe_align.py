@@ -103,6 +103,16 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, rows_ptr, H, 
                   N_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ZERO: tl.constexpr):
     i = tl.arange(0, N_PAD)
     raw = tl.load(ids_ptr + i, mask=i < n, other=-1)
+    align_slots(raw, n, E, sorted_ptr, expert_ids_ptr, n_post_ptr, rows_ptr, H, stride_r, length, n_blocks,
+                N_PAD, BLOCK_M, CHUNK, ZERO)
+
+
+@triton.jit
+def align_slots(raw, n, E, sorted_ptr, expert_ids_ptr, n_post_ptr, rows_ptr, H, stride_r, length, n_blocks,
+                N_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, ZERO: tl.constexpr):
+    """The alignment of the slots' ids `raw` (N_PAD,) held in registers (lanes from n on: -1);
+    the router's kernel runs it on the ids it has just chosen (triton_kernels.route_align)."""
+    i = tl.arange(0, N_PAD)
     kept = (i < n) & (raw >= 0) & (raw < E)
     key = tl.where(kept, raw, E).to(tl.int32)
     # (slot i, slot j): i along axis 0, j along axis 1

@@ -21,14 +21,19 @@ from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
 from .ple_mix import ple_mix, ple_mix_torch
 from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_scores, qsa_scores_torch
-from .rope import norm_rope, norm_rope_torch
+from .rope import norm_rope, norm_rope2, norm_rope2_torch, norm_rope_torch
 from .shared_expert import gated_add, gated_add_torch, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
+from .gated_gemv import gated_qmatmul, gated_qmatmul_torch
+from .hc_moe_write import hc_write_moe, hc_write_moe_torch
+from .route_align import route_align, route_align_torch
 from .stage import cache_lookup, cache_lookup_torch, stage_rows, stage_rows_torch
 
 OPS = {
     "qmatmul": (qmatmul, qmatmul_torch),
+    "gated_qmatmul": (gated_qmatmul, gated_qmatmul_torch),
     "dequantize": (dequantize, dequantize_torch),
     "route": (route, route_torch),
+    "route_align": (route_align, route_align_torch),
     "moe": (moe, moe_torch),
     "ngram_ids": (ngram_ids, ngram_ids_torch),
     "ple_gather": (ple_gather, ple_gather_torch),
@@ -48,7 +53,9 @@ OPS = {
     "hc_mix": (hc_mix, hc_mix_torch),
     "hc_write": (hc_write, hc_write_torch),
     "hc_write_norm": (hc_write_norm, hc_write_norm_torch),
+    "hc_write_moe": (hc_write_moe, hc_write_moe_torch),
     "norm_rope": (norm_rope, norm_rope_torch),
+    "norm_rope2": (norm_rope2, norm_rope2_torch),
     "silu_mul": (silu_mul, silu_mul_torch),
     "sigmoid_mul": (sigmoid_mul, sigmoid_mul_torch),
     "gated_add": (gated_add, gated_add_torch),

@@ -281,7 +281,7 @@ def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_unit
     store_units(out_ptr + v * UW, words, a, b, live, scale, UW, ZERO, OFFSET, HAS_SCALE, OUT, ASM)
 
 
-def _gather_args(table, ids, fmt, out_dtype):
+def _gather_args(table, ids, fmt, out_dtype, bound=None):
     fmt = quant.get(fmt)
     check_blocks(table, fmt)
     if table.dim() != 2:
@@ -296,7 +296,11 @@ def _gather_args(table, ids, fmt, out_dtype):
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"ple_gather: out_dtype must be float32, float16 or bfloat16, not {out_dtype}")
     rows = table.shape[0]
-    if ids.numel() and ids.is_cuda:  # checked on the device: a step never waits to read ids
+    if bound is not None and not 0 <= bound <= rows:
+        raise ValueError(f"ple_gather: ids below {bound} do not all name rows of a table of {rows}")
+    if bound is not None:  # in range by the caller's construction (the hash's heads): nothing to check
+        pass
+    elif ids.numel() and ids.is_cuda:  # checked on the device: a step never waits to read ids
         # 0 <= id < rows exactly where id // rows == 0 (floor division): a launch fewer
         torch._assert_async((ids // rows == 0).all(),
                             f"ple_gather: a row id is out of range for a table of {rows} rows")
@@ -312,11 +316,14 @@ def _gather_args(table, ids, fmt, out_dtype):
 
 def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, *,
                scale: float | torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-               block_rows: int = PLE_BLOCK_ROWS) -> torch.Tensor:
-    """[T, H * D]: for each token, its H rows of `table` dequantized and laid side by side."""
-    fmt, dim = _gather_args(table, ids, fmt, out_dtype)
+               block_rows: int = PLE_BLOCK_ROWS, bound: int | None = None) -> torch.Tensor:
+    """[T, H * D]: for each token, its H rows of `table` dequantized and laid side by side.
+    bound: the ids are known to lie in [0, bound) (the n-gram hash's heads make them so),
+    bound <= the table's rows, checked on the host: no check of the ids themselves (on a
+    GPU an asynchronous assert of four launches)."""
+    fmt, dim = _gather_args(table, ids, fmt, out_dtype, bound)
     if not use_triton(ids):
-        return ple_gather_torch(table, ids, fmt, scale=scale, out_dtype=out_dtype)
+        return ple_gather_torch(table, ids, fmt, scale=scale, out_dtype=out_dtype, bound=bound)
     if not table.is_contiguous():
         # never copied here: the table can be tens of GB
         raise ValueError(f"ple_gather: the {fmt.name} table must be contiguous (rows laid end to "
@@ -353,8 +360,8 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
 
 def ple_gather_torch(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, *,
                      scale: float | torch.Tensor | None = None,
-                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    fmt, dim = _gather_args(table, ids, fmt, out_dtype)
+                     out_dtype: torch.dtype = torch.float32, bound: int | None = None) -> torch.Tensor:
+    fmt, dim = _gather_args(table, ids, fmt, out_dtype, bound)
     rows = table.index_select(0, ids.reshape(-1).to(torch.int64))
     v = dequantize_torch(rows, fmt)
     if scale is not None:

@@ -2,6 +2,8 @@
 roped, one kernel:
 
     norm_rope(x (T, Hx, D), w (D,), eps, cos (T, R), sin (T, R)) -> (Hx, T, D)
+    norm_rope2(q, wq, k, wk, eps, cos, sin) -> (norm_rope(q, wq, ...), norm_rope(k, wk, ...))
+        q and k in one launch (their rows' programs side by side), the two calls' bits
 
 each head's row RMS-normalised times w, then rotate-half RoPE on its first R dims by its
 token's cos and sin rows (strata.nn.rope.rotate), written head-major. In torch this is an
@@ -25,7 +27,24 @@ from .backend import use_triton
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, T, D, R, stride_t, stride_h, eps,
                       BD: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)  # output row r = head * T + token
+    _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, tl.program_id(0).to(tl.int64), T, D, R, stride_t,
+                   stride_h, eps, BD)
+
+
+@triton.jit
+def _norm_rope2_kernel(q_ptr, wq_ptr, k_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, T, D, R, n_q,
+                       stride_qt, stride_qh, stride_kt, stride_kh, eps, BD: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)  # q's rows, then k's
+    if r < n_q:
+        _norm_rope_row(q_ptr, wq_ptr, cos_ptr, sin_ptr, qo_ptr, r, T, D, R, stride_qt, stride_qh, eps, BD)
+    else:
+        _norm_rope_row(k_ptr, wk_ptr, cos_ptr, sin_ptr, ko_ptr, r - n_q, T, D, R, stride_kt, stride_kh, eps, BD)
+
+
+@triton.jit
+def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, r, T, D, R, stride_t, stride_h, eps,
+                   BD: tl.constexpr):
+    """Output row r = head * T + token of norm_rope."""
     h, t = r // T, r % T
     c = tl.arange(0, BD)
     live = c < D
@@ -73,6 +92,34 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, s
         _norm_rope_kernel[(Hx * T,)](x, w, cos, sin, out, T, D, cos.shape[1], x.stride(0), x.stride(1), eps,
                                      BD=triton.next_power_of_2(D))
     return out
+
+
+def norm_rope2(q: torch.Tensor, wq: torch.Tensor, k: torch.Tensor, wk: torch.Tensor, eps: float,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm_rope(q, wq, eps, cos, sin), norm_rope(k, wk, eps, cos, sin)) in one launch;
+    q and k of one head size and tokens."""
+    _check(q, wq, cos, sin)
+    _check(k, wk, cos, sin)
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"norm_rope2: q {tuple(q.shape)} and k {tuple(k.shape)} must share tokens and head_dim")
+    if not use_triton(q):
+        return norm_rope2_torch(q, wq, k, wk, eps, cos, sin)
+    T, Hq, D = q.shape
+    Hk = k.shape[1]
+    q = q if q.stride(2) == 1 else q.contiguous()
+    k = k if k.stride(2) == 1 else k.contiguous()
+    wq, wk, cos, sin = wq.contiguous(), wk.contiguous(), cos.contiguous(), sin.contiguous()
+    qo, ko = q.new_empty(Hq, T, D), k.new_empty(Hk, T, D)
+    if T and D and Hq + Hk:
+        _norm_rope2_kernel[((Hq + Hk) * T,)](q, wq, k, wk, cos, sin, qo, ko, T, D, cos.shape[1], Hq * T,
+                                             q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
+                                             BD=triton.next_power_of_2(D))
+    return qo, ko
+
+
+def norm_rope2_torch(q: torch.Tensor, wq: torch.Tensor, k: torch.Tensor, wk: torch.Tensor, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_rope_torch(q, wq, eps, cos, sin), norm_rope_torch(k, wk, eps, cos, sin)
 
 
 def norm_rope_torch(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ staging rows, decided on the device from the lookup itself.
 
     stage_rows(src (E, B) uint8, dst (R, B) uint8, ids (n,), slots (n,), first)
         for j < n with slots[j] < 0:  dst[first + j] = src[ids[j]]
+    src and dst may be lists of up to three such pairs (an expert's gate, up and down,
+    each of its own B): all staged in one launch
 
 A step of the expert cache (strata.storage.expert_cache) looks its routed experts up in
 the table expert -> VRAM slot (-1: not held) and hands the MoE kernels the slots, and for
@@ -11,8 +13,8 @@ each miss a staging row this op fills from the expert's bytes in host memory. On
 (Triton takes such a pointer as any other); a hit's program loads nothing. So the step
 never asks the host which experts missed, and a CUDA graph can hold it.
 
-Rows are copied as 32-bit words where B allows (16-byte accesses a lane once the block
-is contiguous), else bytes. `stage_rows_torch` is the same copy in torch.
+Rows are copied as 32-bit words where every pair's B allows (16-byte accesses a lane once
+the block is contiguous), else bytes. `stage_rows_torch` is the same copy in torch.
 
     cache_lookup(ids (n,), lut (E,) int64, routed (E,), missed (E,) int64, first)
         -> slots = lut[ids] (n,) int64, local = slots where >= 0 else first + j (n,), ids' dtype;
@@ -33,15 +35,22 @@ BLOCK = 1024  # words a program copies
 
 
 @triton.jit
-def _stage_kernel(src_ptr, dst_ptr, ids_ptr, slots_ptr, first, row_words, BLOCK: tl.constexpr):
+def _stage_kernel(src0, dst0, src1, dst1, src2, dst2, ids_ptr, slots_ptr, first, words0, words1, words2,
+                  BLOCK: tl.constexpr):
     j = tl.program_id(0)
     b = tl.program_id(1)
+    m = tl.program_id(2)  # which pair: a decode step stages its three matrices in one launch
+    src, dst, row_words = src0, dst0, words0
+    if m == 1:
+        src, dst, row_words = src1, dst1, words1
+    if m == 2:
+        src, dst, row_words = src2, dst2, words2
     e = tl.load(ids_ptr + j).to(tl.int64)
     words = tl.where(tl.load(slots_ptr + j) < 0, row_words, 0)  # a hit copies nothing
     offs = b * BLOCK + tl.arange(0, BLOCK)
     live = offs < words
-    v = tl.load(src_ptr + e * row_words + offs, mask=live)
-    tl.store(dst_ptr + (first + j).to(tl.int64) * row_words + offs, v, mask=live)
+    v = tl.load(src + e * row_words + offs, mask=live)
+    tl.store(dst + (first + j).to(tl.int64) * row_words + offs, v, mask=live)
 
 
 @triton.jit
@@ -87,6 +96,14 @@ def cache_lookup_torch(ids: torch.Tensor, lut: torch.Tensor, routed: torch.Tenso
     return slots, local.to(ids.dtype)
 
 
+def _pairs(src, dst) -> tuple[list, list]:
+    srcs = [src] if isinstance(src, torch.Tensor) else list(src)
+    dsts = [dst] if isinstance(dst, torch.Tensor) else list(dst)
+    if not 1 <= len(srcs) <= 3 or len(srcs) != len(dsts):
+        raise ValueError(f"stage_rows: one to three (src, dst) pairs, got {len(srcs)} src and {len(dsts)} dst")
+    return srcs, dsts
+
+
 def _check(src, dst, ids, slots, first):
     if src.dim() < 2 or dst.dim() < 2 or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError(f"stage_rows: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
@@ -99,27 +116,38 @@ def _check(src, dst, ids, slots, first):
         raise ValueError("stage_rows: src and dst must be contiguous")
 
 
-def _words(t: torch.Tensor, row_bytes: int) -> torch.Tensor:
+def _words(t: torch.Tensor, as_words: bool) -> torch.Tensor:
     flat = t.view(-1).view(torch.uint8)
-    return flat.view(torch.int32) if row_bytes % 4 == 0 else flat
+    return flat.view(torch.int32) if as_words else flat
 
 
-def stage_rows(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, first: int) -> None:
-    """dst[first + j] = src[ids[j]] where slots[j] < 0 (see the module); in place."""
-    _check(src, dst, ids, slots, first)
-    if not use_triton(dst):
-        return stage_rows_torch(src, dst, ids, slots, first)
+def stage_rows(src, dst, ids: torch.Tensor, slots: torch.Tensor, first: int) -> None:
+    """dst[first + j] = src[ids[j]] where slots[j] < 0 (see the module); in place. src and
+    dst: a tensor each, or lists of up to three, staged in one launch."""
+    srcs, dsts = _pairs(src, dst)
+    for s, d in zip(srcs, dsts):
+        _check(s, d, ids, slots, first)
+    if not use_triton(dsts[0]):
+        return stage_rows_torch(srcs, dsts, ids, slots, first)
     n = ids.numel()
-    row_bytes = dst[0].numel() * dst.element_size()
-    if n and row_bytes:
-        s, d = _words(src, row_bytes), _words(dst, row_bytes)
-        row_words = row_bytes // s.element_size()
-        _stage_kernel[(n, triton.cdiv(row_words, BLOCK))](s, d, ids, slots, first, row_words, BLOCK=BLOCK)
+    row_bytes = [d[0].numel() * d.element_size() for d in dsts]
+    if not n or not max(row_bytes):
+        return None
+    as_words = all(r % 4 == 0 for r in row_bytes)
+    s = [_words(t, as_words) for t in srcs]
+    d = [_words(t, as_words) for t in dsts]
+    words = [r // s[0].element_size() for r in row_bytes]
+    m = len(s)
+    s, d, words = s + [s[0]] * (3 - m), d + [d[0]] * (3 - m), words + [0] * (3 - m)
+    _stage_kernel[(n, triton.cdiv(max(words), BLOCK), m)](s[0], d[0], s[1], d[1], s[2], d[2], ids, slots, first,
+                                                         *words, BLOCK=BLOCK)
+    return None
 
 
-def stage_rows_torch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
-                     first: int) -> None:
-    _check(src, dst, ids, slots, first)
+def stage_rows_torch(src, dst, ids: torch.Tensor, slots: torch.Tensor, first: int) -> None:
+    srcs, dsts = _pairs(src, dst)
     missed = (slots < 0).nonzero().flatten()
-    if missed.numel():
-        dst[first + missed.to(dst.device)] = src[ids[missed].to(src.device)].to(dst.device)
+    for s, d in zip(srcs, dsts):
+        _check(s, d, ids, slots, first)
+        if missed.numel():
+            d[first + missed.to(d.device)] = s[ids[missed].to(s.device)].to(d.device)

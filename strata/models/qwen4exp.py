@@ -78,8 +78,8 @@ class Layer(torch.nn.Module):
             return y, None
         m, w = self.ffn_hc.read(x, xn2)
         if then is not None:
-            return self.ffn_hc.write_and_norm(x, self.moe(m), w, then)
-        return self.ffn_hc.write(x, self.moe(m), w), None
+            return self.ffn_hc.write_and_norm(x, self.moe.parts(m), w, then)
+        return self.ffn_hc.write(x, self.moe.parts(m), w), None
 
 
 class _Verify:

@@ -204,8 +204,8 @@ def project(parts: torch.Tensor, splits, q_norm, k_norm, eps: float, n_heads: in
     """The fused projection's rows (T, sum(splits)) as the attention's inputs: q (H, T, D)
     and k (Hkv, T, D) normed per head and roped by `cos`/`sin` (Rope._rows), v (Hkv, T, D),
     the indexer's queries (T, n_idx*d) and key (T, d) (None without an indexer), and the
-    output gate (T, H*D). `norm_rope`: the Triton op that norms and ropes q or k in one
-    launch (triton_kernels.rope), or None for torch's ops. A function of tensors: a
+    output gate (T, H*D). `norm_rope`: the Triton op that norms and ropes q and k in one
+    launch (triton_kernels.rope.norm_rope2), or None for torch's ops. A function of tensors: a
     compiled decode step traces it too (strata.models.qwen4exp_step)."""
     T = parts.shape[0]
     H, Hkv, D = n_heads, n_kv, head_dim
@@ -213,8 +213,7 @@ def project(parts: torch.Tensor, splits, q_norm, k_norm, eps: float, n_heads: in
     qg = parts[0].reshape(T, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
     if norm_rope is not None:
-        q = norm_rope(q, q_norm, eps, cos, sin)                                                # (H, T, D)
-        k = norm_rope(parts[1].reshape(T, Hkv, D), k_norm, eps, cos, sin)
+        q, k = norm_rope(q, q_norm, parts[1].reshape(T, Hkv, D), k_norm, eps, cos, sin)       # (H, T, D)
     else:
         q = rotate(_heads_norm(q, q_norm, eps).transpose(0, 1), cos, sin, rope_dim)           # (H, T, D)
         k = rotate(_heads_norm(parts[1].reshape(T, Hkv, D), k_norm, eps).transpose(0, 1), cos, sin, rope_dim)
@@ -230,6 +229,14 @@ def finish(out: torch.Tensor, gate: torch.Tensor, kernels: str = "torch") -> tor
     if kernels == "triton":
         return impl("sigmoid_mul", "triton")(gate, rows.float())
     return rows * torch.sigmoid(gate)
+
+
+def output(o, out: torch.Tensor, gate: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """o(finish(out, gate, kernels)): with the Triton kernels the gate in the output
+    projection's launch where its GEMV takes it (QuantLinear.gated)."""
+    if kernels == "triton":
+        return o.gated(gate, out.transpose(0, 1).reshape(gate.shape).float(), silu=False)
+    return o(finish(out, gate, kernels))
 
 
 class GatedAttention(torch.nn.Module):
@@ -266,7 +273,7 @@ class GatedAttention(torch.nn.Module):
         pos = self.positions(start, x.shape[0], positions)
         cos, sin = self.rope._rows(pos, x.device)
         q, k, v, idx_q, idx_k, gate = project(self.proj(x).float(), *self.project_args(), cos, sin)
-        return self.o(finish(self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate, self.kernels))
+        return output(self.o, self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate, self.kernels)
 
     @staticmethod
     def positions(start: int, T: int, positions: Positions | None = None) -> torch.Tensor:
@@ -278,7 +285,7 @@ class GatedAttention(torch.nn.Module):
     def project_args(self) -> tuple:
         """`project`'s arguments between the projection and RoPE's rows."""
         return (self.splits, self.q_norm, self.k_norm, self.eps, self.n_heads, self.n_kv_heads,
-                self.head_dim, self.rope.dim, impl("norm_rope", "triton") if self.kernels == "triton" else None)
+                self.head_dim, self.rope.dim, impl("norm_rope2", "triton") if self.kernels == "triton" else None)
 
     def attend(self, q, k, v, idx_q, idx_k, st: AttentionState, start: int, pos: torch.Tensor,
                positions: Positions | None = None) -> torch.Tensor:

@@ -65,19 +65,30 @@ class HyperConnection(torch.nn.Module):
         inp = impl("hc_combine", "triton")(self.up(a), xn, S)
         return inp, (inj if self.injects else None)
 
-    def write(self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x + out injected into every stream by its weight."""
+    def write(self, x: torch.Tensor, out, weights: torch.Tensor) -> torch.Tensor:
+        """x + out injected into every stream by its weight. `out` may be a MoE block's
+        parts (MoE.parts), summed here (with the Triton kernels in the write's launch)."""
         if self.down.kernels == "triton":
+            if isinstance(out, tuple):
+                return impl("hc_write_moe", "triton")(x.float(), *out, weights)[0]
             return impl("hc_write", "triton")(x.float(), out, weights)
-        return write(x, out, weights)
+        return write(x, _summed(out, self.down.kernels), weights)
 
-    def write_and_norm(self, x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+    def write_and_norm(self, x: torch.Tensor, out, weights: torch.Tensor,
                        then: "HyperConnection") -> tuple[torch.Tensor, torch.Tensor | None]:
         """`write`, and with the Triton kernels the result's streams normed for `then`, the
-        next block's connection (its `read(x, xn)`), in the same launch; (x, None) in torch."""
+        next block's connection (its `read(x, xn)`), in the same launch; (x, None) in torch.
+        `out` as `write`'s."""
         if self.down.kernels == "triton":
+            if isinstance(out, tuple):
+                return impl("hc_write_moe", "triton")(x.float(), *out, weights, then.norm, then.eps)
             return impl("hc_write_norm", "triton")(x.float(), out, weights, then.norm, then.eps)
-        return write(x, out, weights), None
+        return write(x, _summed(out, self.down.kernels), weights), None
+
+
+def _summed(out, kernels: str) -> torch.Tensor:
+    """A block's output: `out`, or a MoE block's parts (MoE.parts) summed."""
+    return impl("gated_add", kernels)(*out) if isinstance(out, tuple) else out
 
 
 def write(x: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -151,6 +151,7 @@ class QuantLinear(torch.nn.Module):
             self.fmt = layout.choose(self.fmt, device, blocks.size // self.fmt.block_bytes)
             self.blocks = layout.place(host_tensor(blocks), parts[0].fmt, device, self.fmt)
             self._qmatmul = impl("qmatmul", kernels)
+            self._gated = impl("gated_qmatmul", kernels)
             return
         if dtype == torch.bfloat16 and self.fmt.name in ("Q4_0", "Q4_1") and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             try:
@@ -207,6 +208,14 @@ class QuantLinear(torch.nn.Module):
             w = dequantize_torch(self.blocks, self.fmt, dtype).view(self.out_features, self.in_features)
             y = self._rows(lambda t: t @ w.T, x2.to(dtype))
         return y.float().reshape(*lead, self.out_features)
+
+    def gated(self, g: torch.Tensor, u: torch.Tensor, silu: bool = True) -> torch.Tensor:
+        """self(silu(g) * u), or self(sigmoid(g) * u) for silu=False, for float32 rows g, u:
+        with the Triton kernels the gate in the GEMV's launch where it runs one
+        (triton_kernels.gated_gemv), the two launches' result."""
+        if self.mode == "triton":
+            return self._gated(g, u, self.blocks, self.fmt, silu, self.dtype).float()
+        return self(impl("silu_mul" if silu else "sigmoid_mul", self.kernels)(g, u))
 
     def pure(self):
         """(f, args) with f(x, *args) == self(x) for 2-D x, f a module-level function of

@@ -26,7 +26,8 @@ class MoE(torch.nn.Module):
         from triton_kernels.ops import impl
         self.proj, self.experts, self.shared_down = proj, experts, shared_down
         self.route = impl("route", proj.kernels)
-        self.silu_mul, self.gated_add = impl("silu_mul", proj.kernels), impl("gated_add", proj.kernels)
+        self.route_align = impl("route_align", proj.kernels)
+        self.gated_add = impl("gated_add", proj.kernels)
         self.splits = [n_experts, shared_dim, shared_dim, 1]
         self.top_k, self.norm_topk = top_k, norm_topk
         self.share = None  # strata.dist.ExpertShare under --ep: this rank holds some experts
@@ -38,9 +39,25 @@ class MoE(torch.nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gated_add(*self.parts(x))
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's output unsummed: (the routed experts' rows (T, k, H) with the kernels,
+        else their sum (T, H); the shared expert's gate (T, 1); the shared expert (T, H)),
+        whose gated_add is `forward`'s result; a hyper-connection's write sums them in its
+        launch (HyperConnection.write)."""
         logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
         kernels = self.proj.kernels == "triton" and self.share is None and not torch.compiler.is_compiling()
-        tally = self.experts.route_tally() if kernels and hasattr(self.experts, "route_tally") else None
+        plan = (self.experts.route_plan(x.shape[0], self.top_k) if kernels and hasattr(self.experts, "route_plan")
+                else None)
+        tally = self.experts.route_tally() if kernels and plan is None and hasattr(self.experts, "route_tally") else None
+        if plan is not None:  # routed, counted, looked up and aligned in one launch
+            block_m = plan.pop("block_m")
+            weights, ids, local, slot, *aligned = self.route_align(logits, self.top_k, self.norm_topk, block_m,
+                                                                   **plan)
+            routed = self.experts(x.float(), weights, ids, slots=True,
+                                  plan=(local, slot, (*aligned, block_m) if block_m else None))
+            return self._finish(routed, None, g, u, gate)
         if tally is not None:  # the store's hit counter counted in the router's launch
             weights, ids = self.route(logits, self.top_k, self.norm_topk, hits=tally)
         else:
@@ -51,7 +68,10 @@ class MoE(torch.nn.Module):
             routed, summed = self.experts(x.float(), weights, ids), None
         else:  # the shares' sum travels while this rank computes the shared expert
             routed, summed = self.share.reduce_start(self.experts(x.float(), weights, self.share.local(ids)))
-        shared = self.shared_down(self.silu_mul(g, u)).float()
+        return self._finish(routed, summed, g, u, gate)
+
+    def _finish(self, routed, summed, g, u, gate):
+        shared = self.shared_down.gated(g, u)  # the SwiGLU in the down GEMV's launch
         if summed is not None:
             summed()
-        return self.gated_add(routed, gate, shared)
+        return routed, gate, shared

@@ -58,6 +58,9 @@ class NgramPLE(torch.nn.Module):
         self.streams, self.eps, self.dilation = streams, eps, dilation
         self.width = self.norm_key.numel() // streams
         self.ngram = len(hash_args["multipliers"])
+        # the hash's ids lie below this (each head's offset and size): the gather checks the
+        # table's rows against it once, not the ids each step
+        self.id_bound = max(int(o) + int(n) for o, n in zip(hash_args["head_offsets"], hash_args["head_vocab_sizes"]))
 
     def new_state(self, device="cpu") -> PLEState:
         window = (self.conv.shape[1] - 1) * self.dilation
@@ -76,8 +79,9 @@ class NgramPLE(torch.nn.Module):
     _consts = None
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, st: PLEState, ids=None) -> torch.Tensor:
-        """The residual x (T, S*H) with the PLE block's output added."""
-        e = self.table.gather(self.ids(tokens, st) if ids is None else ids)
+        """The residual x (T, S*H) with the PLE block's output added; `ids`: this block's
+        `ids(tokens, st)` made ahead (to announce the rows), or None."""
+        e = self.table.gather(self.ids(tokens, st) if ids is None else ids, bound=self.id_bound)
         x, st.conv = mix(x, e, self.key, self.value, *self.mix_args(), st.conv, **self.kernels())
         return x
 

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.nn import deltanet, kv
-from strata.nn.gated_attention import AttentionState, _heads_norm, finish, project
+from strata.nn.gated_attention import AttentionState, _heads_norm, output, project
 from strata.nn.hyperconn import next_norm
 from strata.nn.ple import mix
 from strata.nn.rope import rotate
@@ -177,7 +177,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
         vals = _rows(st._v, None if scales is None else scales[1])
         T = q.shape[1]
         out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal())
-    return m.o(finish(out, gate, m.kernels))
+    return output(m.o, out, gate, m.kernels)
 
 
 def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:
@@ -212,7 +212,7 @@ def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
     ids = p.ids(tok, st)
     history.copy_(st.history)
     st.history = history
-    e = p.table.gather(ids)
+    e = p.table.gather(ids, bound=p.id_bound)
     x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, **p.kernels())
     st.conv.copy_(window)
     return x
@@ -254,9 +254,9 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
         m, w = layer.ffn_hc.read(x, xn)
         then = next_norm(layers, i, model.out_hc)
         if then is not None:
-            x, xn = layer.ffn_hc.write_and_norm(x, layer.moe(m), w, then)
+            x, xn = layer.ffn_hc.write_and_norm(x, layer.moe.parts(m), w, then)
         else:
-            x, xn = layer.ffn_hc.write(x, layer.moe(m), w), None
+            x, xn = layer.ffn_hc.write(x, layer.moe.parts(m), w), None
     if state.mtp is not None:
         mtp = model.mtp
         a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]])))

@@ -79,8 +79,7 @@ class DeviceCache:
         n = flat.numel()
         if self._lookup is not None:
             slot, local = self._lookup(flat, self.lut, self.routed, self.missed, self.n)
-            for h, w in zip(self.host, self.w):
-                self._stage(h, w, flat, slot, self.n)
+            self._stage(list(self.host), list(self.w), flat, slot, self.n)  # the three matrices: one launch
             return (*self.w, local.reshape(ids.shape))
         safe = flat.clamp(min=0) if self.partial else flat
         slot = self.lut[safe]
@@ -88,12 +87,22 @@ class DeviceCache:
         if self.partial:
             local = torch.where(flat >= 0, local, -1)
             slot = torch.where(flat >= 0, slot, 0)  # another rank's: nothing to stage
-        for h, w in zip(self.host, self.w):
-            self._stage(h, w, safe, slot, self.n)
+        self._stage(list(self.host), list(self.w), safe, slot, self.n)
         counts = self._ones[:n] if not self.partial else (flat >= 0).long()
         self.routed.index_add_(0, safe, counts)
         self.missed.index_add_(0, safe, counts * (slot < 0))
         return (*self.w, local.reshape(ids.shape).to(ids.dtype))
+
+    def stages_on_device(self) -> bool:
+        """Whether a step's lookup and counters may run in the router's launch
+        (triton_kernels.route_align), leaving `stage` the misses' copy."""
+        return self._lookup is not None
+
+    def stage(self, ids: torch.Tensor, slot: torch.Tensor):
+        """(gate, up, down) with the misses of routed `ids` staged, `slot` their table
+        entries (-1: a miss) as route_align looked them up."""
+        self._stage(list(self.host), list(self.w), ids.reshape(-1), slot, self.n)
+        return self.w
 
     # -- between steps: the host decides -----------------------------------------------------
 

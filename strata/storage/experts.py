@@ -43,7 +43,7 @@ from triton_kernels import invariant, layout
 from triton_kernels.cpu import compiled
 from triton_kernels.backend import choose_kernels, to_device, upcast
 from triton_kernels.cpu.compiled import Compiled
-from triton_kernels.moe import choose_path
+from triton_kernels.moe import block_m_for, choose_path
 from triton_kernels.ops import impl
 
 
@@ -246,12 +246,40 @@ class ExpertStore(torch.nn.Module):
 
     _ones = None  # a slot's count by the number of slots, kept on the device
 
+    def route_plan(self, tokens: int, top_k: int) -> dict | None:
+        """route_align's keywords for a one-token step whose router's launch also counts,
+        looks up and aligns for this store (triton_kernels.route_align): the tally of a GPU's
+        resident tier, or the device cache's table and counters; the weight rows its ids
+        name and the alignment's block_m. Then `forward(..., plan=...)`. None where the
+        store routes otherwise."""
+        if tokens != 1 or self.kernels != "triton" or self.partial or compiled.warming():
+            return None
+        dc = self.device_cache
+        if self.hits.device.type != "cpu":
+            plan, rows = {"hits": self.hits}, self.wg.shape[0]
+        elif dc is not None and top_k <= dc.staging and dc.stages_on_device():
+            plan = {"lut": dc.lut, "routed": dc.routed, "missed": dc.missed, "first": dc.n}
+            rows = dc.w[0].shape[0]
+        else:
+            return None
+        return {**plan, "rows": rows, "block_m": block_m_for(*self.fmts, tokens, tokens * top_k, rows)}
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                slots: bool = False, counted: bool = False) -> torch.Tensor:
+                slots: bool = False, counted: bool = False, plan: tuple | None = None) -> torch.Tensor:
         """The routed experts' sum (T, H); `slots`: where one call of the MoE kernels runs
         them all (the resident and streamed tiers, a device cache's decode), their weighted
         rows unsummed (T, k, H) instead, for the MoE's last launch to sum (shared_expert.gated_add);
-        `counted`: the router's launch added `ids` to the tally `route_tally` gave."""
+        `counted`: the router's launch added `ids` to the tally `route_tally` gave; `plan`:
+        (local ids, cache slots, alignment) of route_align's launch for `route_plan`'s keywords."""
+        if plan is not None:
+            local, slot, aligned = plan
+            if self.hits.device.type != "cpu":
+                self._count_on_device(ids, counted=True)
+                ws = self.wg, self.wu, self.wd
+            else:
+                self._counts["calls"] += 1
+                ws = self.device_cache.stage(ids, slot)
+            return self._moe(x, *ws, weights, local, slots=slots, aligned=aligned)
         if self.hits.device.type != "cpu":  # a GPU's resident tier: no host read in the step
             if not compiled.warming():
                 self._count_on_device(ids, counted)
@@ -284,7 +312,7 @@ class ExpertStore(torch.nn.Module):
         return out.reshape(ids.shape).to(device=ids.device, dtype=ids.dtype)
 
     def _moe(self, x, wg, wu, wd, weights, ids, n_slots: int | None = None,
-             tokens: int | None = None, slots: bool = False) -> torch.Tensor:
+             tokens: int | None = None, slots: bool = False, aligned: tuple | None = None) -> torch.Tensor:
         if self.kernels == "torch":
             return impl("moe", "torch")(x, wg, wu, wd, *self.fmts, weights, ids).float()
         # the path and tiles of the resident call (all E experts, the batch's T tokens and
@@ -294,7 +322,7 @@ class ExpertStore(torch.nn.Module):
         path = choose_path(*self.fmts, x.shape[0] if tokens is None else tokens)
         if slots and not torch.compiler.is_compiling():  # the registered op sums
             return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
-                                         tile_slots=n, slots=True)
+                                         tile_slots=n, slots=True, aligned=aligned)
         return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
                                      tile_slots=n).float()
 

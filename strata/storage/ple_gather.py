@@ -41,9 +41,10 @@ class InMemoryTable:
     def prefetch(self, ids: torch.Tensor) -> None:
         pass
 
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+    def gather(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+        """Rows of `ids`; `bound`: the ids lie below it by construction (ple_gather's)."""
         self.rows_read += ids.numel()  # a shape: read on the host without asking the device
-        return self._gather(self.q, ids if self.host else ids.to(self.q.device), self.fmt)
+        return self._gather(self.q, ids if self.host else ids.to(self.q.device), self.fmt, bound=bound)
 
     def stats(self) -> dict:
         """Rows gathered, and bytes of them read over PCIe (a table in host memory, on a GPU)."""
@@ -73,10 +74,11 @@ class StoredTable:
         if self.host is None:
             self.table.prefetch(ids.cpu().numpy())
 
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+    def gather(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
+        """Rows of `ids`; `bound`: the ids lie below it by construction (ple_gather's)."""
         if self.host is not None:  # no host read: the kernel reads the rows from RAM
             self.table.count_rows(ids.numel())
-            return self._gather(self.host, ids, self.table.fmt, scale=self.table.scale)
+            return self._gather(self.host, ids, self.table.fmt, scale=self.table.scale, bound=bound)
         rows = self.table.gather(ids.cpu().numpy())
         return self._gather(**rows.kernel_inputs(self.device))
 

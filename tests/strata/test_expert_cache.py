@@ -62,20 +62,55 @@ def test_the_device_cache_equals_the_resident_tier_and_promotes_the_routed_exper
 
 
 @settings(max_examples=examples(20), deadline=None)
-@given(rows=st.integers(1, 6), cols=st.sampled_from([1, 3, 4, 68, 1030]), n=st.integers(0, 4),
-       seed=st.integers(0, 2**16))
+@given(rows=st.integers(1, 6), cols=st.lists(st.sampled_from([1, 3, 4, 68, 1030]), min_size=1, max_size=3),
+       n=st.integers(0, 4), seed=st.integers(0, 2**16))
 def test_staging_copies_the_missed_rows_as_its_torch_twin(rows, cols, n, seed):
+    """One to three matrices of their own row widths (an expert's gate, up and down),
+    staged in one launch; bytes or words as the widths allow."""
     rng = np.random.default_rng(seed)
-    src = torch.from_numpy(rng.integers(0, 256, (rows, cols), dtype=np.uint8))
+    src = [torch.from_numpy(rng.integers(0, 256, (rows, c), dtype=np.uint8)) for c in cols]
     ids = torch.from_numpy(rng.integers(0, rows, n))
     slots = torch.from_numpy(rng.integers(-1, 2, n))  # -1: a miss
-    dst = torch.from_numpy(rng.integers(0, 256, (n + 2, cols), dtype=np.uint8))
+    dst = [torch.from_numpy(rng.integers(0, 256, (n + 2, c), dtype=np.uint8)) for c in cols]
     first = int(rng.integers(0, 3))
-    want = dst.clone()  # the definition: a missed slot's row copied, every other row kept
-    for j in range(n):
-        if slots[j] < 0:
-            want[first + j] = src[ids[j]]
-    twin = dst.clone()
+    want = [d.clone() for d in dst]  # the definition: a missed slot's row copied, every other row kept
+    for s, w in zip(src, want):
+        for j in range(n):
+            if slots[j] < 0:
+                w[first + j] = s[ids[j]]
+    twin = [d.clone() for d in dst]
     stage_rows_torch(src, twin, ids, slots, first)
     stage_rows(src, dst, ids, slots, first)
-    assert torch.equal(twin, want) and torch.equal(dst, want)
+    assert all(torch.equal(t, w) and torch.equal(d, w) for t, d, w in zip(twin, dst, want))
+    if len(cols) == 1:  # a tensor alone, as a list of one
+        one = dst[0].clone()
+        stage_rows(src[0], one, ids, slots, first)
+        assert torch.equal(one, want[0])
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "F32"])  # the MoE's dp4a path (no alignment) and its dot path
+def test_a_step_routed_by_route_align_equals_the_resident_tier_and_counts_the_same(flash_tiny_gguf, fmt):
+    """The router's launch that also looks up, counts and aligns (route_plan, route_align)
+    gives the store's result of the separate launches, on the cache tier and the resident."""
+    from triton_kernels.route_align import route_align
+    f = quant.get(fmt)
+    layer = []
+    for n in NAMES:
+        t = flash_tiny_gguf.tensor(f"blk.0.{n}.weight")
+        layer.append(QTensor(t.name, f, t.shape, f.quantize(t.numpy().reshape(-1, t.shape[-1]))))
+    E, _, H = layer[0].shape
+    ref = ex.ExpertStore(*layer, torch.float32, "cpu", None, "device", kernels="triton")
+    store = ex.ExpertStore(*layer, torch.float32, "cpu", None, "cache:4:host", kernels="triton", top_k=2)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        store.rebalance()
+        plan = store.route_plan(1, 2)
+        assert plan is not None and plan["block_m"] == (0 if fmt == "Q4_0" else 16), plan
+        block_m = plan.pop("block_m")
+        logits, x = torch.randn(1, E, generator=g), torch.randn(1, H, generator=g)
+        w, ids, local, slot, *aligned = route_align(logits, 2, True, block_m, **plan)
+        got = store(x, w, ids, slots=True, plan=(local, slot, (*aligned, block_m) if block_m else None))
+        assert torch.equal(got.sum(dim=1), ref(x, w, ids)), step
+    s = store.stats()
+    assert s["hits"] + s["misses"] == 8 and s["misses"] > 0
+    assert ref.route_plan(1, 2) is None  # resident on the CPU: the store counts on the host

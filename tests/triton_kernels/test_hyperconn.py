@@ -142,3 +142,34 @@ def test_hc_write_norm_gives_the_two_kernels_bits(T, S, H, seed):
     assert torch.equal(y2, y) and torch.equal(xn, hc_norm(y, w, 1e-6))
     yt, xnt = hc_write_norm_torch(x, out, inj, w, 1e-6)
     assert torch.equal(yt, hc_write_torch(x, out, inj)) and torch.equal(xnt, hc_norm_torch(yt, w, 1e-6))
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(**shapes, K=st.integers(0, 4), norm=st.booleans())
+def test_hc_write_moe_gives_gated_add_and_the_writes_bits(T, S, H, K, norm, seed):
+    """The MoE's last sum and the write (and norm) in one launch: the bits of gated_add's
+    launch and then hc_write's (hc_write_norm's); its torch twin within the bound of
+    gated_add_torch then hc_write_torch (and hc_norm_torch): the same ops in torch."""
+    from triton_kernels.hc_moe_write import hc_write_moe, hc_write_moe_torch
+    from triton_kernels.shared_expert import gated_add, gated_add_torch
+    x, inj = data(seed, T, S * H), data(seed + 1, T, S).abs()
+    proj = data(seed + 2, T, H + 1)  # the gate a column of a wider projection, as the engine's
+    gate, shared = proj[:, H:], data(seed + 3, T, H)
+    routed = data(seed + 4, T, K, H) if K else data(seed + 4, T, H)
+    w = data(seed + 5, S, H) if norm else None
+    y, xn = hc_write_moe(x, routed, gate, shared, inj, w, 1e-6)
+    out = gated_add(routed, gate, shared)
+    if norm:
+        y2, xn2 = hc_write_norm(x, out, inj, w, 1e-6)
+        assert torch.equal(xn, xn2)
+    else:
+        y2 = hc_write(x, out, inj)
+        assert xn.numel() == 0
+    assert torch.equal(y, y2)
+    yt, xnt = hc_write_moe_torch(x, routed, gate, shared, inj, w, 1e-6)
+    want = hc_write_torch(x, gated_add_torch(routed, gate, shared), inj)
+    assert torch.equal(yt, want)
+    if norm:
+        assert torch.equal(xnt, hc_norm_torch(want, w, 1e-6))
+        torch.testing.assert_close(xn, xnt, rtol=gamma(H + 8) * 4 + 1e-6, atol=1e-6)
+    torch.testing.assert_close(y, yt, rtol=1e-5, atol=1e-5 * float(x.abs().max() + 1))

@@ -69,3 +69,25 @@ def test_norm_rope_names_its_shapes():
         norm_rope(x, torch.ones(16), 1e-6, torch.zeros(2, 7), torch.zeros(2, 7))
     with pytest.raises(ValueError, match=r"norm_rope: x must be \(tokens, heads, head_dim\) with w \(head_dim,\)"):
         norm_rope(x, torch.ones(8), 1e-6, torch.zeros(2, 8), torch.zeros(2, 8))
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(T=st.integers(1, 3), Hq=st.integers(1, 4), Hk=st.integers(1, 3), D=st.sampled_from([8, 24, 64]),
+       rope_frac=st.sampled_from([0.25, 0.5, 1.0]), scale=st.sampled_from([1e-3, 1.0, 1e3]),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_norm_rope2_is_two_norm_ropes_in_one_launch(T, Hq, Hk, D, rope_frac, scale, seed):
+    """q (a strided view, as the fused projection's) and k with their own weights: each the
+    bits of its own norm_rope, so within norm_rope's float32 bound; the torch twin is
+    norm_rope_torch twice, within the same bound."""
+    from triton_kernels.rope import norm_rope2, norm_rope2_torch
+    R = max(2, int(D * rope_frac) // 2 * 2)
+    q = data(seed, T, Hq, 2 * D, scale=scale)[..., :D]
+    k = data(seed + 1, T, Hk, D, scale=scale)
+    wq, wk = data(seed + 2, D), data(seed + 3, D)
+    ang = data(seed + 4, T, R)
+    cos, sin = ang.cos(), ang.sin()
+    qo, ko = norm_rope2(q, wq, k, wk, 1e-6, cos, sin)
+    assert torch.equal(qo, norm_rope(q, wq, 1e-6, cos, sin)) and torch.equal(ko, norm_rope(k, wk, 1e-6, cos, sin))
+    for x, w, y in zip((q, k), (wq, wk), norm_rope2_torch(q, wq, k, wk, 1e-6, cos, sin)):
+        ref, mag = reference(x, w, 1e-6, cos, sin)
+        assert bool(((y.double() - ref).abs() <= gamma(D + 9) * mag).all())

@@ -1,0 +1,106 @@
+"""A GEMV whose input is a gated product, the gate in the GEMV's launch:
+
+    gated_qmatmul(g (M, K), u (M, K), q, fmt, silu, dtype) -> qmatmul((act(g) * u).to(dtype), q, fmt)
+        act = silu (the shared expert's SwiGLU before its down projection) or sigmoid
+        (silu=False: the attention's output gate before its output projection)
+
+g and u are float32 rows with unit column stride (column ranges of a fused projection's
+output). Where qmatmul would run its float GEMV (formats without an int8 unit decode, at
+most GEMV_MAX_M rows, not batch-invariant), each program computes the product of the
+columns it reads, as silu_mul / sigmoid_mul compute it, rounds it to `dtype` as the GEMV's
+input would be (bfloat16 to nearest even, by its bits: the same on a GPU and in the
+interpreter), and multiplies on as qmatmul's GEMV does: the two launches' result bit for
+bit in one. Elsewhere it is those two launches. `gated_qmatmul_torch` is silu_mul_torch
+(sigmoid_mul_torch), the cast and qmatmul_torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import quant
+
+from . import configs
+from .backend import use_triton
+from .decode import decoder, table
+from .qmatmul import GEMV_TILES, _check as _check_q, choose_path, qmatmul, qmatmul_torch
+from .shared_expert import _rows, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
+
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _gated_gemv_kernel(g_ptr, u_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_gm, stride_um, stride_om,
+                       DECODE: tl.constexpr, QK: tl.constexpr, SILU: tl.constexpr, ROUND: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.arange(0, BLOCK_M)
+    blocks_per_row = K // QK
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        blk = offs_n[:, None] * blocks_per_row + (offs_k // QK)[None, :]
+        j = tl.broadcast_to((offs_k % QK)[None, :], (BLOCK_N, BLOCK_K))
+        w = DECODE(q_ptr, tab_ptr, blk, j, n_mask[:, None] & k_mask[None, :])
+        for r in tl.static_range(BLOCK_M):
+            m = tl.minimum(pid_m * BLOCK_M + r, M - 1).to(tl.int64)
+            g = tl.load(g_ptr + m * stride_gm + offs_k, mask=k_mask, other=0.0)
+            u = tl.load(u_ptr + m * stride_um + offs_k, mask=k_mask, other=0.0)
+            if SILU:  # silu_mul's and sigmoid_mul's own expressions (triton_kernels.shared_expert)
+                xr = g / (1.0 + tl.exp(-g)) * u
+            else:
+                xr = (1.0 / (1.0 + tl.exp(-g))) * u
+            if ROUND == 1:  # to bfloat16, nearest even, on the bits (finite values)
+                bits = xr.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                xr = bits.to(tl.float32, bitcast=True)
+            elif ROUND == 2:
+                xr = xr.to(tl.float16).to(tl.float32)
+            part = tl.sum(w * xr[None, :], axis=1)
+            acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+    offs_m = pid_m * BLOCK_M + rows
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+def _check(g, u, dtype):
+    _rows("gated_qmatmul", g, u)
+    if g.shape != u.shape:
+        raise ValueError(f"gated_qmatmul: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
+    if dtype not in _ROUND:
+        raise ValueError(f"gated_qmatmul: dtype must be float32, bfloat16 or float16, got {dtype}")
+
+
+def gated_qmatmul(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: bool = True,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """qmatmul((silu(g) * u).to(dtype), q, fmt), sigmoid for silu=False (see the module);
+    (M, N) in dtype."""
+    fmt = quant.get(fmt)
+    _check(g, u, dtype)
+    if not use_triton(g):
+        return gated_qmatmul_torch(g, u, q, fmt, silu, dtype)
+    _, N, K = _check_q(g, q, fmt, None)
+    M = g.shape[0]
+    if choose_path(fmt, M) != "gemv" or not M or not N or not K:
+        return qmatmul((silu_mul if silu else sigmoid_mul)(g, u).to(dtype), q, fmt)
+    block_m, block_n, block_k = configs.tiles("gemv", GEMV_TILES)
+    block_m = min(block_m, triton.next_power_of_2(M))
+    # the interpreter holds bf16 as raw uint16: a float32 result, rounded after (exact)
+    out = torch.empty((M, N), dtype=dtype if g.is_cuda else torch.float32, device=g.device)
+    q = q.contiguous()
+    _gated_gemv_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        g, u, q, table(fmt, q.device), out, M, N, K, g.stride(0), u.stride(0), out.stride(0),
+        DECODE=decoder(fmt), QK=fmt.block_elems, SILU=silu, ROUND=_ROUND[dtype],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=configs.num_warps("gemv", fmt.name, g.device))
+    return out.to(dtype)
+
+
+def gated_qmatmul_torch(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: bool = True,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    _check(g, u, dtype)
+    return qmatmul_torch((silu_mul_torch if silu else sigmoid_mul_torch)(g, u).to(dtype), q, fmt)

@@ -1,0 +1,148 @@
+"""A one-token decode step's routing in one program: the router's top-k (route), an
+expert cache's lookup and counters (cache_lookup) and the MoE's alignment of the slots by
+expert (moe_align_block_size), which took three launches a layer (two on the resident tier).
+
+    route_align(logits (1, E), top_k, norm_topk_prob, block_m, rows, hits=None,
+                lut=None, routed=None, missed=None, first=0)
+        -> weights (1, k) float32, ids (1, k) int32   the chosen experts, as route's
+           local (1, k) int32                         the rows of the MoE's weights they name
+           slots (k,) int64                           lut[ids] (-1: a miss; -1s without lut)
+           sorted_token_ids, expert_ids, num_tokens_post_padded
+                                                      moe_align_block_size(local, rows, block_m);
+                                                      empty for block_m = 0 (the dp4a path)
+
+Without `lut`, local is ids (the resident tier: `rows` = E). With an expert cache's table
+`lut` (E,) int64 (expert -> VRAM slot, -1 where not held), local is the slot, or for a
+miss the staging row first + j, and `routed` and `missed` (E,) int64 are added to as
+cache_lookup adds to them; `hits` (E,) int64 is route's tally. The router's ids are always
+in [0, E) (a NaN logit ranks last), so the alignment leaves no slot out and zeroes no rows.
+
+The top-k is route's own code (triton_kernels.moe._top_k) and the alignment the align
+kernel's (triton_kernels.moe_align.align_slots): the outputs are those of the three
+launches, bit for bit. `route_align_torch` is the same in torch: route_torch,
+cache_lookup_torch, moe_align_block_size_torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+from .moe import _check_route, _top_k, route_torch
+from .moe_align import ALIGN_CHUNK, ALIGN_MAX_SLOTS, _length, align_slots, moe_align_block_size_torch
+from .stage import cache_lookup_torch
+
+
+@triton.jit
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, hits_ptr, lut_ptr, routed_ptr,
+                        missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, E, first, rows, length, n_blocks,
+                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, N_PAD: tl.constexpr,
+                        NORM: tl.constexpr, COUNT: tl.constexpr, LOOKUP: tl.constexpr, ALIGN: tl.constexpr,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    offs = tl.arange(0, E_PAD)
+    live = offs < E
+    logit = tl.load(logits_ptr + offs, mask=live, other=float("-inf")).to(tl.float32)
+    top_w, top_i = _top_k(logit, offs, live, TOP_K, K_PAD, E_PAD, NORM)
+    kk = tl.arange(0, K_PAD)
+    on = kk < TOP_K
+    tl.store(weights_ptr + kk, top_w, mask=on)
+    tl.store(ids_ptr + kk, top_i, mask=on)
+    if COUNT:
+        tl.atomic_add(hits_ptr + top_i, tl.full((K_PAD,), 1, tl.int64), mask=on)
+    local = top_i
+    if LOOKUP:
+        e = top_i.to(tl.int64)
+        s = tl.load(lut_ptr + e, mask=on, other=0)
+        tl.store(slots_ptr + kk, s, mask=on)
+        local = tl.where(s >= 0, s, first + kk).to(tl.int32)
+        one = tl.full((K_PAD,), 1, tl.int64)  # the counters: integers, in any order
+        tl.atomic_add(routed_ptr + e, one, mask=on)
+        tl.atomic_add(missed_ptr + e, one, mask=on & (s < 0))
+    else:
+        tl.store(slots_ptr + kk, tl.full((K_PAD,), -1, tl.int64), mask=on)
+    tl.store(local_ptr + kk, local, mask=on)
+    if ALIGN:
+        # the alignment's N_PAD lanes (at least 16): the ids read back once every thread's are written
+        tl.debug_barrier()
+        i = tl.arange(0, N_PAD)
+        raw = tl.load(local_ptr + i, mask=i < TOP_K, other=-1)
+        align_slots(raw, TOP_K, rows, sorted_ptr, expert_ids_ptr, n_post_ptr, local_ptr, 0, 0, length, n_blocks,
+                    N_PAD, BLOCK_M, CHUNK, False)
+
+
+def _check(logits, top_k, block_m, rows, hits, lut, routed, missed):
+    _check_route(logits, top_k)
+    T, E = logits.shape
+    if T != 1:
+        raise ValueError(f"route_align: routes one token, got logits {tuple(logits.shape)}")
+    if not 0 < top_k <= ALIGN_MAX_SLOTS or block_m < 0 or rows < 1:
+        raise ValueError(f"route_align: top_k={top_k} must be 1..{ALIGN_MAX_SLOTS}, block_m={block_m} >= 0 and "
+                         f"rows={rows} >= 1")
+    for name, t in (("hits", hits), ("lut", lut), ("routed", routed), ("missed", missed)):
+        if t is not None and (t.dtype != torch.int64 or tuple(t.shape) != (E,) or t.device != logits.device):
+            raise ValueError(f"route_align: {name} must be an int64 ({E},) tensor on {logits.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if (lut is None) != (routed is None) or (lut is None) != (missed is None):
+        raise ValueError("route_align: lut, routed and missed come together")
+
+
+def _empty_alignment(dev):
+    """No alignment (block_m = 0): empty ids, and a length that nothing reads."""
+    z = torch.empty(0, dtype=torch.int32, device=dev)
+    return z, z, torch.empty(1, dtype=torch.int32, device=dev)
+
+
+def route_align(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
+                hits: torch.Tensor | None = None, lut: torch.Tensor | None = None,
+                routed: torch.Tensor | None = None, missed: torch.Tensor | None = None, first: int = 0):
+    """(weights, ids, local, slots, sorted_token_ids, expert_ids, num_tokens_post_padded) of
+    one token's logits (see the module); hits, routed and missed added to in place."""
+    _check(logits, top_k, block_m, rows, hits, lut, routed, missed)
+    if not use_triton(logits):
+        return route_align_torch(logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first)
+    E = logits.shape[1]
+    dev = logits.device
+    if not logits.is_cuda and logits.dtype == torch.bfloat16:
+        logits = logits.float()  # the interpreter holds bf16 as raw uint16; widening is exact
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((1, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((1, top_k), dtype=torch.int32, device=dev)
+    local = torch.empty((1, top_k), dtype=torch.int32, device=dev)
+    slots = torch.empty(top_k, dtype=torch.int64, device=dev)
+    if block_m:
+        length = _length(top_k, rows, block_m)
+        n_blocks = -(-length // block_m)
+        sorted_ids = torch.empty(length, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+        n_post = torch.empty(1, dtype=torch.int32, device=dev)
+    else:
+        length = n_blocks = 0
+        sorted_ids, expert_ids, n_post = _empty_alignment(dev)
+    _route_align_kernel[(1,)](logits, weights, ids, local, slots, ids if hits is None else hits,
+                              ids if lut is None else lut, ids if routed is None else routed,
+                              ids if missed is None else missed, sorted_ids, expert_ids, n_post,
+                              E, first, rows, length, n_blocks,
+                              TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
+                              N_PAD=max(16, triton.next_power_of_2(top_k)), NORM=norm_topk_prob,
+                              COUNT=hits is not None, LOOKUP=lut is not None, ALIGN=block_m > 0,
+                              BLOCK_M=max(block_m, 1), CHUNK=ALIGN_CHUNK)
+    return weights, ids, local, slots, sorted_ids, expert_ids, n_post
+
+
+def route_align_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
+                      hits: torch.Tensor | None = None, lut: torch.Tensor | None = None,
+                      routed: torch.Tensor | None = None, missed: torch.Tensor | None = None, first: int = 0):
+    _check(logits, top_k, block_m, rows, hits, lut, routed, missed)
+    weights, ids = route_torch(logits, top_k, norm_topk_prob, hits)
+    if lut is not None:
+        slots, local = cache_lookup_torch(ids.reshape(-1), lut, routed, missed, first)
+        local = local.reshape(ids.shape)
+    else:
+        slots, local = torch.full((top_k,), -1, dtype=torch.int64, device=logits.device), ids.clone()
+    aligned = (moe_align_block_size_torch(local, rows, block_m) if block_m else _empty_alignment(logits.device))
+    return weights, ids, local, slots, *aligned
+
+
+
