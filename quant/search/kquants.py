@@ -69,6 +69,15 @@ def _dot(a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarra
     return np.einsum("ij,ij,ij->j", a, b, c)
 
 
+def _same_codes(l: np.ndarray, last: np.ndarray) -> bool:
+    """Whether every column has the codes of the last candidate fitted: then its fit and
+    error are that candidate's, which did not beat the best (or became it), so this one
+    cannot either. Rows requantized from a grid as coarse (Q4_1 to Q4_K) keep their codes
+    for half the candidates; fresh weights seldom for one column in a hundred, so a few
+    columns are compared first."""
+    return np.array_equal(l[:, :64], last[:, :64]) and np.array_equal(l, last)
+
+
 def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
         mad: bool = False):
     """make_qkx2_quants / make_qkx3_quants: x, w (n, S) -> scale (S,), the_min (S,) (the
@@ -91,9 +100,13 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
     scale = F32(1) / iscale
     best = err(scale, mn, codes(iscale, x_mn))
     best_iscale, best_from = iscale, mn   # the winner's codes, made again at the end
+    last = None
     for k in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(k) + F32(nmax)) / span
         l = codes(iscale, x_mn)
+        if last is not None and _same_codes(l, last):
+            continue
+        last = l
         sum_l, sum_l2, sum_xl = _dot(w, l), _dot(w, l, l), _dot(w, l, x)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
