@@ -202,7 +202,7 @@ def _q2_k_quant(x: np.ndarray, w) -> np.ndarray:
 
 def _q3_k_quant(x: np.ndarray, w) -> np.ndarray:
     d, sc, q = search.q3_k(x, w)
-    return pack_q3_k(d, sc, q - 4)
+    return pack_q3_k(d, sc, q.astype(np.int8) - np.int8(4))
 
 
 def _q4_k_quant(x: np.ndarray, w) -> np.ndarray:

@@ -304,8 +304,9 @@ def _quantize_tensor(t: QTensor, fmt: quant.Format, imp: np.ndarray | None) -> n
 
 
 def _header(g, ftype: str) -> list[tuple[str, object, GGUFValueType]]:
-    """llama-quantize's header: the source's keys, less the split ones, then these two last."""
-    meta = g.typed_metadata()
+    """llama-quantize's header: the source's keys, less the split ones, then these two last;
+    arrays copied as the source's bytes."""
+    meta = g.typed_metadata(packed=True)
     for key in ("general.quantization_version", "general.file_type", "split.no", "split.count",
                 "split.tensors.count"):
         meta.pop(key, None)

@@ -37,7 +37,7 @@ def nearest(v: np.ndarray, lut: np.ndarray) -> np.ndarray:
     """Index of the value nearest to each v."""
     b = np.floor(v * F32(2))
     np.clip(b, -_SPAN, _SPAN - 1, out=b)
-    return lut[b.astype(np.int32) + _SPAN]
+    return np.take(lut, b.astype(np.int32) + _SPAN)   # np.take: twice fancy indexing's speed
 
 
 def search(x: np.ndarray, importance: np.ndarray | None, kvalues: np.ndarray, ntry: int = 7):
@@ -59,7 +59,7 @@ def search(x: np.ndarray, importance: np.ndarray | None, kvalues: np.ndarray, nt
     mxs = _safe(mx, zero)
 
     def fit(inv):
-        q = kv[nearest(inv * xc, lut)]
+        q = np.take(kv, nearest(inv * xc, lut))
         wq = w * q
         return _dot(wq, xc), _dot(wq, q)
 

@@ -59,6 +59,12 @@ def _rows(c: np.ndarray, b: int) -> np.ndarray:
     return np.ascontiguousarray(c.T).reshape(b, -1)
 
 
+def _code_rows(q: np.ndarray, b: int) -> np.ndarray:
+    """Codes (n, S), whole numbers 0..255 in float32 -> (b, S n / b) uint8: cast before the
+    transpose, which then moves a quarter of the bytes."""
+    return _rows(q.astype(np.uint8), b)
+
+
 # --- the sub-block fits ------------------------------------------------------------------
 
 def _dot(a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
@@ -67,6 +73,15 @@ def _dot(a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarra
     if c is None:
         return np.einsum("ij,ij->j", a, b)
     return np.einsum("ij,ij,ij->j", a, b, c)
+
+
+def _same_codes(l: np.ndarray, last: np.ndarray) -> bool:
+    """Whether every column has the codes of the last candidate fitted: then its fit and
+    error are that candidate's, which did not beat the best (or became it), so this one
+    cannot either. Rows requantized from a grid as coarse (Q4_1 to Q4_K) keep their codes
+    for half the candidates; fresh weights seldom for one column in a hundred, so a few
+    columns are compared first."""
+    return np.array_equal(l[:, :64], last[:, :64]) and np.array_equal(l, last)
 
 
 def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
@@ -91,9 +106,13 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
     scale = F32(1) / iscale
     best = err(scale, mn, codes(iscale, x_mn))
     best_iscale, best_from = iscale, mn   # the winner's codes, made again at the end
+    last = None
     for k in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(k) + F32(nmax)) / span
         l = codes(iscale, x_mn)
+        if last is not None and _same_codes(l, last):
+            continue
+        last = l
         sum_l, sum_l2, sum_xl = _dot(w, l), _dot(w, l, l), _dot(w, l, x)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
@@ -282,7 +301,7 @@ def _imp_weights(x: np.ndarray, imp: np.ndarray, n: int, twice: bool) -> np.ndar
 
 def _asym(x: np.ndarray, imp: np.ndarray | None, n: int, nmax: int, smax: int, ref: tuple, mad: bool):
     """Q2_K, Q4_K, Q5_K: (B, 256) -> d, dmin (B,) float32 (fp16 values), sc, m (B, 256 / n),
-    q (B, 256)."""
+    q (B, 256) uint8."""
     b, k = x.shape[0], QK_K // n
     xc = _cols(x, n)
     if imp is None:
@@ -310,13 +329,13 @@ def _asym(x: np.ndarray, imp: np.ndarray | None, n: int, nmax: int, smax: int, r
     dl = (d[:, None] * sc).reshape(-1)
     ml = (dmin[:, None] * m).reshape(-1)
     q = _requant(xc, L, dl, ml, 0, nmax, 0)
-    return d, dmin, sc, m, _rows(q, b)
+    return d, dmin, sc, m, _code_rows(q, b)
 
 
 def _sym(x: np.ndarray, nmax: int, smax: int, fit, eps):
     """Q3_K without importance, Q6_K (`fit` holds the importance): the sub-block fits, their
     scales coded as multiples of d = -max / (smax + 1), max the signed largest.
-    (B, 256) -> d (B,), sc (B, 16) signed codes, q (B, 256) in 0..2 nmax - 1 (the value
+    (B, 256) -> d (B,), sc (B, 16) signed codes, q (B, 256) uint8 in 0..2 nmax - 1 (the value
     plus nmax), live (B,): the blocks whose largest sub-block scale is not below eps
     (nonzero where eps is None); the others store d = 0."""
     b = x.shape[0]
@@ -331,7 +350,7 @@ def _sym(x: np.ndarray, nmax: int, smax: int, fit, eps):
     d = np.where(live, _fp16(F32(1) / iscale), F32(0))
     dl = (d[:, None] * sc).reshape(-1)
     q = _requant(xc, L, dl, None, -nmax, nmax - 1, nmax)
-    return d, sc, _rows(q, b), live
+    return d, sc, _code_rows(q, b), live
 
 
 def q2_k(x: np.ndarray, imp: np.ndarray | None):
@@ -363,7 +382,7 @@ def q3_k(x: np.ndarray, imp: np.ndarray | None):
     d = _fp16(ds)
     ls = ls.T
     dl = (d[:, None] * (ls - 32)).reshape(-1)
-    return d, ls, _rows(_requant(xc, L, dl, None, -4, 3, 4), b)
+    return d, ls, _code_rows(_requant(xc, L, dl, None, -4, 3, 4), b)
 
 
 def q6_k(x: np.ndarray, imp: np.ndarray | None):
@@ -371,5 +390,5 @@ def q6_k(x: np.ndarray, imp: np.ndarray | None):
     all-zero block (every scale below 1e-15) is all zero bytes."""
     w = None if imp is None else _cols(imp, 16)
     d, sc, q, live = _sym(x, 32, 127, lambda xc: qx(xc, w, 32), EPS)
-    q = np.where(live[:, None], q, F32(0))
+    q = np.where(live[:, None], q, np.uint8(0))
     return d, sc, q

@@ -25,7 +25,7 @@ from gguf.gguf_writer import WriterState
 
 from strata.tensors import QTensor
 
-from .reader import MAX_DIMS
+from .reader import MAX_DIMS, PackedArray
 
 MAX_NAME_BYTES = 63  # GGML_MAX_NAME less the terminating NUL
 
@@ -87,11 +87,14 @@ def _fits_fast(v: Any, t: GGUFValueType) -> bool:
 
 class _Writer(GGUFWriter):
     """GGUFWriter, packing an array of strings or numbers in one join or one struct.pack
-    where gguf-py packs item by item (a tokenizer's arrays: a second of Python); the same
-    bytes."""
+    where gguf-py packs item by item (a tokenizer's arrays: a second of Python), and a
+    PackedArray by copying its bytes; the same bytes."""
 
     def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool,
                   sub_type: GGUFValueType | None = None) -> bytes:
+        if isinstance(val, PackedArray) and vtype == GGUFValueType.ARRAY:
+            head = (struct.pack("<I", vtype) if add_vtype else b"") + struct.pack("<IQ", val.item_type, val.count)
+            return head + val.data.tobytes()
         if (vtype == GGUFValueType.ARRAY and sub_type is not None and isinstance(val, (list, tuple)) and val
                 and self.endianess == GGUFEndian.LITTLE):
             head = (struct.pack("<I", vtype) if add_vtype else b"") + struct.pack("<IQ", sub_type, len(val))
@@ -111,6 +114,10 @@ def typed_value(where: str, value: Any) -> tuple[Any, GGUFValueType, GGUFValueTy
         value, vtype = value
         if vtype == GGUFValueType.ARRAY:
             raise ValueError(f"{where}: give an array's element type, not ARRAY")
+    if isinstance(value, PackedArray):  # a file's bytes: read and checked there
+        if vtype not in (None, value.item_type):
+            raise ValueError(f"{where}: an array of {value.item_type.name} given as {vtype.name}")
+        return value, GGUFValueType.ARRAY, value.item_type
     if isinstance(value, np.ndarray):
         if value.ndim != 1:
             raise ValueError(f"{where}: numpy arrays must be 1-D, got shape {value.shape}")

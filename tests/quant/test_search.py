@@ -154,3 +154,17 @@ def test_zero_and_tiny_blocks_decode_to_zero():
         x[1, :5] = 1e-9  # below IQ3_XXS's threshold, a subnormal d for IQ3_S
         y = fmt.dequantize(fmt.quantize(x))
         assert np.abs(y).max() <= 1e-8
+
+
+def test_candidates_repeating_the_last_codes_are_skipped_alike(monkeypatch):
+    """Rows requantized from Q4_1 keep their codes over many of Q4_K's candidate scales;
+    those candidates are skipped, and the blocks are those of fitting every one."""
+    from quant.search import kquants as ks
+    x = quant.get("Q4_1").dequantize(quant.get("Q4_1").quantize(blocks(3, 64)))
+    calls = []
+    same = ks._same_codes
+    monkeypatch.setattr(ks, "_same_codes", lambda l, last: calls.append(same(l, last)) or calls[-1])
+    skipping = quant.get("Q4_K").quantize(x)
+    assert any(calls)
+    monkeypatch.setattr(ks, "_same_codes", lambda l, last: False)
+    assert np.array_equal(skipping, quant.get("Q4_K").quantize(x))

@@ -142,6 +142,23 @@ def test_property_round_trip_is_byte_exact(tmp_path_factory, meta, specs):
         assert (r.fmt, r.shape) == (t.fmt, t.shape) and r.data.tobytes() == t.data.tobytes()
     b = write_gguf(tmp / "b.gguf", g.arch, g.typed_metadata(), g.tensors)
     assert a.read_bytes() == b.read_bytes()
+    c = write_gguf(tmp / "c.gguf", g.arch, g.typed_metadata(packed=True), g.tensors)  # arrays as bytes
+    assert a.read_bytes() == c.read_bytes()
+
+
+def test_packed_arrays_are_the_files_bytes(tmp_path):
+    meta = {"t.strs": ["a", "", "ü", "xyz"], "t.ids": ([3, 1, 2], T.INT32), "t.f": [0.5, 2.0], "t.n": 7}
+    a = write_gguf(tmp_path / "a.gguf", "llama", meta, [])
+    packed = open_gguf(a).typed_metadata(packed=True)
+    strs, ids = packed["t.strs"][0], packed["t.ids"][0]
+    assert (strs.item_type, strs.count, ids.item_type, len(ids)) == (T.STRING, 4, T.INT32, 3)
+    assert strs.data.tobytes() == b"".join(len(e).to_bytes(8, "little") + e for e in (b"a", b"", "ü".encode(), b"xyz"))
+    assert ids.data.tobytes() == np.array([3, 1, 2], "<i4").tobytes()
+    assert packed["t.n"] == (7, T.UINT32)  # scalars as they are
+    b = write_gguf(tmp_path / "b.gguf", "llama", packed, [])
+    assert a.read_bytes() == b.read_bytes()
+    with pytest.raises(ValueError, match="array of INT32 given as UINT8"):
+        write_gguf(tmp_path / "c.gguf", "llama", {"t.ids": (ids, T.UINT8)}, [])
 
 
 # --- bad files: one GGUFError each, naming the file and the problem ------------------------
