@@ -24,12 +24,13 @@ BLOCK_C = 128
 
 
 @triton.jit
-def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, S: tl.constexpr, K: tl.constexpr,
-                      DIL: tl.constexpr, BLOCK: tl.constexpr):
-    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = c < C
-    x = tl.load(x_ptr + c, mask=live, other=0.0)
-    y = tl.zeros((BLOCK,), tl.float32)
+def conv_taps(x, win_ptr, taps_ptr, new_win_ptr, c, live, S: tl.constexpr, K: tl.constexpr,
+              DIL: tl.constexpr):
+    """One token of the conv at channels c (`live` of them), x its values there: the taps
+    of [window | x] in order, each product and sum rounded on its own, and the window
+    moved on by one into new_win_ptr (each element read before it is written, so in place
+    too). The DeltaNet inputs' and the PLE block's kernels run it inside theirs."""
+    y = tl.zeros(c.shape, tl.float32)
     for j in tl.static_range(K):
         p = j * DIL  # column p of [window | x]
         if p < S:
@@ -37,14 +38,23 @@ def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, S: tl.constexpr,
         else:
             f = x
         if j == 0:
-            y = f * tl.load(w_ptr + c * K + j, mask=live, other=0.0)
+            y = f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
         else:
-            y = y + f * tl.load(w_ptr + c * K + j, mask=live, other=0.0)
-    tl.store(y_ptr + c, y, mask=live)
-    for p in tl.static_range(1, S):  # the window moves on by one column
-        tl.store(out_ptr + c * S + p - 1, tl.load(win_ptr + c * S + p, mask=live, other=0.0), mask=live)
+            y = y + f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+    for p in tl.static_range(1, S):
+        tl.store(new_win_ptr + c * S + p - 1, tl.load(win_ptr + c * S + p, mask=live, other=0.0), mask=live)
     if S > 0:
-        tl.store(out_ptr + c * S + S - 1, x, mask=live)
+        tl.store(new_win_ptr + c * S + S - 1, x, mask=live)
+    return y
+
+
+@triton.jit
+def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, S: tl.constexpr, K: tl.constexpr,
+                      DIL: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = c < C
+    x = tl.load(x_ptr + c, mask=live, other=0.0)
+    tl.store(y_ptr + c, conv_taps(x, win_ptr, w_ptr, out_ptr, c, live, S, K, DIL), mask=live)
 
 
 def _check(window, x, w, dilation):

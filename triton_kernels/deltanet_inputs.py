@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import invariant
 from .backend import use_triton
-from .conv import causal_conv_torch
+from .conv import causal_conv_torch, conv_taps
 from .norms import l2norm_torch
 
 
@@ -47,26 +47,9 @@ def _silu(x):
 
 @triton.jit
 def _conv_mixed(x_ptr, win_ptr, taps_ptr, new_win_ptr, c, live, SPAN: tl.constexpr, KT: tl.constexpr):
-    """conv_step's output at channels c (its taps in its order, each product and sum rounded
-    on its own), and the channels' new window: [window | x] moved on by one (each element
-    read before it is written: in place too)."""
-    x = tl.load(x_ptr + c, mask=live, other=0.0)
-    y = tl.zeros(c.shape, tl.float32)
-    for j in tl.static_range(KT):  # dilation 1: column j of [window | x]
-        if j < SPAN:
-            f = tl.load(win_ptr + c * SPAN + j, mask=live, other=0.0)
-        else:
-            f = x
-        if j == 0:
-            y = f * tl.load(taps_ptr + c * KT + j, mask=live, other=0.0)
-        else:
-            y = y + f * tl.load(taps_ptr + c * KT + j, mask=live, other=0.0)
-    for p in tl.static_range(1, SPAN):
-        tl.store(new_win_ptr + c * SPAN + p - 1, tl.load(win_ptr + c * SPAN + p, mask=live, other=0.0),
-                 mask=live)
-    if SPAN > 0:
-        tl.store(new_win_ptr + c * SPAN + SPAN - 1, x, mask=live)
-    return y
+    """conv_step's output at channels c (dilation 1) and the channels' new window."""
+    return conv_taps(tl.load(x_ptr + c, mask=live, other=0.0), win_ptr, taps_ptr, new_win_ptr, c, live,
+                     SPAN, KT, 1)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import invariant
 from .backend import use_triton
-from .conv import causal_conv_torch
+from .conv import causal_conv_torch, conv_taps
 from .hyperconn import hc_norm_torch
 
 
@@ -45,21 +45,7 @@ def _ple_mix_kernel(x_ptr, k_ptr, v_ptr, wk_ptr, wq_ptr, wc_ptr, taps_ptr, win_p
     g = tl.sqrt_rn(tl.maximum(tl.abs(g), 1e-6)) * sign
     gv = (1.0 / (1.0 + tl.exp(-g))) * tl.load(v_ptr + h, mask=live, other=0.0)
     nc = gv * (1.0 / tl.sqrt_rn(tl.sum(gv * gv, axis=0) / H + eps)) * tl.load(wc_ptr + c, mask=live, other=0.0)
-    y = tl.zeros((BH,), tl.float32)
-    for j in tl.static_range(K):  # conv_step's taps, in order; column p of [window | nc]
-        p = j * DIL
-        if p < SPAN:
-            f = tl.load(win_ptr + c * SPAN + p, mask=live, other=0.0)
-        else:
-            f = nc
-        if j == 0:
-            y = f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
-        else:
-            y = y + f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
-    for p in tl.static_range(1, SPAN):  # the window moves on by one column
-        tl.store(new_win_ptr + c * SPAN + p - 1, tl.load(win_ptr + c * SPAN + p, mask=live, other=0.0), mask=live)
-    if SPAN > 0:
-        tl.store(new_win_ptr + c * SPAN + SPAN - 1, nc, mask=live)
+    y = conv_taps(nc, win_ptr, taps_ptr, new_win_ptr, c, live, SPAN, K, DIL)  # conv_step's, bit for bit
     tl.store(out_ptr + c, (x + gv) + y * (1.0 / (1.0 + tl.exp(-y))), mask=live)
 
 
