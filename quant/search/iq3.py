@@ -143,7 +143,9 @@ def search(x: np.ndarray, importance: np.ndarray | None, tab: GridTables, opt: I
     wa = np.sqrt(w).reshape(-1, 4)   # llama.cpp picks neighbours by sqrt(w) in its scale search
     levels = tab.levels
     top = t.max(-1)
-    live = top > F32(opt.eps)
+    # a sub-block whose largest target is below 1e-30 would take an inverse scale past
+    # float32's range (and its scale rounds to a zero fp16 d anyway): left at zero
+    live = top > F32(max(opt.eps, 1e-30))
     safe_top = np.where(live, top, F32(1))
 
     # --- scale candidates (llama.cpp) ---

@@ -145,6 +145,7 @@ def test_iq3_round_trip_within_grid_bound(name):
     @example(np.zeros((1, 256), np.float32))
     @example(np.full((1, 256), -0.5, np.float32))
     @example(np.r_[np.full(255, 1e-3), 40.0].astype(np.float32)[None])
+    @example(np.r_[np.zeros(7), 1e-40, np.zeros(248)].astype(np.float32)[None])  # a subnormal alone
     def prop(x):
         q = fmt.quantize(x)
         deq = fmt.dequantize(q).astype(np.float64)
