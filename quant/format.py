@@ -14,6 +14,8 @@ import numpy as np
 
 DequantFn = Callable[[np.ndarray], np.ndarray]
 QuantFn = Callable[[np.ndarray, "np.ndarray | None"], np.ndarray]
+# blocks a step of Format.requantize: 8192 x 32 float32 weights, 1 MiB
+REQUANTIZE_BLOCKS = 8192
 
 
 @dataclass(frozen=True)
@@ -88,11 +90,17 @@ class Format:
         if src.dequantize_cols is None or self.quantize_cols is None or src.block_elems != self.block_elems:
             return self.quantize(src.dequantize(data))
         lead, n = data.shape[:-1], data.shape[-1] // src.block_bytes
-        with np.errstate(invalid="ignore", over="ignore"):
-            x = src.dequantize_cols(np.ascontiguousarray(data).reshape(-1, src.block_bytes))
-        _check_finite(self.name, x)
-        with np.errstate(over="ignore", invalid="ignore"):
-            return self.quantize_cols(x).reshape(*lead, n * self.block_bytes)
+        blocks = np.ascontiguousarray(data).reshape(-1, src.block_bytes)
+        out = np.empty((blocks.shape[0], self.block_bytes), np.uint8)
+        # a chunk's columns (1 MiB of float32) stay in cache through every pass of the two
+        # codecs: twice as fast as whole tensors, whose temporaries go out to memory
+        for a in range(0, blocks.shape[0], REQUANTIZE_BLOCKS):
+            with np.errstate(invalid="ignore", over="ignore"):
+                x = src.dequantize_cols(blocks[a:a + REQUANTIZE_BLOCKS])
+            _check_finite(self.name, x)
+            with np.errstate(over="ignore", invalid="ignore"):
+                out[a:a + REQUANTIZE_BLOCKS] = self.quantize_cols(x)
+        return out.reshape(*lead, n * self.block_bytes)
 
     def quantize(self, x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
         """Float array (..., k * block_elems) -> quantized bytes (..., k * block_bytes).

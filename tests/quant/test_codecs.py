@@ -97,3 +97,15 @@ def test_leading_axes_are_kept():
     out = fmt.dequantize(raw)
     assert out.shape == (3, 128)
     assert same_bits(out.reshape(-1, 32), fmt.dequantize(raw.reshape(12, 18)))
+
+
+@pytest.mark.parametrize("src, dst", [("Q4_1", "Q8_0"), ("Q8_0", "Q5_0"), ("Q5_1", "Q4_1")])
+def test_requantize_is_quantize_of_dequantize_across_its_steps(src, dst):
+    """Format.requantize goes by columns in steps of REQUANTIZE_BLOCKS blocks: a tensor of
+    two and a half steps gives quantize(dequantize(...))'s bytes."""
+    from quant.format import REQUANTIZE_BLOCKS
+    s, d = quant.get(src), quant.get(dst)
+    rows = 5 * REQUANTIZE_BLOCKS // 2 // 4
+    x = np.random.default_rng(0).standard_t(3, (rows, 4 * 32)).astype(np.float32)
+    q = s.quantize(x)
+    assert np.array_equal(d.requantize(q, s), d.quantize(s.dequantize(q)))
