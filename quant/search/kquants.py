@@ -89,7 +89,8 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
     """make_qkx2_quants / make_qkx3_quants: x, w (n, S) -> scale (S,), the_min (S,) (the
     m subtracted, >= 0) and codes L (n, S) float32 in 0..nmax."""
     def codes(iscale, x_mn):
-        return np.clip(_rint(iscale * x_mn), 0, nmax)
+        l = _rint(iscale * x_mn)
+        return np.clip(l, 0, nmax, out=l)
 
     def err(scale, mn, l):
         d = scale * l + mn - x
@@ -193,7 +194,8 @@ def qx(x: np.ndarray, w: np.ndarray | None, nmax: int):
     wx = w * x
 
     def codes(iscale):
-        return np.clip(_rint(iscale * x), -nmax, nmax - 1)
+        l = _rint(iscale * x)
+        return np.clip(l, -nmax, nmax - 1, out=l)
 
     def fit(iscale):
         l = codes(iscale)

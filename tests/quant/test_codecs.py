@@ -109,3 +109,16 @@ def test_requantize_is_quantize_of_dequantize_across_its_steps(src, dst):
     x = np.random.default_rng(0).standard_t(3, (rows, 4 * 32)).astype(np.float32)
     q = s.quantize(x)
     assert np.array_equal(d.requantize(q, s), d.quantize(s.dequantize(q)))
+
+
+def test_q8_0s_rounding_is_roundf_near_every_half_and_anywhere():
+    """Q8_0's codes round by adding the float32 below one half and truncating: C's roundf
+    (round_away) for every float32 within 64 ulps of each half and whole number of
+    [-128, 128], and for a million others there."""
+    from quant.legacy import _BELOW_HALF, round_away
+    marks = np.arange(-256, 257, dtype=np.float32) / np.float32(2)
+    bits = marks.view(np.int32)[:, None] + np.arange(-64, 65, dtype=np.int32)[None, :]
+    v = np.concatenate([bits.view(np.float32).ravel(),
+                        np.random.default_rng(0).uniform(-128, 128, 10 ** 6).astype(np.float32)])
+    v = v[np.abs(v) <= 128]
+    assert np.array_equal((v + np.copysign(_BELOW_HALF, v)).astype(np.int8), round_away(v).astype(np.int8))
