@@ -88,14 +88,9 @@ def _pack_q5_cols(q: np.ndarray) -> np.ndarray:
 
 
 def _blocks(*fields: np.ndarray) -> np.ndarray:
-    """Column fields (k_i, n) uint8 -> (n, sum k_i) blocks, the fields end to end."""
-    n = fields[0].shape[1]
-    out = np.empty((n, sum(f.shape[0] for f in fields)), np.uint8)
-    at = 0
-    for f in fields:
-        out[:, at:at + f.shape[0]] = f.T
-        at += f.shape[0]
-    return out
+    """Column fields (k_i, n) uint8 -> (n, sum k_i) blocks, the fields end to end: stacked,
+    then one transpose (a field's own transpose into a strided slice costs twice as much)."""
+    return np.ascontiguousarray(np.concatenate(fields).T)
 
 
 def _fp16_field(v: np.ndarray) -> np.ndarray:
