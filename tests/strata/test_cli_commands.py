@@ -264,9 +264,10 @@ def test_bench_model_table(smollm2_gguf):
     assert m, r.out
     load_s, rss, step_mib, gbs, pct, copy = (positive(x) for x in m.groups())
     # f32: weights under 2^20 dense float32, larger ones int8 codes where the CPU takes them
-    # (AVX-512: gate_up, the Q8_0 head): 296 MiB; elsewhere all dense float32: 134.5M weights, 513 MiB
-    from triton_kernels.backend import cpu_int8_vectors
-    lo, hi = (280, 320) if cpu_int8_vectors() else (500, 530)
+    # (AVX-512, with compiles on: gate_up, the Q8_0 head): 296 MiB; elsewhere, and with
+    # STRATA_CPU_COMPILE=0 (the suite's default), all dense float32: 134.5M weights, 513 MiB
+    from triton_kernels.backend import cpu_compile_mode, cpu_int8_vectors
+    lo, hi = (280, 320) if cpu_int8_vectors() and cpu_compile_mode() == "on" else (500, 530)
     assert lo < step_mib < hi
     assert rss > step_mib
 
