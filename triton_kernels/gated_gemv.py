@@ -25,7 +25,7 @@ from . import configs
 from .backend import use_triton
 from .decode import decoder, table
 from .qmatmul import GEMV_TILES, _check as _check_q, choose_path, qmatmul, qmatmul_torch
-from .shared_expert import _rows, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
+from .shared_expert import _rows, gate, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -51,10 +51,7 @@ def _gated_gemv_kernel(g_ptr, u_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_gm
             m = tl.minimum(pid_m * BLOCK_M + r, M - 1).to(tl.int64)
             g = tl.load(g_ptr + m * stride_gm + offs_k, mask=k_mask, other=0.0)
             u = tl.load(u_ptr + m * stride_um + offs_k, mask=k_mask, other=0.0)
-            if SILU:  # silu_mul's and sigmoid_mul's own expressions (triton_kernels.shared_expert)
-                xr = g / (1.0 + tl.exp(-g)) * u
-            else:
-                xr = (1.0 / (1.0 + tl.exp(-g))) * u
+            xr = gate(g, u, SILU)  # silu_mul's or sigmoid_mul's own expression
             if ROUND == 1:  # to bfloat16, nearest even, on the bits (finite values)
                 bits = xr.to(tl.uint32, bitcast=True)
                 bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .backend import use_triton
 from .hyperconn import _f32, hc_norm_torch, hc_write_torch
-from .shared_expert import _rows, gated_add_torch
+from .shared_expert import _rows, gated_add_torch, gated_sum
 
 
 @triton.jit
@@ -33,13 +33,7 @@ def _write_moe_kernel(x_ptr, a_ptr, gate_ptr, b_ptr, inj_ptr, w_ptr, out_ptr, xn
     t, s = r // S, r % S
     c = tl.arange(0, BH)
     live = c < H
-    # gated_add's sum (triton_kernels.shared_expert._gated_add_kernel)
-    g = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + t * stride_gate)))
-    a = tl.load(a_ptr + t * stride_a + c, mask=live, other=0.0)
-    for j in range(1, K):  # the other slots' rows, in order
-        a += tl.load(a_ptr + t * stride_a + j * stride_k + c, mask=live, other=0.0)
-    b = tl.load(b_ptr + t * stride_b + c, mask=live, other=0.0)
-    o = a + g * b
+    o = gated_sum(a_ptr, gate_ptr, b_ptr, t, c, live, K, stride_a, stride_k, stride_gate, stride_b)
     # hc_write's and hc_write_norm's (triton_kernels.hyperconn._write_norm_kernel)
     x = tl.load(x_ptr + r * H + c, mask=live, other=0.0)
     y = x + tl.load(inj_ptr + r) * o

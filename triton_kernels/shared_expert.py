@@ -28,6 +28,28 @@ BLOCK = 1024  # columns a program
 
 
 @triton.jit
+def gate(g, u, SILU: tl.constexpr):
+    """silu(g) * u, or sigmoid(g) * u: the one expression of each, which the gated GEMV
+    (triton_kernels.gated_gemv) computes too, so that the fused launch keeps these bits."""
+    if SILU:
+        return g / (1.0 + tl.exp(-g)) * u
+    else:
+        return (1.0 / (1.0 + tl.exp(-g))) * u
+
+
+@triton.jit
+def gated_sum(a_ptr, gate_ptr, b_ptr, t, c, live, K, stride_a, stride_k, stride_gate, stride_b):
+    """Token t's slots' rows summed in slot order plus sigmoid(gate) times b, at columns c:
+    gated_add's sum, which the hyper-connection write (triton_kernels.hc_moe_write) takes
+    into its own launch."""
+    s = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + t * stride_gate)))
+    a = tl.load(a_ptr + t * stride_a + c, mask=live, other=0.0)
+    for j in range(1, K):  # the other slots' rows, in order
+        a += tl.load(a_ptr + t * stride_a + j * stride_k + c, mask=live, other=0.0)
+    return a + s * tl.load(b_ptr + t * stride_b + c, mask=live, other=0.0)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr,
                      SILU: tl.constexpr = True):
     t = tl.program_id(0).to(tl.int64)
@@ -35,10 +57,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK_N: tl.c
     live = c < N
     g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0)
     u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0)
-    if SILU:
-        tl.store(out_ptr + t * N + c, g / (1.0 + tl.exp(-g)) * u, mask=live)
-    else:  # sigmoid_mul
-        tl.store(out_ptr + t * N + c, (1.0 / (1.0 + tl.exp(-g))) * u, mask=live)
+    tl.store(out_ptr + t * N + c, gate(g, u, SILU), mask=live)  # SILU False: sigmoid_mul
 
 
 @triton.jit
@@ -47,12 +66,8 @@ def _gated_add_kernel(a_ptr, gate_ptr, b_ptr, out_ptr, N, K, stride_a, stride_k,
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = c < N
-    s = 1.0 / (1.0 + tl.exp(-tl.load(gate_ptr + t * stride_gate)))
-    a = tl.load(a_ptr + t * stride_a + c, mask=live, other=0.0)
-    for j in range(1, K):  # the other slots' rows, in order
-        a += tl.load(a_ptr + t * stride_a + j * stride_k + c, mask=live, other=0.0)
-    b = tl.load(b_ptr + t * stride_b + c, mask=live, other=0.0)
-    tl.store(out_ptr + t * N + c, a + s * b, mask=live)
+    tl.store(out_ptr + t * N + c, gated_sum(a_ptr, gate_ptr, b_ptr, t, c, live, K, stride_a, stride_k,
+                                            stride_gate, stride_b), mask=live)
 
 
 def _rows(name: str, *ts: torch.Tensor) -> None:
