@@ -39,8 +39,10 @@ class Format:
     # the order of the bytes: "gguf" as files hold them, or a device layout
     # (triton_kernels.layout) whose codec repacks around the GGUF one
     layout: str = "gguf"
-    # the codec on blocks as columns, where the format has one (the 32-weight formats):
-    # (n_blocks, block_bytes) uint8 -> (block_elems, n_blocks) float32, and back
+    # the codec on weights as columns of 32, where the format has one: the 32-weight
+    # formats decode (n_blocks, block_bytes) uint8 -> (32, n_blocks) float32, and they and
+    # the K-quants encode (32, n) -> (n 32 / block_elems, block_bytes) blocks, without an
+    # importance
     dequantize_cols: DequantFn | None = field(default=None, repr=False)
     quantize_cols: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
 
@@ -84,23 +86,31 @@ class Format:
 
     def requantize(self, data: np.ndarray, src: Format) -> np.ndarray:
         """Rows of `src` blocks (..., k * src.block_bytes) in this format, without an
-        importance: `quantize(src.dequantize(data))`, by way of columns where both formats
-        have a column codec (the weights are never laid out in rows)."""
+        importance: `quantize(src.dequantize(data))`, by way of columns of 32 where both
+        formats have a column codec (the weights are never laid out in rows)."""
         data = src.check_bytes(data)
-        if src.dequantize_cols is None or self.quantize_cols is None or src.block_elems != self.block_elems:
+        if src.dequantize_cols is None or self.quantize_cols is None:
             return self.quantize(src.dequantize(data))
         lead, n = data.shape[:-1], data.shape[-1] // src.block_bytes
+        per = self.block_elems // src.block_elems     # source blocks a block
+        if n % per:
+            raise ValueError(self._bad_rows(n * src.block_elems))
         blocks = np.ascontiguousarray(data).reshape(-1, src.block_bytes)
-        out = np.empty((blocks.shape[0], self.block_bytes), np.uint8)
+        out = np.empty((blocks.shape[0] // per, self.block_bytes), np.uint8)
         # a chunk's columns (1 MiB of float32) stay in cache through every pass of the two
-        # codecs: twice as fast as whole tensors, whose temporaries go out to memory
+        # codecs: twice as fast as whole tensors, whose temporaries go out to memory; a
+        # chunk holds whole blocks, since rows do (REQUANTIZE_BLOCKS is a multiple of 8)
         for a in range(0, blocks.shape[0], REQUANTIZE_BLOCKS):
             with np.errstate(invalid="ignore", over="ignore"):
                 x = src.dequantize_cols(blocks[a:a + REQUANTIZE_BLOCKS])
             _check_finite(self.name, x)
             with np.errstate(over="ignore", invalid="ignore"):
-                out[a:a + REQUANTIZE_BLOCKS] = self.quantize_cols(x)
-        return out.reshape(*lead, n * self.block_bytes)
+                out[a // per:(a + REQUANTIZE_BLOCKS) // per] = self.quantize_cols(x)
+        return out.reshape(*lead, n // per * self.block_bytes)
+
+    def _bad_rows(self, n: int) -> str:
+        return (f"{self.name}: rows of {n} weights cannot be quantized; expected a multiple "
+                f"of {self.block_elems} weights ({self.block_bytes} bytes a block)")
 
     def quantize(self, x: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
         """Float array (..., k * block_elems) -> quantized bytes (..., k * block_bytes).
@@ -112,10 +122,7 @@ class Format:
         if x.dtype.kind != "f":
             raise ValueError(f"{self.name}: quantize takes floating-point weights, got dtype {x.dtype}")
         if x.ndim == 0 or x.shape[-1] % self.block_elems:
-            n = x.shape[-1] if x.ndim else 0
-            raise ValueError(
-                f"{self.name}: rows of {n} weights cannot be quantized; expected a multiple "
-                f"of {self.block_elems} weights ({self.block_bytes} bytes a block)")
+            raise ValueError(self._bad_rows(x.shape[-1] if x.ndim else 0))
         x = np.ascontiguousarray(x, dtype=np.float32)
         _check_finite(self.name, x)
         lead = x.shape[:-1]
@@ -146,6 +153,23 @@ def column_extreme(x: np.ndarray) -> np.ndarray:
     if tie.size:
         v[tie] = x[np.abs(x[:, tie]).argmax(axis=0), tie]
     return v
+
+
+_BYTE_PLACES = np.array([1, 1 << 8, 1 << 16, 1 << 24], np.uint32)
+
+
+def byte_rows(c: np.ndarray) -> np.ndarray:
+    """(k, n) uint8 -> (n, k), C-contiguous: the transpose that turns fields kept as
+    columns into blocks. numpy makes rows of k bytes from columns one element at a time
+    (2 ns a byte here), so four bytes of a column go as one little-endian uint32 word,
+    five times faster; k need not be a multiple of four."""
+    k, n = c.shape
+    k4 = -(-k // 4) * 4
+    if k4 != k:
+        c = np.concatenate([c, np.zeros((k4 - k, n), np.uint8)])
+    words = np.einsum("abn,b->an", c.reshape(k4 // 4, 4, n).astype(np.uint32), _BYTE_PLACES)
+    out = np.ascontiguousarray(words.astype("<u4", copy=False).T).view(np.uint8)
+    return out if k4 == k else np.ascontiguousarray(out[:, :k])
 
 
 def fp16_to_f32(two_bytes: np.ndarray) -> np.ndarray:

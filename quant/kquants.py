@@ -196,29 +196,36 @@ def _q6_k_dequant(b: np.ndarray) -> np.ndarray:
 
 # --- quantization ------------------------------------------------------------------------
 
-def _q2_k_quant(x: np.ndarray, w) -> np.ndarray:
-    return pack_q2_k(*search.q2_k(x, w))
+def _q2_k_quant(x: np.ndarray, w, cols: bool = False) -> np.ndarray:
+    return pack_q2_k(*search.q2_k(x, w, cols))
 
 
-def _q3_k_quant(x: np.ndarray, w) -> np.ndarray:
-    d, sc, q = search.q3_k(x, w)
+def _q3_k_quant(x: np.ndarray, w, cols: bool = False) -> np.ndarray:
+    d, sc, q = search.q3_k(x, w, cols)
     return pack_q3_k(d, sc, q.astype(np.int8) - np.int8(4))
 
 
-def _q4_k_quant(x: np.ndarray, w) -> np.ndarray:
-    return pack_q4_k(*search.q4_k(x, w))
+def _q4_k_quant(x: np.ndarray, w, cols: bool = False) -> np.ndarray:
+    return pack_q4_k(*search.q4_k(x, w, cols))
 
 
-def _q5_k_quant(x: np.ndarray, w) -> np.ndarray:
-    return pack_q5_k(*search.q5_k(x, w))
+def _q5_k_quant(x: np.ndarray, w, cols: bool = False) -> np.ndarray:
+    return pack_q5_k(*search.q5_k(x, w, cols))
 
 
-def _q6_k_quant(x: np.ndarray, w) -> np.ndarray:
-    return pack_q6_k(*search.q6_k(x, w))
+def _q6_k_quant(x: np.ndarray, w, cols: bool = False) -> np.ndarray:
+    return pack_q6_k(*search.q6_k(x, w, cols))
 
 
-Q2_K = Format("Q2_K", 10, QK_K, 84, _q2_k_dequant, chunked(_q2_k_quant, 84, CHUNK, ones_for_none=False), scale_offsets=(80, 82))
-Q3_K = Format("Q3_K", 11, QK_K, 110, _q3_k_dequant, chunked(_q3_k_quant, 110, CHUNK, ones_for_none=False), scale_offsets=(108,))
-Q4_K = Format("Q4_K", 12, QK_K, 144, _q4_k_dequant, chunked(_q4_k_quant, 144, CHUNK, ones_for_none=False), scale_offsets=(0, 2))
-Q5_K = Format("Q5_K", 13, QK_K, 176, _q5_k_dequant, chunked(_q5_k_quant, 176, CHUNK, ones_for_none=False), scale_offsets=(0, 2))
-Q6_K = Format("Q6_K", 14, QK_K, 210, _q6_k_dequant, chunked(_q6_k_quant, 210, CHUNK, ones_for_none=False), scale_offsets=(208,))
+def _format(name: str, type_id: int, block_bytes: int, dequant, quant, scale_offsets) -> Format:
+    """A K-quant; it also takes a legacy source's 32-weight columns (Format.requantize)."""
+    return Format(name, type_id, QK_K, block_bytes, dequant,
+                  chunked(quant, block_bytes, CHUNK, ones_for_none=False), scale_offsets=scale_offsets,
+                  quantize_cols=lambda c: quant(c, None, cols=True))
+
+
+Q2_K = _format("Q2_K", 10, 84, _q2_k_dequant, _q2_k_quant, (80, 82))
+Q3_K = _format("Q3_K", 11, 110, _q3_k_dequant, _q3_k_quant, (108,))
+Q4_K = _format("Q4_K", 12, 144, _q4_k_dequant, _q4_k_quant, (0, 2))
+Q5_K = _format("Q5_K", 13, 176, _q5_k_dequant, _q5_k_quant, (0, 2))
+Q6_K = _format("Q6_K", 14, 210, _q6_k_dequant, _q6_k_quant, (208,))

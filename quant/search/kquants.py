@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import column_extreme
+from ..format import byte_rows, column_extreme
 
 F32 = np.float32
 QK_K = 256
@@ -55,8 +55,8 @@ def _cols(x: np.ndarray, n: int) -> np.ndarray:
 
 
 def _rows(c: np.ndarray, b: int) -> np.ndarray:
-    """The inverse of `_cols`: (n, S) -> (b, S n / b)."""
-    return np.ascontiguousarray(c.T).reshape(b, -1)
+    """The inverse of `_cols` for codes: (n, S) uint8 -> (b, S n / b)."""
+    return byte_rows(c).reshape(b, -1)
 
 
 def _code_rows(q: np.ndarray, b: int) -> np.ndarray:
@@ -185,38 +185,48 @@ def qp(x: np.ndarray, w: np.ndarray, nmax: int):
 def qx(x: np.ndarray, w: np.ndarray | None, nmax: int):
     """make_qx_quants, rmse_type 1: x (n, S), w (n, S) or None for x^2 -> scale (S,) and
     codes (n, S) float32 in 0..2 nmax - 1 (q + nmax); an all-zero column gets scale 0 and
-    codes 0."""
+    codes 0.
+
+    Every candidate's two sums are taken first, into (19, S) arrays; then one pass down the
+    candidates keeps, per column, the first that beats the best so far, comparing as
+    llama.cpp does (sumlx^2 > best suml2, best = sumlx^2 / suml2 of the one kept)."""
     if w is None:
         w = x * x
     mx = column_extreme(x)
     zero = np.abs(mx) < EPS
     mxs = _safe(mx, zero)
     wx = w * x
-
-    def codes(iscale):
-        l = _rint(iscale * x)
-        return np.clip(l, -nmax, nmax - 1, out=l)
-
-    def fit(iscale):
-        l = codes(iscale)
-        return _dot(wx, l), _dot(w, l, l)
-
-    best_iscale = F32(-nmax) / mxs
-    sumlx, suml2 = fit(best_iscale)
-    scale = np.where(suml2 != 0, sumlx / _safe(suml2, suml2 == 0), F32(0))
-    best = scale * sumlx
-    for k in range(-9, 10):
-        if k == 0:
-            continue
-        iscale = -(F32(nmax) + F32(0.1) * F32(k)) / mxs
-        sumlx, suml2 = fit(iscale)
-        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        best_iscale = np.where(better, iscale, best_iscale)
-        scale = np.where(better, sumlx / _safe(suml2, ~better), scale)
-        best = np.where(better, scale * sumlx, best)
-    L = codes(best_iscale) + F32(nmax)
+    # the first candidate maps the signed extreme to -nmax; then -(nmax + 0.1 k) / max
+    top = [F32(nmax)] + [F32(nmax) + F32(0.1) * F32(k) for k in range(-9, 10) if k]
+    isc = np.stack([F32(-nmax) / mxs] + [-t / mxs for t in top[1:]])
+    sx, s2 = np.empty_like(isc), np.empty_like(isc)
+    l = np.empty_like(x)
+    for j, t in enumerate(top):
+        np.multiply(isc[j], x, out=l)
+        _rint(l)
+        # |x| <= |max|: every product lies within t (times 1 + 2^-22), so below
+        # nmax - 1/2 no code leaves -nmax..nmax-1 and the clip has nothing to do
+        if t * F32(1 + 2**-22) >= F32(nmax - 0.5):
+            np.clip(l, -nmax, nmax - 1, out=l)
+        np.einsum("ij,ij->j", wx, l, out=sx[j])
+        np.einsum("ij,ij,ij->j", w, l, l, out=s2[j])
+    with np.errstate(divide="ignore", invalid="ignore"):  # suml2 = 0: never kept (see below)
+        sc = sx / s2
+    sc[0] = np.where(s2[0] != 0, sc[0], F32(0))    # the first is kept with scale 0 there
+    kept = sc * sx                                # each candidate's best, were it kept
+    sq = sx * sx
+    best, pick = kept[0].copy(), np.zeros(x.shape[1], np.intp)
+    for j in range(1, len(top)):
+        better = sq[j] > best * s2[j]
+        better &= s2[j] > 0
+        i = np.flatnonzero(better)   # after the first few candidates, few columns
+        best[i] = kept[j, i]
+        pick[i] = j
+    cols = np.arange(x.shape[1])
+    l = np.multiply(isc[pick, cols], x, out=l)
+    L = np.clip(_rint(l), -nmax, nmax - 1, out=l) + F32(nmax)
     L[:, zero] = 0
-    return np.where(zero, F32(0), scale), L
+    return np.where(zero, F32(0), sc[pick, cols]), L
 
 
 def q3(x: np.ndarray, nmax: int):
@@ -301,11 +311,23 @@ def _imp_weights(x: np.ndarray, imp: np.ndarray, n: int, twice: bool) -> np.ndar
     return _cols(imp * np.sqrt(s2 + x * x), n)
 
 
-def _asym(x: np.ndarray, imp: np.ndarray | None, n: int, nmax: int, smax: int, ref: tuple, mad: bool):
-    """Q2_K, Q4_K, Q5_K: (B, 256) -> d, dmin (B,) float32 (fp16 values), sc, m (B, 256 / n),
-    q (B, 256) uint8."""
-    b, k = x.shape[0], QK_K // n
-    xc = _cols(x, n)
+def _sub_blocks(x: np.ndarray, n: int, cols: bool) -> tuple[np.ndarray, int]:
+    """The weights as sub-block columns (n, S) in block order, and the count of blocks:
+    from rows (B, 256), or (`cols`) from the 32-weight columns (32, 8 B) a legacy format
+    decodes to (Format.dequantize_cols), which for n = 32 are those already and for n = 16
+    split in two (a tenth of the cost of making rows and columns again)."""
+    if not cols:
+        return _cols(x, n), x.shape[0]
+    b = x.shape[1] * 32 // QK_K
+    return (x if n == 32 else np.stack([x[:16], x[16:]], axis=2).reshape(16, -1)), b
+
+
+def _asym(x: np.ndarray, imp: np.ndarray | None, n: int, nmax: int, smax: int, ref: tuple, mad: bool,
+          cols: bool):
+    """Q2_K, Q4_K, Q5_K: (B, 256) (or 32-weight columns, see _sub_blocks) -> d, dmin (B,)
+    float32 (fp16 values), sc, m (B, 256 / n), q (B, 256) uint8."""
+    k = QK_K // n
+    xc, b = _sub_blocks(x, n, cols)
     if imp is None:
         if n == 16:                                   # Q2_K: weights |x|
             w = np.abs(xc)
@@ -334,14 +356,13 @@ def _asym(x: np.ndarray, imp: np.ndarray | None, n: int, nmax: int, smax: int, r
     return d, dmin, sc, m, _code_rows(q, b)
 
 
-def _sym(x: np.ndarray, nmax: int, smax: int, fit, eps):
+def _sym(x: np.ndarray, nmax: int, smax: int, fit, eps, cols: bool = False):
     """Q3_K without importance, Q6_K (`fit` holds the importance): the sub-block fits, their
     scales coded as multiples of d = -max / (smax + 1), max the signed largest.
     (B, 256) -> d (B,), sc (B, 16) signed codes, q (B, 256) uint8 in 0..2 nmax - 1 (the value
     plus nmax), live (B,): the blocks whose largest sub-block scale is not below eps
     (nonzero where eps is None); the others store d = 0."""
-    b = x.shape[0]
-    xc = _cols(x, 16)
+    xc, b = _sub_blocks(x, 16, cols)
     scales, L = fit(xc)
     s = scales.reshape(b, 16)
     max_scale = s[np.arange(b), np.abs(s).argmax(axis=1)]
@@ -355,26 +376,27 @@ def _sym(x: np.ndarray, nmax: int, smax: int, fit, eps):
     return d, sc, _code_rows(q, b), live
 
 
-def q2_k(x: np.ndarray, imp: np.ndarray | None):
+def q2_k(x: np.ndarray, imp: np.ndarray | None, cols: bool = False):
     """(B, 256), importance (B, 256) or None -> d, dmin (B,), sc, m (B, 16) in 0..15,
-    q (B, 256) in 0..3."""
-    return _asym(x, imp, 16, 3, 15, (-0.5, 0.1, 15), mad=True)
+    q (B, 256) in 0..3. With `cols`, x is (32, 8 B) 32-weight columns and imp None (so for
+    each of these)."""
+    return _asym(x, imp, 16, 3, 15, (-0.5, 0.1, 15), mad=True, cols=cols)
 
 
-def q4_k(x: np.ndarray, imp: np.ndarray | None):
+def q4_k(x: np.ndarray, imp: np.ndarray | None, cols: bool = False):
     """-> d, dmin (B,), sc, m (B, 8) in 0..63, q (B, 256) in 0..15."""
-    return _asym(x, imp, 32, 15, 63, (-1.0, 0.1, 20), mad=False)
+    return _asym(x, imp, 32, 15, 63, (-1.0, 0.1, 20), mad=False, cols=cols)
 
 
-def q5_k(x: np.ndarray, imp: np.ndarray | None):
+def q5_k(x: np.ndarray, imp: np.ndarray | None, cols: bool = False):
     """-> d, dmin (B,), sc, m (B, 8) in 0..63, q (B, 256) in 0..31."""
-    return _asym(x, imp, 32, 31, 63, (-0.5, 0.1, 15), mad=False)
+    return _asym(x, imp, 32, 31, 63, (-0.5, 0.1, 15), mad=False, cols=cols)
 
 
-def q3_k(x: np.ndarray, imp: np.ndarray | None):
+def q3_k(x: np.ndarray, imp: np.ndarray | None, cols: bool = False):
     """-> d (B,), sc (B, 16) in 0..63 (the scale plus 32), q (B, 256) in 0..7 (plus 4)."""
     if imp is None:
-        d, sc, q, live = _sym(x, 4, 31, lambda xc: q3(xc, 4), None)
+        d, sc, q, live = _sym(x, 4, 31, lambda xc: q3(xc, 4), None, cols)
         return d, np.where(live[:, None], sc + 32, F32(0)), q
     b = x.shape[0]
     xc = _cols(x, 16)
@@ -387,10 +409,10 @@ def q3_k(x: np.ndarray, imp: np.ndarray | None):
     return d, ls, _code_rows(_requant(xc, L, dl, None, -4, 3, 4), b)
 
 
-def q6_k(x: np.ndarray, imp: np.ndarray | None):
+def q6_k(x: np.ndarray, imp: np.ndarray | None, cols: bool = False):
     """-> d (B,), sc (B, 16) int8 values, q (B, 256) in 0..63 (the value plus 32); an
     all-zero block (every scale below 1e-15) is all zero bytes."""
     w = None if imp is None else _cols(imp, 16)
-    d, sc, q, live = _sym(x, 32, 127, lambda xc: qx(xc, w, 32), EPS)
+    d, sc, q, live = _sym(x, 32, 127, lambda xc: qx(xc, w, 32), EPS, cols)
     q = np.where(live[:, None], q, np.uint8(0))
     return d, sc, q
