@@ -88,12 +88,17 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
         mad: bool = False):
     """make_qkx2_quants / make_qkx3_quants: x, w (n, S) -> scale (S,), the_min (S,) (the
     m subtracted, >= 0) and codes L (n, S) float32 in 0..nmax."""
-    def codes(iscale, x_mn):
-        l = _rint(iscale * x_mn)
-        return np.clip(l, 0, nmax, out=l)
+    # three (n, S) buffers written in place: the codes, the last fitted codes, the errors
+    l, last, d = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+
+    def codes(iscale, x_mn, out):
+        np.multiply(iscale, x_mn, out=out)
+        return np.clip(_rint(out), 0, nmax, out=out)
 
     def err(scale, mn, l):
-        d = scale * l + mn - x
+        np.multiply(scale, l, out=d)
+        np.add(d, mn, out=d)                          # scale l + mn - x, in that order
+        np.subtract(d, x, out=d)
         return _dot(w, np.abs(d, out=d)) if mad else _dot(d, d, w)   # w (d d), as llama.cpp
 
     mn = np.minimum(x.min(axis=0), F32(0))
@@ -105,16 +110,16 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
     x_mn = x - mn
     iscale = F32(nmax) / span
     scale = F32(1) / iscale
-    best = err(scale, mn, codes(iscale, x_mn))
-    best_iscale, best_from = iscale, mn   # the winner's codes, made again at the end
-    last = None
+    best = err(scale, mn, codes(iscale, x_mn, l))
+    best_iscale, best_from = iscale, mn.copy()   # the winner's codes, made again at the end
+    fitted = False
     for k in range(nstep + 1):
         iscale = (F32(rmin) + F32(rdelta) * F32(k) + F32(nmax)) / span
-        l = codes(iscale, x_mn)
-        if last is not None and _same_codes(l, last):
+        codes(iscale, x_mn, l)
+        if fitted and _same_codes(l, last):
             continue
-        last = l
-        sum_l, sum_l2, sum_xl = _dot(w, l), _dot(w, l, l), _dot(w, l, x)
+        l, last, fitted = last, l, True
+        sum_l, sum_l2, sum_xl = _dot(w, last), _dot(w, last, last), _dot(w, last, x)
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
         with np.errstate(divide="ignore", invalid="ignore"):  # quotients where not ok: dropped
@@ -123,18 +128,19 @@ def qkx(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nst
             pos = this_min > 0
             this_min = np.where(pos, F32(0), this_min)
             this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
-        cur = err(this_scale, this_min, l)
+        cur = err(this_scale, this_min, last)
         better = ok & (cur < best)
-        if not better.any():  # no column improved (often so on rows requantized): state kept
+        i = np.flatnonzero(better)
+        if not i.size:  # no column improved (often so on rows requantized): state kept
             continue
-        best = np.where(better, cur, best)
-        best_iscale = np.where(better, iscale, best_iscale)
-        best_from = np.where(better, mn, best_from)
-        scale = np.where(better, this_scale, scale)
-        mn = np.where(better, this_min, mn)   # the candidates after a winner start from its min
+        best[i] = cur[i]
+        best_iscale[i] = iscale[i]
+        best_from[i] = mn[i]
+        scale[i] = this_scale[i]
+        mn[i] = this_min[i]        # the candidates after a winner start from its min
         span = _safe(mx - mn, flat)
-        x_mn = x - mn
-    L = codes(best_iscale, x - best_from)
+        np.subtract(x, mn, out=x_mn)
+    L = codes(best_iscale, x - best_from, l)
     L[:, flat] = 0
     scale = np.where(flat, F32(0), scale)
     return scale, -mn, L
