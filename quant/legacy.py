@@ -113,15 +113,20 @@ _BELOW_HALF = np.nextafter(np.float32(0.5), np.float32(0))
 _SIGN, _BELOW_HALF_BITS = np.uint32(0x80000000), _BELOW_HALF.view(np.uint32)
 
 
-def _q8_0_quant(x: np.ndarray) -> np.ndarray:
-    d = np.abs(x).max(axis=0) / np.float32(127)
-    v = x * _reciprocal(d)
-    # copysign(_BELOW_HALF, v) as v's sign bit on the constant's: np.copysign is three
-    # times slower
+def _roundf_int8(v: np.ndarray) -> np.ndarray:
+    """C's roundf of float32 v (|v| <= 128) as int8, v overwritten: v + copysign(_BELOW_HALF,
+    v) with the copysign as v's sign bit on the constant's (np.copysign is three times
+    slower), then the truncating cast."""
     half = v.view(np.uint32) & _SIGN
     half |= _BELOW_HALF_BITS
     v += half.view(np.float32)
-    return _blocks(_fp16_field(d), v.astype(np.int8).view(np.uint8))
+    return v.astype(np.int8)
+
+
+def _q8_0_quant(x: np.ndarray) -> np.ndarray:
+    d = np.abs(x).max(axis=0) / np.float32(127)
+    q = _roundf_int8(x * _reciprocal(d))
+    return _blocks(_fp16_field(d), q.view(np.uint8))
 
 
 # --- Q4_0, Q5_0: w = d * (q - zero), zero 8 or 16 --------------------------------------

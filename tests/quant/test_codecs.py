@@ -99,26 +99,46 @@ def test_leading_axes_are_kept():
     assert same_bits(out.reshape(-1, 32), fmt.dequantize(raw.reshape(12, 18)))
 
 
-@pytest.mark.parametrize("src, dst", [("Q4_1", "Q8_0"), ("Q8_0", "Q5_0"), ("Q5_1", "Q4_1")])
+@pytest.mark.parametrize("src, dst", [("Q4_1", "Q8_0"), ("Q8_0", "Q5_0"), ("Q5_1", "Q4_1"),
+                                      ("Q4_1", "Q2_K"), ("Q4_0", "Q3_K"), ("Q4_1", "Q4_K"),
+                                      ("Q5_1", "Q5_K"), ("Q8_0", "Q6_K")])
 def test_requantize_is_quantize_of_dequantize_across_its_steps(src, dst):
-    """Format.requantize goes by columns in steps of REQUANTIZE_BLOCKS blocks: a tensor of
-    two and a half steps gives quantize(dequantize(...))'s bytes."""
+    """Format.requantize goes by columns of 32 weights in steps of REQUANTIZE_BLOCKS
+    blocks, which the K-quants take as sub-blocks (Q4_K, Q5_K) or halves of two (Q2_K,
+    Q3_K, Q6_K): a tensor of two and a half steps gives quantize(dequantize(...))'s bytes."""
     from quant.format import REQUANTIZE_BLOCKS
     s, d = quant.get(src), quant.get(dst)
-    rows = 5 * REQUANTIZE_BLOCKS // 2 // 4
-    x = np.random.default_rng(0).standard_t(3, (rows, 4 * 32)).astype(np.float32)
+    cols = max(4 * 32, d.block_elems)
+    rows = 5 * REQUANTIZE_BLOCKS // 2 // (cols // 32)
+    x = np.random.default_rng(0).standard_t(3, (rows, cols)).astype(np.float32)
+    x[0, :64] = 0                                     # an all-zero block
     q = s.quantize(x)
     assert np.array_equal(d.requantize(q, s), d.quantize(s.dequantize(q)))
 
 
+def test_requantize_names_the_format_for_rows_its_blocks_do_not_fit():
+    q = quant.get("Q4_1").quantize(np.ones((2, 128), np.float32))
+    with pytest.raises(ValueError, match="Q4_K: rows of 128 weights cannot be quantized; expected a multiple of 256"):
+        quant.get("Q4_K").requantize(q, quant.get("Q4_1"))
+
+
+@given(k=st.integers(1, 40), n=st.integers(0, 70), seed=st.integers(0, 2**32 - 1))
+def test_byte_rows_is_the_transpose(k, n, seed):
+    from quant.format import byte_rows
+    c = np.random.default_rng(seed).integers(0, 256, (k, n), dtype=np.uint8)
+    out = byte_rows(c)
+    assert out.flags.c_contiguous and np.array_equal(out, c.T)
+
+
 def test_q8_0s_rounding_is_roundf_near_every_half_and_anywhere():
-    """Q8_0's codes round by adding the float32 below one half and truncating: C's roundf
+    """Q8_0's codes round by adding the float32 below one half (with v's sign) and
+    truncating: C's roundf
     (round_away) for every float32 within 64 ulps of each half and whole number of
     [-128, 128], and for a million others there."""
-    from quant.legacy import _BELOW_HALF, round_away
+    from quant.legacy import _roundf_int8, round_away
     marks = np.arange(-256, 257, dtype=np.float32) / np.float32(2)
     bits = marks.view(np.int32)[:, None] + np.arange(-64, 65, dtype=np.int32)[None, :]
     v = np.concatenate([bits.view(np.float32).ravel(),
                         np.random.default_rng(0).uniform(-128, 128, 10 ** 6).astype(np.float32)])
     v = v[np.abs(v) <= 128]
-    assert np.array_equal((v + np.copysign(_BELOW_HALF, v)).astype(np.int8), round_away(v).astype(np.int8))
+    assert np.array_equal(_roundf_int8(v.copy()), round_away(v).astype(np.int8))
