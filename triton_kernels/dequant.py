@@ -77,9 +77,10 @@ def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.conste
                 ASM: tl.constexpr):
     """Write one decoded unit a lane at dst (UW consecutive values): a * (code - ZERO)
     [- b] [* scale], in the numpy codec's order; OUT "bf16" stores bf16 bits (int16).
-    On a device one store a value (a [lanes, UW] tile costs twice the instructions on
-    sm_90: the layout change goes through shared memory); under the interpreter, whose
-    cost goes with the number of operations, the whole unit as one [lanes, UW] tile."""
+    On NVIDIA a word's four values go out as one 8-byte store (`store_packed`); on AMD one
+    store a value (packing costs gfx942 more than it saves); a [lanes, UW] tile would go
+    through shared memory on either. Under the interpreter, whose cost goes with the
+    number of operations, the whole unit as one tile."""
     if ASM == "":
         i = tl.arange(0, 4)
         w = _stack(words, UW // 4)                                     # [lanes, UW / 4]
@@ -96,20 +97,73 @@ def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.conste
             tl.store(at, round_to_bf16_bits(val), mask=live[:, None])
         else:
             tl.store(at, val.to(dst.dtype.element_ty), mask=live[:, None])
+    elif ASM == "ptx":
+        store_packed(dst, words, a, b, live, scale, UW, ZERO, OFFSET, HAS_SCALE, OUT, True)
     else:
         for w in tl.static_range(UW // 4):
             for i in tl.static_range(4):
-                code = (((words[w] << (24 - 8 * i)) >> 24) - ZERO).to(tl.float32)
-                val = a[w // 8] * code
-                if OFFSET:
-                    val = val - b[w // 8]
-                if HAS_SCALE:
-                    val = val * scale
+                val = _unit_value(words[w], i, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
                 if OUT == "bf16":  # the device's own round-to-nearest-even
                     tl.store(dst + (4 * w + i), val.to(tl.bfloat16).to(tl.int16, bitcast=True),
                              mask=live)
                 else:
                     tl.store(dst + (4 * w + i), val.to(dst.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def store_packed(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.constexpr,
+                 OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, OUT: tl.constexpr,
+                 CVT: tl.constexpr):
+    """store_units' NVIDIA path: each word's four values as one 8-byte store (two for
+    float32), their bits packed in registers, two 16-bit values by one `cvt` with CVT (so
+    a word costs 2 conversions and a store where it cost 4 conversions, 4 byte moves and 4
+    stores). dst must be 8-byte aligned, as a fresh tensor is."""
+    for w in tl.static_range(UW // 4):
+        v0 = _unit_value(words[w], 0, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
+        v1 = _unit_value(words[w], 1, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
+        v2 = _unit_value(words[w], 2, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
+        v3 = _unit_value(words[w], 3, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
+        at = (dst + 4 * w).to(tl.pointer_type(tl.int64))
+        if dst.dtype.element_ty == tl.float32:
+            tl.store(at, _word64(v0.to(tl.int32, bitcast=True), v1.to(tl.int32, bitcast=True)), mask=live)
+            tl.store(at + 1, _word64(v2.to(tl.int32, bitcast=True), v3.to(tl.int32, bitcast=True)), mask=live)
+        else:
+            tl.store(at, _word64(_pair16(v0, v1, OUT, CVT), _pair16(v2, v3, OUT, CVT)), mask=live)
+
+
+@triton.jit
+def _unit_value(word, i: tl.constexpr, a, b, scale, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+                HAS_SCALE: tl.constexpr):
+    """Byte i of a word of codes, decoded: a * (code - ZERO) [- b] [* scale]."""
+    val = a * (((word << (24 - 8 * i)) >> 24) - ZERO).to(tl.float32)
+    if OFFSET:
+        val = val - b
+    if HAS_SCALE:
+        val = val * scale
+    return val
+
+
+@triton.jit
+def _pair16(lo, hi, OUT: tl.constexpr, CVT: tl.constexpr):
+    """Two float32 values as one int32 of their bf16 (OUT "bf16") or float16 bits, each
+    rounded to nearest even, lo in the low half (the lower address). With CVT one PTX
+    instruction, whose first source goes to the upper half (PTX ISA, cvt: "the value
+    converted from input a is stored in the upper half of d")."""
+    if CVT:
+        cvt: tl.constexpr = "cvt.rn.bf16x2.f32 $0, $2, $1;" if OUT == "bf16" else "cvt.rn.f16x2.f32 $0, $2, $1;"
+        return tl.inline_asm_elementwise(cvt, "=r,r,r", [lo, hi], dtype=tl.int32, is_pure=True, pack=1)
+    if OUT == "bf16":  # by hand: the interpreter's bf16 cast truncates
+        lo16, hi16 = round_to_bf16_bits(lo), round_to_bf16_bits(hi)
+    else:
+        lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True)
+        hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True)
+    return (lo16.to(tl.int32) & 0xFFFF) | (hi16.to(tl.int32) << 16)
+
+
+@triton.jit
+def _word64(lo, hi):
+    """Two int32 as one int64, lo in the low half (the lower address)."""
+    return (lo.to(tl.int64) & 0xFFFFFFFF) | (hi.to(tl.int64) << 32)
 
 
 @triton.jit

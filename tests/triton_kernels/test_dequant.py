@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import example, given, settings, strategies as st
 from tests.tiers import examples
 
@@ -9,6 +11,7 @@ import quant
 from tests.blocks import blocks, exhaustive_blocks, has_scales, same_bits, special_f16, with_scale
 from triton_kernels import dequantize, dequantize_torch
 from triton_kernels.backend import interpreter_on
+from triton_kernels.dequant import store_packed, store_units
 
 FORMATS = list(quant.FORMATS.values())
 # A property's cost is one interpreted launch an example, whatever its size: 50 examples of
@@ -116,3 +119,37 @@ def test_bad_input_raises_value_error_naming_the_format(fn):
         fn(torch.zeros(98, dtype=torch.uint8), "IQ3_XL")
     with pytest.raises(ValueError, match="Q8_0: dequantize writes float32, float16 or bfloat16, not torch.int32"):
         fn(torch.zeros(34, dtype=torch.uint8), "Q8_0", torch.int32)
+
+
+@triton.jit
+def _store_both(w_ptr, a_ptr, b_ptr, tile_ptr, packed_ptr, n, scale, ZERO: tl.constexpr,
+                OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
+    """One 32-value unit a lane, written by the interpreter's tile path and by the device's
+    packed one (with the conversion as plain Triton, which the interpreter runs)."""
+    v = tl.arange(0, BLOCK)
+    live = v < n
+    p = w_ptr + v * 8
+    words = (tl.load(p), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3),
+             tl.load(p + 4), tl.load(p + 5), tl.load(p + 6), tl.load(p + 7))
+    a, b = (tl.load(a_ptr + v),), (tl.load(b_ptr + v),)
+    store_units(tile_ptr + v * 32, words, a, b, live, scale, 32, ZERO, OFFSET, HAS_SCALE, OUT, "")
+    store_packed(packed_ptr + v * 32, words, a, b, live, scale, 32, ZERO, OFFSET, HAS_SCALE, OUT, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 16), offset=st.booleans(), scaled=st.booleans())
+@settings_small
+def test_the_devices_packed_stores_write_the_tiles_values(dtype, seed, n, offset, scaled):
+    """store_packed (NVIDIA: a word's four values in one 8-byte store) writes the values
+    the tile path writes, bit for bit, in the same places, and nothing past a dead lane."""
+    g = np.random.default_rng(seed)
+    words = torch.from_numpy(g.integers(-2**31, 2**31, (16, 8), dtype=np.int64).astype(np.int32))
+    a = torch.from_numpy((g.standard_normal(16) * 10.0 ** g.integers(-6, 4, 16)).astype(np.float32))
+    b = torch.from_numpy(g.standard_normal(16).astype(np.float32))
+    store = torch.int16 if dtype == torch.bfloat16 else dtype
+    tile = torch.full((16 * 32,), 7, dtype=torch.int8).view(torch.uint8).repeat(store.itemsize).view(store)
+    packed = tile.clone()
+    _store_both[(1,)](words, a, b, tile, packed, n, 0.75, ZERO=8, OFFSET=offset, HAS_SCALE=scaled,
+                      OUT="bf16" if dtype == torch.bfloat16 else "", BLOCK=16)
+    assert torch.equal(tile.view(torch.uint8), packed.view(torch.uint8))
+    assert torch.equal(packed[n * 32:].view(torch.uint8), torch.full(((16 - n) * 32 * store.itemsize,), 7, dtype=torch.uint8))

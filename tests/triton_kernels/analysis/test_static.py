@@ -23,6 +23,10 @@ BEFORE_LAYOUT = {"Q8_0": (1.84, 1.44, 1.62), "Q4_0": (2.16, 1.56, 1.78), "Q4_K":
 # the least share of the main loop's global-load bytes moved by loads of 8 bytes or more
 # a lane: IQ3's grid look-ups are 4-byte gathers
 WIDE_SHARE = {"IQ3_S": 0.25, "IQ3_XXS": 0.25}
+# instructions a weight of dequant and the PLE gather (bf16 out) before the device layout,
+# which must not cost more: per (dequant, ple_gather)
+BEFORE_LAYOUT_STORES = {"Q8_0": (5.81, 6.41), "Q4_0": (7.91, 8.47), "Q4_K": (8.31, 8.41),
+                        "IQ4_NL": (7.44, 7.97), "IQ3_S": (9.16, 9.28), "IQ3_XXS": (8.22, 8.34)}
 WHOLE_BOUND = {"Q8_0": 4.8, "Q4_0": 3.6, "IQ4_NL": 5.5, "IQ3_S": 6.7, "IQ3_XXS": 6.5, "Q4_K": 5.0}
 FORMATS = [f.name for f in quant.FORMATS.values()]
 
@@ -97,11 +101,13 @@ def decode_kernels_within_llama_cpps_counts(fmt, by):
 def dequant_and_gather_within_the_h200_budget(fmt, by):
     f = quant.get(fmt)
     h200 = next(g for g in static.GPUS if g.name == "H200")
-    for op in ("dequant", "ple_gather"):
+    for op, before in zip(("dequant", "ple_gather"), BEFORE_LAYOUT_STORES[fmt]):
         row = by[op, fmt]
         # input bits plus the 16 bits of each bf16 value written
         assert row.instr_per_weight <= static.budget(h200, f.block_bytes * 8 / f.block_elems + 16), (op, fmt)
         assert row.pred_bw["H200"] == 1.0
+        assert row.instr_per_weight <= before, (op, fmt, row.instr_per_weight, before)
+        assert 0 < 4 * row.mix.get("STG", 0) <= row.weights_per_iter, (op, fmt, row.mix)  # 4 values a store
 
 
 @pytest.mark.slow
