@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .backend import use_triton
+from .int8 import GROUP, Q8X, attach, empty_q8x, store_groups
 
 BLOCK = 1024  # columns a program of hc_combine and hc_write
 MIX_TILE = 4096  # weights of w_up a program of hc_mix holds at once (BLOCK_H x rank)
@@ -75,8 +76,8 @@ def _combine_kernel(up_ptr, xn_ptr, out_ptr, S, H, BS: tl.constexpr, BLOCK_H: tl
 
 
 @triton.jit
-def _mix_kernel(both_ptr, w_ptr, xn_ptr, out_ptr, inj_ptr, R, C, S, H,
-                BR: tl.constexpr, BC: tl.constexpr, BLOCK_H: tl.constexpr):
+def _mix_kernel(both_ptr, w_ptr, xn_ptr, out_ptr, inj_ptr, q_ptr, d_ptr, s_ptr, R, C, S, H,
+                BR: tl.constexpr, BC: tl.constexpr, BLOCK_H: tl.constexpr, QUANT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     r = tl.arange(0, BR)
@@ -92,7 +93,11 @@ def _mix_kernel(both_ptr, w_ptr, xn_ptr, out_ptr, inj_ptr, R, C, S, H,
         u = tl.sum(w * a[None, :], axis=1)
         xn = tl.load(xn_ptr + t * S * H + s * H + h, mask=live, other=0.0)
         acc += xn / (1.0 + tl.exp(-u))
-    tl.store(out_ptr + t * H + h, acc / S, mask=live)
+    y = acc / S
+    tl.store(out_ptr + t * H + h, y, mask=live)
+    if QUANT:  # the block's input as the dp4a GEMVs read it (int8.quantize_x), BLOCK_H // 32 groups
+        g = hb * (BLOCK_H // 32) + tl.arange(0, BLOCK_H // 32)
+        store_groups(q_ptr, d_ptr, s_ptr, t, g, tl.reshape(y, (BLOCK_H // 32, 32)), H, g < H // 32)
     if hb == 0:  # the injection weights: _gates_kernel's, once a row
         c = tl.arange(0, BC)
         n = C - R
@@ -194,12 +199,14 @@ def hc_combine_torch(up: torch.Tensor, xn: torch.Tensor, streams: int) -> torch.
 
 
 def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
-           streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+           streams: int, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A read's work after its down projection, one launch: hc_gates(both, rank, S), the up
     projection of the gates by w_up (S*H, rank) float32, and hc_combine of it with xn
     (T, S*H): (the block's input (T, H), the injection weights (T, S) or (T, 0)). Each
     program takes one row and BLOCK_H columns of every stream: it recomputes the row's
-    rank gates (a few dozen exps) and reads its columns' rows of w_up."""
+    rank gates (a few dozen exps) and reads its columns' rows of w_up. With `quantize`
+    (and H a multiple of 32) the launch also writes the input as int8.quantize_x would,
+    attached to it (int8.attach): the block's dp4a projections then launch no quantize_x."""
     _f32("hc_mix", both, w_up, xn)
     if not use_triton(xn):
         return hc_mix_torch(both, w_up, xn, rank, streams)
@@ -213,16 +220,20 @@ def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
                          f"got {tuple(w_up.shape)} and {tuple(xn.shape)}")
     both, w_up, xn = both.contiguous(), w_up.contiguous(), xn.contiguous()
     out, inj = xn.new_empty(T, H), both.new_empty(T, C - rank)
+    quantize = quantize and H % GROUP == 0
+    x8 = empty_q8x(T, H, xn.device) if quantize else (out, out, out)  # unused without
     if T:
         br = triton.next_power_of_2(rank)
-        bh = min(triton.next_power_of_2(H), max(16, MIX_TILE // br))
-        _mix_kernel[(T, triton.cdiv(H, bh))](both, w_up, xn, out, inj, rank, C, streams, H, BR=br,
-                                             BC=triton.next_power_of_2(max(C - rank, 1)), BLOCK_H=bh)
-    return out, inj
+        bh = min(triton.next_power_of_2(H), max(GROUP if quantize else 16, MIX_TILE // br))
+        _mix_kernel[(T, triton.cdiv(H, bh))](both, w_up, xn, out, inj, *x8, rank, C, streams, H, BR=br,
+                                             BC=triton.next_power_of_2(max(C - rank, 1)), BLOCK_H=bh,
+                                             QUANT=quantize)
+    return (attach(out, Q8X(*x8)) if quantize else out), inj
 
 
 def hc_mix_torch(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
-                 streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 streams: int, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """hc_mix in torch (`quantize` is the Triton launch's alone)."""
     a, inj = hc_gates_torch(both, rank, streams)
     return hc_combine_torch(a @ w_up.T, xn, streams), inj
 

@@ -33,6 +33,7 @@ computes the same product, x̂ @ W.T, as one float32 torch matmul with the dequa
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -74,15 +75,9 @@ def _round_away(v):
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_xk,
-                       BLOCK_G: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    G = K // 32
-    gmask = g < G
-    i = tl.arange(0, 32)
-    x = tl.load(x_ptr + m * stride_xm + (g[:, None] * 32 + i[None, :]) * stride_xk,
-                mask=gmask[:, None], other=0.0).to(tl.float32)
+def quantize_groups(x):
+    """[G, 32] float32 -> quantize_x's (words [G, 8] int32, d [G], s [G]) of each row: for
+    the launches that quantize what they write (`attach`)."""
     # div_rn: IEEE division, as torch's (Triton's `/` may approximate on a GPU)
     d = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
     safe = tl.where(d == 0, 1.0, d)
@@ -92,11 +87,31 @@ def _quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_xk,
     c = code.to(tl.int32)
     s = d * tl.sum(c, axis=1).to(tl.float32)
     shift = (tl.arange(0, 4) * 8)[None, None, :]
-    words = tl.sum((tl.reshape(c, (BLOCK_G, 8, 4)) & 0xFF) << shift, axis=2)
+    words = tl.sum((tl.reshape(c, (x.shape[0], 8, 4)) & 0xFF) << shift, axis=2)
+    return words, d, s
+
+
+@triton.jit
+def store_groups(q_ptr, d_ptr, s_ptr, m, g, x, K, gmask):
+    """quantize_groups of x [G, 32], the groups g [G] of row m of an (M, K) x, stored where
+    quantize_x stores them."""
+    words, d, s = quantize_groups(x)
     w = tl.arange(0, 8)
     tl.store(q_ptr + m * (K // 4) + g[:, None] * 8 + w[None, :], words, mask=gmask[:, None])
-    tl.store(d_ptr + m * G + g, d, mask=gmask)
-    tl.store(s_ptr + m * G + g, s, mask=gmask)
+    tl.store(d_ptr + m * (K // 32) + g, d, mask=gmask)
+    tl.store(s_ptr + m * (K // 32) + g, s, mask=gmask)
+
+
+@triton.jit
+def _quantize_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, stride_xk,
+                       BLOCK_G: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = g < K // 32
+    i = tl.arange(0, 32)
+    x = tl.load(x_ptr + m * stride_xm + (g[:, None] * 32 + i[None, :]) * stride_xk,
+                mask=gmask[:, None], other=0.0).to(tl.float32)
+    store_groups(q_ptr, d_ptr, s_ptr, m, g, x, K, gmask)
 
 
 def _check_x(x: torch.Tensor) -> torch.Tensor:
@@ -106,17 +121,66 @@ def _check_x(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def empty_q8x(M: int, K: int, device) -> Q8X:
+    """A Q8X for x (M, K), to be written."""
+    q = torch.empty((M, K // 4), dtype=torch.int32, device=device)
+    d = torch.empty((M, K // GROUP), dtype=torch.float32, device=device)
+    return Q8X(q, d, torch.empty_like(d))
+
+
+# what launches that quantize what they write left (attach): storage -> (x, its version, x8),
+# the last few; x is held, so that its storage, the key, is never another tensor's
+_ATTACHED: OrderedDict = OrderedDict()
+_ATTACHED_MAX = 4
+
+
+def attach(x: torch.Tensor, x8: Q8X) -> torch.Tensor:
+    """Mark x (M, K) as quantized to x8 by the launch that wrote it (hc_mix): quantize_x of
+    x, or of any view of all of x in the same shape (inference tensors keep no `_base`, so
+    views are matched by their storage), returns x8 and launches nothing. A write to x
+    afterwards moves its version and ends that; an inference tensor (the engine's steps
+    run in inference mode) has no version, so x must not be written after the launch (the
+    engine reads a block's input, never writes it). Not while torch.compile traces (each
+    op's output is a new tensor there: quantize_x then launches as before). Returns x."""
+    if not torch.compiler.is_compiling():
+        key = x.untyped_storage()._cdata
+        _ATTACHED[key] = (x, _version(x), x8)
+        _ATTACHED.move_to_end(key)
+        while len(_ATTACHED) > _ATTACHED_MAX:
+            _ATTACHED.popitem(last=False)
+    return x
+
+
+def _version(x: torch.Tensor) -> int | None:
+    return None if x.is_inference() else x._version
+
+
+def _attached(x: torch.Tensor) -> Q8X | None:
+    if not _ATTACHED or torch.compiler.is_compiling():
+        return None
+    held = _ATTACHED.get(x.untyped_storage()._cdata)
+    if held is None:
+        return None
+    src, version, x8 = held
+    if (_version(x) == version and x.shape == src.shape and x.dtype == src.dtype and x.is_contiguous()
+            and src.is_contiguous() and x.storage_offset() == src.storage_offset()):
+        return x8
+    return None
+
+
 def quantize_x(x: torch.Tensor) -> Q8X:
-    """x (M, K), any float dtype -> Q8X. Triton on CUDA or under the interpreter."""
+    """x (M, K), any float dtype -> Q8X. Triton on CUDA or under the interpreter; where the
+    launch that wrote x quantized it too (`attach`), that."""
     _check_x(x)
+    held = _attached(x)
+    if held is not None:
+        return held
     if not use_triton(x):
         return quantize_x_torch(x)
     M, K = x.shape
     if not x.is_cuda and x.dtype == torch.bfloat16:
         x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
-    q = torch.empty((M, K // 4), dtype=torch.int32, device=x.device)
-    d = torch.empty((M, K // GROUP), dtype=torch.float32, device=x.device)
-    s = torch.empty_like(d)
+    q, d, s = empty_q8x(M, K, x.device)
     if M and K:
         block_g = 4
         _quantize_x_kernel[(M, triton.cdiv(K // GROUP, block_g))](

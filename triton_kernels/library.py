@@ -304,7 +304,8 @@ _CALLS = {
     "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
     "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
-    "hc_mix": lambda both, w_up, xn, rank, streams: OPS["hc_mix"](both, w_up, xn, rank, streams),
+    # a compiled step's ops return new tensors, to which nothing can stay attached: no quantize
+    "hc_mix": lambda both, w_up, xn, rank, streams, quantize=False: OPS["hc_mix"](both, w_up, xn, rank, streams),
     "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0:
         OPS["hc_write_moe"](x, routed, gate, shared, inj, w, eps),
     "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation:

@@ -59,7 +59,8 @@ class HyperConnection(torch.nn.Module):
         if xn is None:
             xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps)
         if self.up_w is not None:  # gates, up and combine in one launch
-            inp, inj = impl("hc_mix", "triton")(self.down(xn), self.up_w, xn, rank, S)
+            # on a GPU the launch also quantizes the input for the block's dp4a projections
+            inp, inj = impl("hc_mix", "triton")(self.down(xn), self.up_w, xn, rank, S, quantize=xn.is_cuda)
             return inp, (inj if self.injects else None)
         a, inj = impl("hc_gates", "triton")(self.down(xn), rank, S)
         inp = impl("hc_combine", "triton")(self.up(a), xn, S)

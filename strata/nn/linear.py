@@ -35,6 +35,7 @@ from triton_kernels.cpu.codes import codes_matmul
 from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
 from triton_kernels.ops import impl
+from triton_kernels.qmatmul import choose_path
 
 # Smaller weights stay dense: under about a million weights torch's bfloat16 matmul
 # (about 15 us a call on 2 cores) beats the codes' compiled pass, whose guard and
@@ -202,7 +203,11 @@ class QuantLinear(torch.nn.Module):
             f, held = pure
             return self._rows(lambda t: f(t, *held), x2).reshape(*lead, self.out_features)
         if self.mode == "triton":
-            y = self._qmatmul(x2.to(self.dtype), self.blocks, self.fmt)
+            # the dp4a path rounds float32 x to int8 per 32 values itself: a bf16 copy first
+            # would round it twice, and drop what the launch that wrote x quantized of it
+            # (int8.attach: hc_mix)
+            dp4a = x2.dtype == torch.float32 and choose_path(self.fmt, x2.shape[0]) == "dp4a"
+            y = self._qmatmul(x2 if dp4a else x2.to(self.dtype), self.blocks, self.fmt)
         else:
             dtype = torch.float32 if upcast(x2, self.dtype) else self.dtype
             w = dequantize_torch(self.blocks, self.fmt, dtype).view(self.out_features, self.in_features)

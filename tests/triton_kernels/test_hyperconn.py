@@ -120,6 +120,32 @@ def test_hc_mix_within_the_float32_bound(T, S, H, R, injects, seed, scale):
     assert all(torch.equal(p, q[:1]) for p, q in zip(one, hc_mix(both, w, xn, R, S)))
 
 
+@settings(max_examples=examples(10), deadline=None)
+@given(T=st.integers(1, 3), S=st.integers(1, 4), G=st.integers(1, 5), R=st.integers(1, 40),
+       seed=st.integers(0, 2 ** 32 - 1), scale=st.sampled_from([1e-30, 1.0, 30.0]))
+def test_hc_mix_quantizes_its_output_as_quantize_x_does(T, S, G, R, seed, scale):
+    """With `quantize` the launch also writes its output as int8.quantize_x would, bit for
+    bit (a program's BLOCK_H columns, whole groups of 32), and quantize_x of the output, or
+    of a view of all of it, gives that without a launch; a write to the output ends it."""
+    from triton_kernels.int8 import quantize_x, quantize_x_torch
+    H = 32 * G
+    both = data(seed, T, R + S, scale=scale)
+    w, xn = data(seed + 1, S * H, R), data(seed + 2, T, S * H, scale=scale)
+    plain, _ = hc_mix(both, w, xn, R, S)
+    y, _ = hc_mix(both, w, xn, R, S, quantize=True)
+    assert torch.equal(y, plain)
+    x8 = quantize_x(y)
+    assert all(torch.equal(a, b) for a, b in zip(x8, quantize_x_torch(y)))
+    assert quantize_x(y.reshape(T, H)) is x8 and quantize_x(y.view(-1).view(T, H)) is x8
+    with torch.inference_mode():  # no version there: found by the storage alone
+        yi, _ = hc_mix(both, w, xn, R, S, quantize=True)
+        assert quantize_x(yi.reshape(T, H)) is not None
+        assert all(torch.equal(a, b) for a, b in zip(quantize_x(yi), x8))
+    y.mul_(2.0)
+    again = quantize_x(y)
+    assert again is not x8 and all(torch.equal(a, b) for a, b in zip(again, quantize_x_torch(y)))
+
+
 @settings(max_examples=examples(20), deadline=None)
 @given(**shapes, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_hc_write_within_the_float32_bound(T, S, H, seed, dtype):
