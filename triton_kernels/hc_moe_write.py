@@ -22,13 +22,15 @@ import triton
 import triton.language as tl
 
 from .backend import use_triton
-from .hyperconn import _f32, hc_norm_torch, hc_write_torch
+from .hyperconn import _f32, hc_norm_torch, hc_write_torch, store_norm
+from .int8 import GROUP, Q8X, attach, empty_q8x
 from .shared_expert import _rows, gated_add_torch, gated_sum
 
 
 @triton.jit
-def _write_moe_kernel(x_ptr, a_ptr, gate_ptr, b_ptr, inj_ptr, w_ptr, out_ptr, xn_ptr, S, H, K,
-                      stride_a, stride_k, stride_gate, stride_b, eps, BH: tl.constexpr, NORM: tl.constexpr):
+def _write_moe_kernel(x_ptr, a_ptr, gate_ptr, b_ptr, inj_ptr, w_ptr, out_ptr, xn_ptr, q_ptr, d_ptr, s_ptr,
+                      S, H, K, stride_a, stride_k, stride_gate, stride_b, eps, BH: tl.constexpr,
+                      NORM: tl.constexpr, QUANT: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # (token, stream) row
     t, s = r // S, r % S
     c = tl.arange(0, BH)
@@ -39,9 +41,7 @@ def _write_moe_kernel(x_ptr, a_ptr, gate_ptr, b_ptr, inj_ptr, w_ptr, out_ptr, xn
     y = x + tl.load(inj_ptr + r) * o
     tl.store(out_ptr + r * H + c, y, mask=live)
     if NORM:
-        inv = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / H + eps)
-        w = tl.load(w_ptr + s * H + c, mask=live, other=0.0)
-        tl.store(xn_ptr + r * H + c, y * inv * w, mask=live)
+        store_norm(y, w_ptr, xn_ptr, q_ptr, d_ptr, s_ptr, t, s, c, live, S, H, eps, BH, QUANT)
 
 
 def _check(x, routed, gate, shared, inj, w):
@@ -62,9 +62,10 @@ def _check(x, routed, gate, shared, inj, w):
 
 
 def hc_write_moe(x: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
-                 inj: torch.Tensor, w: torch.Tensor | None = None, eps: float = 0.0):
+                 inj: torch.Tensor, w: torch.Tensor | None = None, eps: float = 0.0, quantize: bool = False):
     """(y, xn) of the module: the MoE's output summed and written into the streams, and
-    with w their norm for the next read (an empty xn without)."""
+    with w their norm for the next read (an empty xn without); with `quantize` as well
+    hc_write_norm's (xn quantized in the launch, attached)."""
     _check(x, routed, gate, shared, inj, w)
     if not use_triton(x):
         return hc_write_moe_torch(x, routed, gate, shared, inj, w, eps)
@@ -74,15 +75,18 @@ def hc_write_moe(x: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, shar
     x, inj = x.contiguous(), inj.contiguous()
     y = torch.empty_like(x)
     xn = torch.empty_like(x) if w is not None else x.new_empty(0)
+    quantize = quantize and w is not None and H % GROUP == 0
+    x8 = empty_q8x(T, S * H, x.device) if quantize else (y, y, y)  # unused without
     if T and H:
         _write_moe_kernel[(T * S,)](x, routed, gate, shared, inj, x if w is None else w.contiguous(), y,
-                                    y if w is None else xn, S, H, K, routed.stride(0), stride_k, gate.stride(0),
-                                    shared.stride(0), eps, BH=triton.next_power_of_2(H), NORM=w is not None)
-    return y, xn
+                                    y if w is None else xn, *x8, S, H, K, routed.stride(0), stride_k,
+                                    gate.stride(0), shared.stride(0), eps, BH=triton.next_power_of_2(H),
+                                    NORM=w is not None, QUANT=quantize)
+    return y, (attach(xn, Q8X(*x8)) if quantize else xn)
 
 
 def hc_write_moe_torch(x: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
-                       inj: torch.Tensor, w: torch.Tensor | None = None, eps: float = 0.0):
+                       inj: torch.Tensor, w: torch.Tensor | None = None, eps: float = 0.0, quantize: bool = False):
     _check(x, routed, gate, shared, inj, w)
     y = hc_write_torch(x, gated_add_torch(routed, gate, shared), inj)
     return y, (hc_norm_torch(y, w, eps) if w is not None else x.new_empty(0))

@@ -118,7 +118,8 @@ def _write_kernel(x_ptr, o_ptr, inj_ptr, out_ptr, S, H, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _write_norm_kernel(x_ptr, o_ptr, inj_ptr, w_ptr, out_ptr, xn_ptr, S, H, eps, BH: tl.constexpr):
+def _write_norm_kernel(x_ptr, o_ptr, inj_ptr, w_ptr, out_ptr, xn_ptr, q_ptr, d_ptr, s_ptr, S, H, eps,
+                       BH: tl.constexpr, QUANT: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # (token, stream) row: _write_kernel's, then _norm_kernel's
     t, s = r // S, r % S
     c = tl.arange(0, BH)
@@ -127,9 +128,22 @@ def _write_norm_kernel(x_ptr, o_ptr, inj_ptr, w_ptr, out_ptr, xn_ptr, S, H, eps,
     o = tl.load(o_ptr + t * H + c, mask=live, other=0.0).to(tl.float32)
     y = x + tl.load(inj_ptr + r) * o
     tl.store(out_ptr + r * H + c, y, mask=live)
+    store_norm(y, w_ptr, xn_ptr, q_ptr, d_ptr, s_ptr, t, s, c, live, S, H, eps, BH, QUANT)
+
+
+@triton.jit
+def store_norm(y, w_ptr, xn_ptr, q_ptr, d_ptr, s_ptr, t, s, c, live, S, H, eps, BH: tl.constexpr,
+               QUANT: tl.constexpr):
+    """Stream s of token t's row y [BH] (H live) RMS-normed and times its weight, stored at
+    xn (T, S*H) row t; with QUANT also as int8.quantize_x of xn writes it (H a multiple of
+    32: the row's groups are whole)."""
     inv = 1.0 / tl.sqrt_rn(tl.sum(y * y, axis=0) / H + eps)
     w = tl.load(w_ptr + s * H + c, mask=live, other=0.0)
-    tl.store(xn_ptr + r * H + c, y * inv * w, mask=live)
+    v = y * inv * w
+    tl.store(xn_ptr + (t * S + s) * H + c, v, mask=live)
+    if QUANT:
+        i = tl.arange(0, BH // 32)
+        store_groups(q_ptr, d_ptr, s_ptr, t, s * (H // 32) + i, tl.reshape(v, (BH // 32, 32)), S * H, i < H // 32)
 
 
 def _f32(name: str, *ts: torch.Tensor) -> None:
@@ -259,11 +273,12 @@ def hc_write_torch(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor) -> tor
 
 
 def hc_write_norm(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor, w: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """hc_write(x, out, inj), and hc_norm of its result by the next read's weight w (S, H):
     (T, S*H) twice, float32. One launch where the two take two; each row's write is
     hc_write's and its norm hc_norm's, in the same order (a whole row a program), so the
-    bits are the two kernels'."""
+    bits are the two kernels'. With `quantize` (H a multiple of 32) the norm is also
+    written as int8.quantize_x would, attached to it, for the read's dp4a down projection."""
     _f32("hc_write_norm", x, inj, w)
     if not use_triton(x):
         return hc_write_norm_torch(x, out, inj, w, eps)
@@ -273,12 +288,16 @@ def hc_write_norm(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor, w: torc
         raise ValueError(f"hc_write_norm: the norm's weight must be (streams {S}, width {H}), got {tuple(w.shape)}")
     x, out, inj, w = x.contiguous(), out.contiguous(), inj.contiguous(), w.contiguous()
     y, xn = torch.empty_like(x), torch.empty_like(x)
+    quantize = quantize and H % GROUP == 0
+    x8 = empty_q8x(T, S * H, x.device) if quantize else (y, y, y)  # unused without
     if T:
-        _write_norm_kernel[(T * S,)](x, out, inj, w, y, xn, S, H, eps, BH=triton.next_power_of_2(H))
-    return y, xn
+        _write_norm_kernel[(T * S,)](x, out, inj, w, y, xn, *x8, S, H, eps, BH=triton.next_power_of_2(H),
+                                     QUANT=quantize)
+    return y, (attach(xn, Q8X(*x8)) if quantize else xn)
 
 
 def hc_write_norm_torch(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor, w: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """hc_write_norm in torch (`quantize` is the Triton launch's alone)."""
     y = hc_write_torch(x, out, inj)
     return y, hc_norm_torch(y, w, eps)

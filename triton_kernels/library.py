@@ -306,13 +306,13 @@ _CALLS = {
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     # a compiled step's ops return new tensors, to which nothing can stay attached: no quantize
     "hc_mix": lambda both, w_up, xn, rank, streams, quantize=False: OPS["hc_mix"](both, w_up, xn, rank, streams),
-    "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0:
+    "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0, quantize=False:
         OPS["hc_write_moe"](x, routed, gate, shared, inj, w, eps),
     "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation:
         OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
     "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
-    "hc_write_norm": lambda x, out, inj, w, eps: OPS["hc_write_norm"](x, out, inj, w, eps),
+    "hc_write_norm": lambda x, out, inj, w, eps, quantize=False: OPS["hc_write_norm"](x, out, inj, w, eps),
     "norm_rope": lambda x, w, eps, cos, sin: OPS["norm_rope"](x, w, eps, cos, sin),
     "norm_rope2": lambda q, wq, k, wk, eps, cos, sin: OPS["norm_rope2"](q, wq, k, wk, eps, cos, sin),
     "silu_mul": lambda g, u: OPS["silu_mul"](g, u),

@@ -81,9 +81,11 @@ class HyperConnection(torch.nn.Module):
         next block's connection (its `read(x, xn)`), in the same launch; (x, None) in torch.
         `out` as `write`'s."""
         if self.down.kernels == "triton":
+            # on a GPU the launch also quantizes the norm for then's dp4a down projection
+            q = x.is_cuda
             if isinstance(out, tuple):
-                return impl("hc_write_moe", "triton")(x.float(), *out, weights, then.norm, then.eps)
-            return impl("hc_write_norm", "triton")(x.float(), out, weights, then.norm, then.eps)
+                return impl("hc_write_moe", "triton")(x.float(), *out, weights, then.norm, then.eps, quantize=q)
+            return impl("hc_write_norm", "triton")(x.float(), out, weights, then.norm, then.eps, quantize=q)
         return write(x, _summed(out, self.down.kernels), weights), None
 
 

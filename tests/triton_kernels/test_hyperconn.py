@@ -146,6 +146,27 @@ def test_hc_mix_quantizes_its_output_as_quantize_x_does(T, S, G, R, seed, scale)
     assert again is not x8 and all(torch.equal(a, b) for a, b in zip(again, quantize_x_torch(y)))
 
 
+@settings(max_examples=examples(10), deadline=None)
+@given(T=st.integers(1, 3), S=st.integers(1, 4), G=st.integers(1, 5), K=st.integers(1, 3),
+       seed=st.integers(0, 2 ** 32 - 1), scale=st.sampled_from([1e-30, 1.0, 30.0]))
+def test_the_norming_writes_quantize_the_norm_as_quantize_x_does(T, S, G, K, seed, scale):
+    """hc_write_norm and hc_write_moe with `quantize`: the same (y, xn), and xn's int8 form
+    (the next read's down projection's input) written in the launch, quantize_x's bits."""
+    from triton_kernels.hc_moe_write import hc_write_moe
+    from triton_kernels.int8 import quantize_x, quantize_x_torch
+    H = 32 * G
+    x, out, inj = data(seed, T, S * H, scale=scale), data(seed + 1, T, H), data(seed + 2, T, S)
+    w = data(seed + 3, S, H)
+    routed, gate, shared = data(seed + 4, T, K, H), data(seed + 5, T, 1), data(seed + 6, T, H)
+    for f, args in ((hc_write_norm, (x, out, inj, w, 1e-6)), (hc_write_moe, (x, routed, gate, shared, inj, w, 1e-6))):
+        y0, xn0 = f(*args)
+        y, xn = f(*args, quantize=True)
+        assert torch.equal(y, y0) and torch.equal(xn, xn0), f.__name__
+        x8 = quantize_x(xn)
+        assert quantize_x(xn.view(T, S * H)) is x8, f.__name__
+        assert all(torch.equal(a, b) for a, b in zip(x8, quantize_x_torch(xn))), f.__name__
+
+
 @settings(max_examples=examples(20), deadline=None)
 @given(**shapes, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_hc_write_within_the_float32_bound(T, S, H, seed, dtype):
