@@ -10,7 +10,8 @@ most GEMV_MAX_M rows, not batch-invariant), each program computes the product of
 columns it reads, as silu_mul / sigmoid_mul compute it, rounds it to `dtype` as the GEMV's
 input would be (bfloat16 to nearest even, by its bits: the same on a GPU and in the
 interpreter), and multiplies on as qmatmul's GEMV does: the two launches' result bit for
-bit in one. Elsewhere it is those two launches. `gated_qmatmul_torch` is silu_mul_torch
+bit in one. On the dp4a path the product's launch also writes it as int8 (int8.attach),
+unrounded, for the GEMV; elsewhere it is those two launches. `gated_qmatmul_torch` is silu_mul_torch
 (sigmoid_mul_torch), the cast and qmatmul_torch.
 """
 from __future__ import annotations
@@ -76,14 +77,18 @@ def _check(g, u, dtype):
 def gated_qmatmul(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: bool = True,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """qmatmul((silu(g) * u).to(dtype), q, fmt), sigmoid for silu=False (see the module);
-    (M, N) in dtype."""
+    (M, N) in dtype. On the dp4a path qmatmul(silu(g) * u, q, fmt).to(dtype): the GEMV rounds
+    the float32 product to int8 itself (a copy in dtype first would round it twice)."""
     fmt = quant.get(fmt)
     _check(g, u, dtype)
     if not use_triton(g):
         return gated_qmatmul_torch(g, u, q, fmt, silu, dtype)
     _, N, K = _check_q(g, q, fmt, None)
     M = g.shape[0]
-    if choose_path(fmt, M) != "gemv" or not M or not N or not K:
+    path = choose_path(fmt, M)
+    if path == "dp4a":  # the product in float32, quantized in its launch for the GEMV (int8.attach)
+        return qmatmul((silu_mul if silu else sigmoid_mul)(g, u, quantize=g.is_cuda), q, fmt).to(dtype)
+    if path != "gemv" or not M or not N or not K:
         return qmatmul((silu_mul if silu else sigmoid_mul)(g, u).to(dtype), q, fmt)
     block_m, block_n, block_k = configs.tiles("gemv", GEMV_TILES)
     block_m = min(block_m, triton.next_power_of_2(M))

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from . import invariant
 from .backend import use_triton
+from .int8 import GROUP, Q8X, attach, empty_q8x, store_groups
 
 BLOCK = 1024  # columns a program
 
@@ -50,14 +51,18 @@ def gated_sum(a_ptr, gate_ptr, b_ptr, t, c, live, K, stride_a, stride_k, stride_
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, stride_g, stride_u, BLOCK_N: tl.constexpr,
-                     SILU: tl.constexpr = True):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, stride_g, stride_u,
+                     BLOCK_N: tl.constexpr, SILU: tl.constexpr = True, QUANT: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = c < N
     g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0)
     u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0)
-    tl.store(out_ptr + t * N + c, gate(g, u, SILU), mask=live)  # SILU False: sigmoid_mul
+    v = gate(g, u, SILU)  # SILU False: sigmoid_mul
+    tl.store(out_ptr + t * N + c, v, mask=live)
+    if QUANT:  # as int8.quantize_x writes it, for a dp4a GEMV (N a multiple of 32)
+        i = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+        store_groups(q_ptr, d_ptr, s_ptr, t, i, tl.reshape(v, (BLOCK_N // 32, 32)), N, i < N // 32)
 
 
 @triton.jit
@@ -77,31 +82,35 @@ def _rows(name: str, *ts: torch.Tensor) -> None:
                              f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """silu(g) * u for g, u (T, N): (T, N) float32."""
+def silu_mul(g: torch.Tensor, u: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """silu(g) * u for g, u (T, N): (T, N) float32. With `quantize` (N a multiple of 32,
+    Triton) the launch also writes it as int8.quantize_x would, attached (int8.attach)."""
     if not use_triton(g):
         return silu_mul_torch(g, u)
-    return _gate_mul("silu_mul", g, u, True)
+    return _gate_mul("silu_mul", g, u, True, quantize)
 
 
-def sigmoid_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def sigmoid_mul(g: torch.Tensor, u: torch.Tensor, quantize: bool = False) -> torch.Tensor:
     """sigmoid(g) * u for g, u (T, N): (T, N) float32 (the gated attention's output gate,
-    strata.nn.gated_attention.finish: two launches in torch)."""
+    strata.nn.gated_attention.finish: two launches in torch); `quantize` as silu_mul's."""
     if not use_triton(g):
         return sigmoid_mul_torch(g, u)
-    return _gate_mul("sigmoid_mul", g, u, False)
+    return _gate_mul("sigmoid_mul", g, u, False, quantize)
 
 
-def _gate_mul(name: str, g: torch.Tensor, u: torch.Tensor, silu: bool) -> torch.Tensor:
+def _gate_mul(name: str, g: torch.Tensor, u: torch.Tensor, silu: bool, quantize: bool) -> torch.Tensor:
     _rows(name, g, u)
     if g.shape != u.shape:
         raise ValueError(f"{name}: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
     T, N = g.shape
     out = g.new_empty(T, N)
+    quantize = quantize and N % GROUP == 0
+    x8 = empty_q8x(T, N, g.device) if quantize else (out, out, out)  # unused without
     if out.numel():
         bn = min(BLOCK, triton.next_power_of_2(N))
-        _silu_mul_kernel[(T, triton.cdiv(N, bn))](g, u, out, N, g.stride(0), u.stride(0), BLOCK_N=bn, SILU=silu)
-    return out
+        _silu_mul_kernel[(T, triton.cdiv(N, bn))](g, u, out, *x8, N, g.stride(0), u.stride(0), BLOCK_N=bn,
+                                                  SILU=silu, QUANT=quantize)
+    return attach(out, Q8X(*x8)) if quantize else out
 
 
 def sigmoid_mul_torch(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -54,3 +54,20 @@ def test_gated_gemv_is_the_gate_then_the_gemv(M, N, kb, silu, fmt, dtype, seed):
         + EPS[dtype] * y64.abs() + 1e-30
     for out in (got, gated_qmatmul_torch(g, u, q, fmt, silu, dtype)):
         assert ((out.double() - y64).abs() <= bound).all()
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(M=st.integers(1, 2), N=st.integers(1, 40), kb=st.integers(1, 3), silu=st.booleans(),
+       fmt=st.sampled_from(["Q8_0", "Q4_K"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_on_the_dp4a_path_the_gemv_rounds_the_float32_product(M, N, kb, silu, fmt, dtype, seed):
+    """Formats with int8 units: the product in float32 (its launch quantizes it for the GEMV
+    on a GPU: int8.attach), the dp4a GEMV, then the cast."""
+    f = quant.get(fmt)
+    K = kb * f.block_elems
+    rng = np.random.default_rng(seed)
+    g, u = (torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32)) for _ in range(2))
+    q = torch.from_numpy(f.quantize(rng.standard_normal((N, K)).astype(np.float32)))
+    got = gated_qmatmul(g, u, q, fmt, silu, dtype)
+    want = qmatmul((silu_mul if silu else sigmoid_mul)(g, u), q, fmt, path="dp4a").to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)

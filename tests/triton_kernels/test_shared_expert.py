@@ -87,3 +87,18 @@ def test_gated_add_within_the_float32_bound(T, N, seed, scale, K):
         y = f(a, gate, b)
         assert y.shape == (T, N) and bool(((y.double() - ref).abs() <= bound).all()), f.__name__
     assert torch.equal(gated_add(a[:1], gate[:1], b[:1]), gated_add(a, gate, b)[:1])
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(T=st.integers(1, 3), G=st.integers(1, 40), silu=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
+def test_the_gates_quantize_their_product_as_quantize_x_does(T, G, silu, seed):
+    """With `quantize` the product is the same, and its int8 form (for a dp4a GEMV) written
+    in the launch has quantize_x's bits; quantize_x of the product returns it."""
+    from triton_kernels.int8 import quantize_x, quantize_x_torch
+    rng = np.random.default_rng(seed)
+    g, u = (torch.from_numpy(rng.standard_normal((T, 32 * G)).astype(np.float32)) for _ in range(2))
+    f = silu_mul if silu else sigmoid_mul
+    y = f(g, u, quantize=True)
+    assert torch.equal(y, f(g, u))
+    x8 = quantize_x(y)
+    assert quantize_x(y.reshape(T, -1)) is x8 and all(torch.equal(a, b) for a, b in zip(x8, quantize_x_torch(y)))
