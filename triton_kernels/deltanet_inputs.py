@@ -37,6 +37,7 @@ import triton.language as tl
 from . import invariant
 from .backend import use_triton
 from .conv import causal_conv_torch, conv_taps
+from .int8 import GROUP, Q8X, attach, empty_q8x, store_groups
 from .norms import l2norm_torch
 
 
@@ -110,7 +111,8 @@ def _conv_inputs_kernel(qkv_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, Hv, DV, z_stride, eps, BV: tl.constexpr):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, Hv, DV, z_stride, eps,
+                       BV: tl.constexpr, QUANT: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # (token, head) row: r = t * Hv + h
     t, h = r // Hv, r % Hv
     c = tl.arange(0, BV)
@@ -119,7 +121,12 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, Hv, DV, z_stride, eps, BV: tl
     inv = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / DV + eps)
     w = tl.load(w_ptr + c, mask=live, other=0.0)
     z = tl.load(z_ptr + t * z_stride + h * DV + c, mask=live, other=0.0)
-    tl.store(y_ptr + r * DV + c, o * inv * w * (1.0 / (1.0 + tl.exp(-z))), mask=live)
+    y = o * inv * w * (1.0 / (1.0 + tl.exp(-z)))
+    tl.store(y_ptr + r * DV + c, y, mask=live)
+    if QUANT:  # as int8.quantize_x writes the rows, for the output projection's dp4a GEMV
+        i = tl.arange(0, BV // 32)
+        store_groups(q_ptr, d_ptr, s_ptr, t, h * (DV // 32) + i, tl.reshape(y, (BV // 32, 32)), Hv * DV,
+                     i < DV // 32)
 
 
 def _check(name: str, **ts) -> None:
@@ -218,9 +225,10 @@ def deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
     return q, k, v, g, beta
 
 
-def deltanet_gated_norm(o, z, w, eps: float):
+def deltanet_gated_norm(o, z, w, eps: float, quantize: bool = False):
     """Gated RMSNorm per head: rms_norm(o) * w * sigmoid(z), o (T, Hv, dv), z (T, Hv * dv):
-    rows (T, Hv * dv)."""
+    rows (T, Hv * dv). With `quantize` (dv a multiple of 32, Triton) the launch also writes
+    them as int8.quantize_x would, attached (int8.attach), for the output projection."""
     _check("deltanet_gated_norm", o=o, z=z, w=w)
     T, Hv, dv = o.shape
     if z.shape != (T, Hv * dv) or w.shape != (dv,):
@@ -232,12 +240,15 @@ def deltanet_gated_norm(o, z, w, eps: float):
     if z.stride(-1) != 1:
         z = z.contiguous()
     y = o.new_empty(T, Hv * dv)
+    quantize = quantize and dv % GROUP == 0
+    x8 = empty_q8x(T, Hv * dv, o.device) if quantize else (y, y, y)  # unused without
     if T:
-        _gated_norm_kernel[(T * Hv,)](o, z, w, y, Hv, dv, z.stride(0), eps, BV=triton.next_power_of_2(dv))
-    return y
+        _gated_norm_kernel[(T * Hv,)](o, z, w, y, *x8, Hv, dv, z.stride(0), eps, BV=triton.next_power_of_2(dv),
+                                      QUANT=quantize)
+    return attach(y, Q8X(*x8)) if quantize else y
 
 
-def deltanet_gated_norm_torch(o, z, w, eps: float):
+def deltanet_gated_norm_torch(o, z, w, eps: float, quantize: bool = False):
     T, Hv, dv = o.shape
     o = F.rms_norm(o, (dv,), eps=eps) * w * torch.sigmoid(z.reshape(T, Hv, dv))
     return o.reshape(T, Hv * dv)

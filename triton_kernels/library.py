@@ -300,7 +300,7 @@ _CALLS = {
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),
     "deltanet_conv_inputs": lambda window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_conv_inputs"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk),
-    "deltanet_gated_norm": lambda o, z, w, eps: OPS["deltanet_gated_norm"](o, z, w, eps),
+    "deltanet_gated_norm": lambda o, z, w, eps, quantize=False: OPS["deltanet_gated_norm"](o, z, w, eps),
     "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
     "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),

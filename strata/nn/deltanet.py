@@ -185,7 +185,8 @@ class GatedDeltaNet(torch.nn.Module):
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm per head of the recurrence's output o (T, Hv, dv): rows (T, Hv * dv)."""
-        return impl("deltanet_gated_norm", self.proj.kernels)(o, z, self.norm, self.eps)
+        # on a GPU the launch also quantizes the rows for the output projection's dp4a GEMV
+        return impl("deltanet_gated_norm", self.proj.kernels)(o, z, self.norm, self.eps, quantize=o.is_cuda)
 
 
 def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, kernels: str = "torch", in_place: bool = False):

@@ -139,6 +139,21 @@ def test_the_gated_norm_within_the_float32_bound(T, Hv, dv, scale, seed):
     assert torch.equal(deltanet_gated_norm(o[:1], z[:1], w, 1e-6), deltanet_gated_norm(o, z, w, 1e-6)[:1])
 
 
+@settings(max_examples=examples(10), deadline=None)
+@given(T=st.integers(1, 3), Hv=st.integers(1, 4), G=st.integers(1, 5), seed=st.integers(0, 2 ** 32 - 1))
+def test_the_gated_norm_quantizes_its_rows_as_quantize_x_does(T, Hv, G, seed):
+    """With `quantize` the same rows, and their int8 form for the output projection's dp4a
+    GEMV written in the launch, quantize_x's bits; quantize_x of the rows returns it."""
+    from triton_kernels.int8 import quantize_x, quantize_x_torch
+    rng = np.random.default_rng(seed)
+    dv = 32 * G
+    o, w, z = data(rng, T, Hv, dv), data(rng, dv), data(rng, T, Hv * dv, scale=3.0)
+    y = deltanet_gated_norm(o, z, w, 1e-6, quantize=True)
+    assert torch.equal(y, deltanet_gated_norm(o, z, w, 1e-6))
+    x8 = quantize_x(y)
+    assert quantize_x(y.reshape(T, -1)) is x8 and all(torch.equal(a, b) for a, b in zip(x8, quantize_x_torch(y)))
+
+
 @pytest.mark.parametrize("T", [2, 5, 9])
 @pytest.mark.parametrize("dv", [32, 37])
 def test_the_torch_twin_gives_a_row_the_same_bits_in_any_batch_when_invariant(T, dv):
