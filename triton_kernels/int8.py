@@ -39,6 +39,7 @@ computes the same product, x̂ @ W.T, as one float32 torch matmul with the dequa
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -138,6 +139,7 @@ def empty_q8x(M: int, K: int, device) -> Q8X:
 # the last few; x is held, so that its storage, the key, is never another tensor's
 _ATTACHED: OrderedDict = OrderedDict()
 _ATTACHED_MAX = 4
+_ATTACHED_LOCK = threading.Lock()  # steps on several threads (a server's) share it
 
 
 def attach(x: torch.Tensor, x8: Q8X) -> torch.Tensor:
@@ -150,10 +152,11 @@ def attach(x: torch.Tensor, x8: Q8X) -> torch.Tensor:
     op's output is a new tensor there: quantize_x then launches as before). Returns x."""
     if not torch.compiler.is_compiling():
         key = x.untyped_storage()._cdata
-        _ATTACHED[key] = (x, _version(x), x8)
-        _ATTACHED.move_to_end(key)
-        while len(_ATTACHED) > _ATTACHED_MAX:
-            _ATTACHED.popitem(last=False)
+        with _ATTACHED_LOCK:
+            _ATTACHED[key] = (x, _version(x), x8)
+            _ATTACHED.move_to_end(key)
+            while len(_ATTACHED) > _ATTACHED_MAX:
+                _ATTACHED.popitem(last=False)
     return x
 
 
@@ -164,7 +167,8 @@ def _version(x: torch.Tensor) -> int | None:
 def _attached(x: torch.Tensor) -> Q8X | None:
     if not _ATTACHED or torch.compiler.is_compiling():
         return None
-    held = _ATTACHED.get(x.untyped_storage()._cdata)
+    with _ATTACHED_LOCK:
+        held = _ATTACHED.get(x.untyped_storage()._cdata)
     if held is None:
         return None
     src, version, x8 = held
