@@ -28,9 +28,11 @@ UNIT_FORMATS = [quant.get(n) for n in UNITS]
 U = 2.0 ** -24
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_dequant_on_the_gpu_is_bit_exact(fmt, dtype):
+    """The unit formats store a word's four values at once, bf16 and float16 pairs packed
+    by one cvt (triton_kernels.dequant.store_packed): each dtype's own rounding."""
     @given(blocks(fmt, max_blocks=64))
     @settings(max_examples=examples(50))
     def prop(raw):
@@ -182,4 +184,55 @@ def test_the_elementwise_kernels_on_the_gpu_within_their_bounds():
         y = gated_add_torch(a, gate, b)
         tol = 2 * (10 + gate.abs()) * U * (a.abs() + b.abs())
         assert ((gated_add(a.cuda(), gate.cuda(), b.cuda()).cpu() - y).abs() <= tol).all()
+    prop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fmt", UNIT_FORMATS, ids=lambda f: f.name)
+def test_the_ple_gather_on_the_gpu_is_its_torch_twins(fmt, dtype):
+    """The gather's units path stores as dequant's (store_packed): the torch twin's bits."""
+    from triton_kernels.ple import ple_gather, ple_gather_torch
+
+    @given(rows=st.integers(1, 40), T=st.integers(1, 4), H=st.integers(1, 6), seed=st.integers(0, 2 ** 32 - 1))
+    @settings(max_examples=examples(10))
+    def prop(rows, T, H, seed):
+        rng = np.random.default_rng(seed)
+        table = torch.from_numpy(fmt.quantize(rng.standard_normal((rows, 2 * fmt.block_elems)).astype(np.float32)))
+        ids = torch.from_numpy(rng.integers(0, rows, (T, H)))
+        want = ple_gather_torch(table, ids, fmt, scale=0.5, out_dtype=dtype)
+        got = ple_gather(table.cuda(), ids.cuda(), fmt, scale=0.5, out_dtype=dtype).cpu()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    prop()
+
+
+def test_the_launches_that_quantize_what_they_write_give_quantize_xs_bits_on_the_gpu():
+    """hc_mix, hc_write_norm, hc_write_moe, silu_mul, sigmoid_mul and deltanet_gated_norm
+    with `quantize` (as the engine calls them on a GPU): the float output as without it,
+    and quantize_x of it (the launch's int8 form, int8.attach) the torch twin's bits."""
+    from triton_kernels.deltanet_inputs import deltanet_gated_norm
+    from triton_kernels.hc_moe_write import hc_write_moe
+    from triton_kernels.hyperconn import hc_mix, hc_write_norm
+    from triton_kernels.shared_expert import sigmoid_mul, silu_mul
+
+    @given(T=st.integers(1, 3), S=st.integers(1, 4), G=st.integers(1, 90), R=st.integers(1, 40),
+           seed=st.integers(0, 2 ** 32 - 1))
+    @settings(max_examples=examples(10))
+    def prop(T, S, G, R, seed):
+        g = torch.Generator().manual_seed(seed)
+
+        def t(*shape):
+            return torch.randn(*shape, generator=g).cuda()
+        H, dv = 32 * G, 32 * (G % 8 + 1)
+        x, inj, w = t(T, S * H), t(T, S), t(S, H)
+        calls = [(hc_mix, (t(T, R + S), t(S * H, R), t(T, S * H), R, S), 0),
+                 (hc_write_norm, (x, t(T, H), inj, w, 1e-6), 1),
+                 (hc_write_moe, (x, t(T, 2, H), t(T, 1), t(T, H), inj, w, 1e-6), 1),
+                 (silu_mul, (t(T, H), t(T, H)), None), (sigmoid_mul, (t(T, H), t(T, H)), None),
+                 (deltanet_gated_norm, (t(T, 3, dv), t(T, 3 * dv), t(dv), 1e-6), None)]
+        for f, args, at in calls:
+            plain, quantized = f(*args), f(*args, quantize=True)
+            y, y0 = (quantized, plain) if at is None else (quantized[at], plain[at])
+            assert torch.equal(y, y0), f.__name__
+            for a, b in zip(quantize_x(y), quantize_x_torch(y.cpu())):
+                assert torch.equal(a.cpu(), b), f.__name__
     prop()
