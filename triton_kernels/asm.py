@@ -26,6 +26,21 @@ def asm_for(device: torch.device | str) -> str:
     return "gcn" if torch.version.hip else "ptx"
 
 
+def cvt_pairs(device: torch.device | str) -> bool:
+    """Whether an NVIDIA device converts two float32 to a bf16 or float16 pair in one
+    instruction (cvt.rn.bf16x2.f32 / f16x2: sm_80 and later, PTX ISA); a fake or absent
+    CUDA device (a trace, a static compile) counts as a Hopper."""
+    if torch.version.hip:
+        return False
+    device = torch.device(device)
+    if device.type != "cuda":  # the interpreter's tensors, a replay's for a compile
+        return True
+    try:
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    except (RuntimeError, AssertionError):
+        return True
+
+
 @triton.jit
 def _sbyte(v, i: tl.constexpr):
     """Signed byte i (0 = lowest) of int32 v, as int32."""

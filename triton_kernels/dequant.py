@@ -25,7 +25,7 @@ import triton.language as tl
 import quant
 
 from . import backend
-from .asm import asm_for
+from .asm import asm_for, cvt_pairs
 from .backend import use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .decode.common import round_to_bf16_bits
@@ -74,7 +74,7 @@ def _stack(parts, N: tl.constexpr):
 @triton.jit
 def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.constexpr,
                 OFFSET: tl.constexpr, HAS_SCALE: tl.constexpr, OUT: tl.constexpr,
-                ASM: tl.constexpr):
+                ASM: tl.constexpr, CVT: tl.constexpr = True):
     """Write one decoded unit a lane at dst (UW consecutive values): a * (code - ZERO)
     [- b] [* scale], in the numpy codec's order; OUT "bf16" stores bf16 bits (int16).
     On NVIDIA a word's four values go out as one 8-byte store (`store_packed`); on AMD one
@@ -97,8 +97,8 @@ def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.conste
             tl.store(at, round_to_bf16_bits(val), mask=live[:, None])
         else:
             tl.store(at, val.to(dst.dtype.element_ty), mask=live[:, None])
-    elif ASM == "ptx":
-        store_packed(dst, words, a, b, live, scale, UW, ZERO, OFFSET, HAS_SCALE, OUT, True)
+    elif ASM == "ptx":  # CVT: the device has the paired cvt (asm.cvt_pairs)
+        store_packed(dst, words, a, b, live, scale, UW, ZERO, OFFSET, HAS_SCALE, OUT, CVT)
     else:
         for w in tl.static_range(UW // 4):
             for i in tl.static_range(4):
@@ -171,13 +171,13 @@ def _dequant_units_kernel(q_ptr, tab_ptr, out_ptr, n_units,
                           UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                           BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                           BODY: tl.constexpr, BLOCK: tl.constexpr, OUT: tl.constexpr,
-                          ASM: tl.constexpr):
+                          ASM: tl.constexpr, CVT: tl.constexpr = True):
     v = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = v < n_units
     v = tl.where(live, v, 0)  # lanes past the end decode unit 0 and store nothing
     p = block_ptr(q_ptr, v // UPB, BLOCK_HW, BODY)
     words, a, b = UNIT(p, (v % UPB).to(tl.int32), tab_ptr, ASM)
-    store_units(out_ptr + v * UW, words, a, b, live, 1.0, UW, ZERO, OFFSET, False, OUT, ASM)
+    store_units(out_ptr + v * UW, words, a, b, live, 1.0, UW, ZERO, OFFSET, False, OUT, ASM, CVT)
 
 
 def check_blocks(q: torch.Tensor, fmt: quant.Format) -> None:
@@ -222,7 +222,7 @@ def dequantize(q: torch.Tensor, fmt: str | int | quant.Format,
         _dequant_units_kernel[(triton.cdiv(n_units, block),)](
             q.reshape(-1).view(torch.uint16), unit_table(fmt, q.device), dst, n_units,
             **launch_args(fmt, u), BLOCK=block,
-            OUT="bf16" if dtype == torch.bfloat16 else "", ASM=asm_for(q.device),
+            OUT="bf16" if dtype == torch.bfloat16 else "", ASM=asm_for(q.device), CVT=cvt_pairs(q.device),
             enable_fp_fusion=False)
     elif n:
         grid = (triton.cdiv(n, block),)

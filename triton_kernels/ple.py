@@ -40,7 +40,7 @@ import triton.language as tl
 import quant
 
 from . import configs
-from .asm import asm_for
+from .asm import asm_for, cvt_pairs
 from .backend import host_readable, is_fake, use_triton
 from .decode import decoder, launch_args, unit, unit_table
 from .decode import table as decode_table
@@ -266,7 +266,8 @@ def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_unit
                              UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                              BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                              BODY: tl.constexpr, ROW_UNITS: tl.constexpr, BLOCK: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
+                             HAS_SCALE: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr,
+                             CVT: tl.constexpr = True):
     # Formats with int8 units: a lane decodes one unit of one (token, head) row; unit v is
     # unit v % ROW_UNITS of pair v // ROW_UNITS, whose values land at out[v * UW:]
     v = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -278,7 +279,7 @@ def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_unit
     p = block_ptr(q_ptr, row * (ROW_UNITS // UPB) + ur // UPB, BLOCK_HW, BODY)
     words, a, b = UNIT(p, (ur % UPB).to(tl.int32), tab_ptr, ASM)
     scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
-    store_units(out_ptr + v * UW, words, a, b, live, scale, UW, ZERO, OFFSET, HAS_SCALE, OUT, ASM)
+    store_units(out_ptr + v * UW, words, a, b, live, scale, UW, ZERO, OFFSET, HAS_SCALE, OUT, ASM, CVT)
 
 
 def _gather_args(table, ids, fmt, out_dtype, bound=None):
@@ -345,7 +346,7 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
                 table.view(-1).view(torch.uint16), unit_table(fmt, dev),
                 ids.to(torch.int64).contiguous(), s, dst, n_units, **launch_args(fmt, u),
                 ROW_UNITS=row_units, BLOCK=PLE_UNITS_BLOCK, HAS_SCALE=scale is not None,
-                OUT="bf16" if out_dtype == torch.bfloat16 else "", ASM=asm_for(dev),
+                OUT="bf16" if out_dtype == torch.bfloat16 else "", ASM=asm_for(dev), CVT=cvt_pairs(dev),
                 enable_fp_fusion=False)
             return out
         _ple_gather_kernel[(triton.cdiv(n, block_rows),)](

@@ -200,7 +200,7 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
         if u is not None:
             block = dequant.DEQUANT_UNITS_BLOCK
             sig, cx = _sig("q_ptr:*u16,tab_ptr:*i32,out_ptr:*i16,n_units:i32",
-                           **launch_args(fmt, u), BLOCK=block, OUT="bf16", ASM=asm)
+                           **launch_args(fmt, u), BLOCK=block, OUT="bf16", ASM=asm, CVT=True)
             return Spec(dequant._dequant_units_kernel, sig, cx, nw, block * u.weights, 1,
                         N * K // (block * u.weights), {"enable_fp_fusion": False})
         block = 1024
@@ -279,7 +279,7 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
             block = ple.PLE_UNITS_BLOCK
             sig, cx = _sig("q_ptr:*u16,tab_ptr:*i32,ids_ptr:*i64,scale_ptr:*fp32,out_ptr:*i16,"
                            "n_units:i32", **launch_args(fmt, u), ROW_UNITS=dim // u.weights,
-                           BLOCK=block, HAS_SCALE=False, OUT="bf16", ASM=asm)
+                           BLOCK=block, HAS_SCALE=False, OUT="bf16", ASM=asm, CVT=True)
             return Spec(ple._ple_gather_units_kernel, sig, cx, nw, block * u.weights, 1, 1,
                         {"enable_fp_fusion": False})
         p2 = triton.next_power_of_2(dim)

@@ -256,3 +256,16 @@ def test_the_reader_names_the_matrix_instructions():
     assert static.mma_kind(["HMMA.16816.F32.BF16 R4, R8, R12, R4"]) == "HMMA"
     assert static.mma_kind(["v_mfma_f32_32x32x8_bf16 a[0:15], v[2:3], v[4:5], a[0:15]"]) == "MFMA"
     assert static.mma_kind(SASS_LOADS) == static.mma_kind(GCN_LOADS) == "none"
+
+
+def test_dequant_without_the_paired_cvt_compiles():
+    """Before sm_80 NVIDIA has no cvt.rn.bf16x2/f16x2 (asm.cvt_pairs): dequant and the PLE
+    gather then pack their pairs by plain conversions, which compile without spilling."""
+    from triton_kernels.asm import cvt_pairs
+    assert cvt_pairs("cpu")  # a trace's or a replay's tensors compile as a Hopper's
+    for op in ("dequant", "ple_gather"):
+        spec = static._spec(op, quant.get("Q4_K"), "ptx")
+        cx = {**spec.constexprs, "CVT": False}
+        k = static._compile(spec.kernel, tuple(spec.signature.items()), tuple(cx.items()), "sm_90",
+                            spec.num_warps, tuple(spec.options.items()))
+        assert static._nvidia_resources(k.asm["cubin"])[1]["spill"] == 0, op
