@@ -260,12 +260,24 @@ def test_the_reader_names_the_matrix_instructions():
 
 def test_dequant_without_the_paired_cvt_compiles():
     """Before sm_80 NVIDIA has no cvt.rn.bf16x2/f16x2 (asm.cvt_pairs): dequant and the PLE
-    gather then pack their pairs by plain conversions, which compile without spilling."""
+    gather then pack their pairs by plain conversions, which compile without spilling
+    (in a child process without the interpreter, as static.rows compiles)."""
+    import os
+    import subprocess
+    import sys
     from triton_kernels.asm import cvt_pairs
     assert cvt_pairs("cpu")  # a trace's or a replay's tensors compile as a Hopper's
-    for op in ("dequant", "ple_gather"):
-        spec = static._spec(op, quant.get("Q4_K"), "ptx")
-        cx = {**spec.constexprs, "CVT": False}
-        k = static._compile(spec.kernel, tuple(spec.signature.items()), tuple(cx.items()), "sm_90",
-                            spec.num_warps, tuple(spec.options.items()))
-        assert static._nvidia_resources(k.asm["cubin"])[1]["spill"] == 0, op
+    code = """
+import quant
+from triton_kernels.analysis import static
+for op in ("dequant", "ple_gather"):
+    spec = static._spec(op, quant.get("Q4_K"), "ptx")
+    cx = {**spec.constexprs, "CVT": False}
+    k = static._compile(spec.kernel, tuple(spec.signature.items()), tuple(cx.items()), "sm_90",
+                        spec.num_warps, tuple(spec.options.items()))
+    print(op, static._nvidia_resources(k.asm["cubin"])[1]["spill"])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["dequant", "0", "ple_gather", "0"], done.stdout
