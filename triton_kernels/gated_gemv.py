@@ -25,7 +25,7 @@ import quant
 from . import configs
 from .backend import use_triton
 from .decode import decoder, table
-from .qmatmul import GEMV_TILES, _check as _check_q, choose_path, qmatmul, qmatmul_torch
+from .qmatmul import GEMV_TILES, _check as _check_q, choose_path, gemv_store, gemv_weights, qmatmul, qmatmul_torch
 from .shared_expert import _rows, gate, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -40,14 +40,9 @@ def _gated_gemv_kernel(g_ptr, u_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_gm
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.arange(0, BLOCK_M)
-    blocks_per_row = K // QK
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        blk = offs_n[:, None] * blocks_per_row + (offs_k // QK)[None, :]
-        j = tl.broadcast_to((offs_k % QK)[None, :], (BLOCK_N, BLOCK_K))
-        w = DECODE(q_ptr, tab_ptr, blk, j, n_mask[:, None] & k_mask[None, :])
+        w, offs_k, k_mask = gemv_weights(q_ptr, tab_ptr, offs_n, n_mask, k0, K, DECODE, QK, BLOCK_K)
         for r in tl.static_range(BLOCK_M):
             m = tl.minimum(pid_m * BLOCK_M + r, M - 1).to(tl.int64)
             g = tl.load(g_ptr + m * stride_gm + offs_k, mask=k_mask, other=0.0)
@@ -61,9 +56,7 @@ def _gated_gemv_kernel(g_ptr, u_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_gm
                 xr = xr.to(tl.float16).to(tl.float32)
             part = tl.sum(w * xr[None, :], axis=1)
             acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
-    offs_m = pid_m * BLOCK_M + rows
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+    gemv_store(out_ptr, acc, pid_m, offs_n, n_mask, M, stride_om, BLOCK_M)
 
 
 def _check(g, u, dtype):

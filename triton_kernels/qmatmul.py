@@ -91,6 +91,27 @@ _CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torc
 
 
 @triton.jit
+def gemv_weights(q_ptr, tab_ptr, offs_n, n_mask, k0, K, DECODE: tl.constexpr, QK: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The float GEMV's weight tile [BLOCK_N, BLOCK_K] at column k0, decoded, with its
+    column offsets and mask (also the gated GEMV's: triton_kernels.gated_gemv)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    blk = offs_n[:, None] * (K // QK) + (offs_k // QK)[None, :]
+    j = tl.broadcast_to((offs_k % QK)[None, :], (offs_n.shape[0], BLOCK_K))
+    # masked lanes read zero bytes, which decode to 0.0 in every format
+    return DECODE(q_ptr, tab_ptr, blk, j, n_mask[:, None] & k_mask[None, :]), offs_k, k_mask
+
+
+@triton.jit
+def gemv_store(out_ptr, acc, pid_m, offs_n, n_mask, M, stride_om, BLOCK_M: tl.constexpr):
+    """The float GEMV's accumulator [BLOCK_M, BLOCK_N] stored; rows past M are not."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_om,
                  DECODE: tl.constexpr, QK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -99,15 +120,9 @@ def _gemv_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, 
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # int64: N * row bytes may pass 2^31
     n_mask = offs_n < N
     rows = tl.arange(0, BLOCK_M)
-    blocks_per_row = K // QK
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        blk = offs_n[:, None] * blocks_per_row + (offs_k // QK)[None, :]
-        j = tl.broadcast_to((offs_k % QK)[None, :], (BLOCK_N, BLOCK_K))
-        # masked lanes read zero bytes, which decode to 0.0 in every format
-        w = DECODE(q_ptr, tab_ptr, blk, j, n_mask[:, None] & k_mask[None, :])
+        w, offs_k, k_mask = gemv_weights(q_ptr, tab_ptr, offs_n, n_mask, k0, K, DECODE, QK, BLOCK_K)
         for r in tl.static_range(BLOCK_M):
             # rows past M reread row M-1 (always in bounds) and are not stored
             m = tl.minimum(pid_m * BLOCK_M + r, M - 1)
@@ -116,9 +131,7 @@ def _gemv_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, 
             part = tl.sum(w * xr[None, :], axis=1)
             # row r of the accumulator: a select, so that all rows stay in one tensor
             acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
-    offs_m = pid_m * BLOCK_M + rows
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+    gemv_store(out_ptr, acc, pid_m, offs_n, n_mask, M, stride_om, BLOCK_M)
 
 
 @triton.jit
