@@ -11,6 +11,8 @@ is the one place that picks ASM.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,11 @@ def asm_for(device: torch.device | str) -> str:
     return "gcn" if torch.version.hip else "ptx"
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def cvt_pairs(device: torch.device | str) -> bool:
     """Whether an NVIDIA device converts two float32 to a bf16 or float16 pair in one
     instruction (cvt.rn.bf16x2.f32 / f16x2: sm_80 and later, PTX ISA); a fake or absent
@@ -36,7 +43,7 @@ def cvt_pairs(device: torch.device | str) -> bool:
     if device.type != "cuda":  # the interpreter's tensors, a replay's for a compile
         return True
     try:
-        return torch.cuda.get_device_capability(device) >= (8, 0)
+        return _capability(device.index) >= (8, 0)  # asked at every launch: cached
     except (RuntimeError, AssertionError):
         return True
 

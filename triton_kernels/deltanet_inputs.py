@@ -37,7 +37,7 @@ import triton.language as tl
 from . import invariant
 from .backend import use_triton
 from .conv import causal_conv_torch, conv_taps
-from .int8 import GROUP, Q8X, attach, empty_q8x, store_groups
+from .int8 import Q8X, attach, int8_buffers, store_groups
 from .norms import l2norm_torch
 
 
@@ -240,8 +240,7 @@ def deltanet_gated_norm(o, z, w, eps: float, quantize: bool = False):
     if z.stride(-1) != 1:
         z = z.contiguous()
     y = o.new_empty(T, Hv * dv)
-    quantize = quantize and dv % GROUP == 0
-    x8 = empty_q8x(T, Hv * dv, o.device) if quantize else (y, y, y)  # unused without
+    quantize, x8 = int8_buffers(quantize, T, Hv * dv, dv, y)
     if T:
         _gated_norm_kernel[(T * Hv,)](o, z, w, y, *x8, Hv, dv, z.stride(0), eps, BV=triton.next_power_of_2(dv),
                                       QUANT=quantize)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .backend import use_triton
 from .hyperconn import _f32, hc_norm_torch, hc_write_torch, store_norm
-from .int8 import GROUP, Q8X, attach, empty_q8x
+from .int8 import Q8X, attach, int8_buffers
 from .shared_expert import _rows, gated_add_torch, gated_sum
 
 
@@ -75,8 +75,7 @@ def hc_write_moe(x: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, shar
     x, inj = x.contiguous(), inj.contiguous()
     y = torch.empty_like(x)
     xn = torch.empty_like(x) if w is not None else x.new_empty(0)
-    quantize = quantize and w is not None and H % GROUP == 0
-    x8 = empty_q8x(T, S * H, x.device) if quantize else (y, y, y)  # unused without
+    quantize, x8 = int8_buffers(quantize and w is not None, T, S * H, H, y)
     if T and H:
         _write_moe_kernel[(T * S,)](x, routed, gate, shared, inj, x if w is None else w.contiguous(), y,
                                     y if w is None else xn, *x8, S, H, K, routed.stride(0), stride_k,

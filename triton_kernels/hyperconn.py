@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .backend import use_triton
-from .int8 import GROUP, Q8X, attach, empty_q8x, store_groups
+from .int8 import GROUP, Q8X, attach, int8_buffers, store_groups
 
 BLOCK = 1024  # columns a program of hc_combine and hc_write
 MIX_TILE = 4096  # weights of w_up a program of hc_mix holds at once (BLOCK_H x rank)
@@ -234,8 +234,7 @@ def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
                          f"got {tuple(w_up.shape)} and {tuple(xn.shape)}")
     both, w_up, xn = both.contiguous(), w_up.contiguous(), xn.contiguous()
     out, inj = xn.new_empty(T, H), both.new_empty(T, C - rank)
-    quantize = quantize and H % GROUP == 0
-    x8 = empty_q8x(T, H, xn.device) if quantize else (out, out, out)  # unused without
+    quantize, x8 = int8_buffers(quantize, T, H, H, out)
     if T:
         br = triton.next_power_of_2(rank)
         bh = min(triton.next_power_of_2(H), max(GROUP if quantize else 16, MIX_TILE // br))
@@ -288,8 +287,7 @@ def hc_write_norm(x: torch.Tensor, out: torch.Tensor, inj: torch.Tensor, w: torc
         raise ValueError(f"hc_write_norm: the norm's weight must be (streams {S}, width {H}), got {tuple(w.shape)}")
     x, out, inj, w = x.contiguous(), out.contiguous(), inj.contiguous(), w.contiguous()
     y, xn = torch.empty_like(x), torch.empty_like(x)
-    quantize = quantize and H % GROUP == 0
-    x8 = empty_q8x(T, S * H, x.device) if quantize else (y, y, y)  # unused without
+    quantize, x8 = int8_buffers(quantize, T, S * H, H, y)
     if T:
         _write_norm_kernel[(T * S,)](x, out, inj, w, y, xn, *x8, S, H, eps, BH=triton.next_power_of_2(H),
                                      QUANT=quantize)

@@ -142,6 +142,14 @@ _ATTACHED_MAX = 4
 _ATTACHED_LOCK = threading.Lock()  # steps on several threads (a server's) share it
 
 
+def int8_buffers(quantize: bool, M: int, K: int, span: int, spare: torch.Tensor) -> tuple[bool, tuple]:
+    """For a launch that may write its (M, K) output as int8 too (store_groups): whether it
+    does (asked, and `span`, the width its programs split a row at, whole groups of 32),
+    and the q, d, s buffers to pass it, or `spare` three times (unread)."""
+    quantize = quantize and span % GROUP == 0
+    return quantize, (tuple(empty_q8x(M, K, spare.device)) if quantize else (spare,) * 3)
+
+
 def attach(x: torch.Tensor, x8: Q8X) -> torch.Tensor:
     """Mark x (M, K) as quantized to x8 by the launch that wrote it (hc_mix): quantize_x of
     x, or of any view of all of x in the same shape (inference tensors keep no `_base`, so

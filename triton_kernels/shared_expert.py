@@ -23,7 +23,7 @@ import triton.language as tl
 
 from . import invariant
 from .backend import use_triton
-from .int8 import GROUP, Q8X, attach, empty_q8x, store_groups
+from .int8 import Q8X, attach, int8_buffers, store_groups
 
 BLOCK = 1024  # columns a program
 
@@ -104,8 +104,7 @@ def _gate_mul(name: str, g: torch.Tensor, u: torch.Tensor, silu: bool, quantize:
         raise ValueError(f"{name}: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
     T, N = g.shape
     out = g.new_empty(T, N)
-    quantize = quantize and N % GROUP == 0
-    x8 = empty_q8x(T, N, g.device) if quantize else (out, out, out)  # unused without
+    quantize, x8 = int8_buffers(quantize, T, N, N, out)
     if out.numel():
         bn = min(BLOCK, triton.next_power_of_2(N))
         _silu_mul_kernel[(T, triton.cdiv(N, bn))](g, u, out, *x8, N, g.stride(0), u.stride(0), BLOCK_N=bn,
