@@ -41,15 +41,13 @@ MIX_TILE = 4096  # weights of w_up a program of hc_mix holds at once (BLOCK_H x 
 
 
 @triton.jit
-def _norm_kernel(x_ptr, w_ptr, out_ptr, S, H, eps, BH: tl.constexpr):
+def _norm_kernel(x_ptr, w_ptr, out_ptr, q_ptr, d_ptr, s_ptr, S, H, eps, BH: tl.constexpr,
+                 QUANT: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # (token, stream) row: r = t * S + s
-    s = r % S
     c = tl.arange(0, BH)
     live = c < H
     x = tl.load(x_ptr + r * H + c, mask=live, other=0.0)
-    inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(w_ptr + s * H + c, mask=live, other=0.0)
-    tl.store(out_ptr + r * H + c, x * inv * w, mask=live)
+    store_norm(x, w_ptr, out_ptr, q_ptr, d_ptr, s_ptr, r // S, r % S, c, live, S, H, eps, BH, QUANT)
 
 
 @triton.jit
@@ -152,20 +150,25 @@ def _f32(name: str, *ts: torch.Tensor) -> None:
             raise ValueError(f"{name}: expects float32 tensors, got {t.dtype}")
 
 
-def hc_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Each stream of x (T, S*H) RMS-normalised and times its weight w (S, H): (T, S*H)."""
+def hc_norm(x: torch.Tensor, w: torch.Tensor, eps: float, quantize: bool = False) -> torch.Tensor:
+    """Each stream of x (T, S*H) RMS-normalised and times its weight w (S, H): (T, S*H).
+    With `quantize` (H a multiple of 32) also written as int8.quantize_x would, attached to
+    it, for a hyper-connection read's dp4a down projection."""
     _f32("hc_norm", x, w)
     if not use_triton(x):
         return hc_norm_torch(x, w, eps)
     S, H = w.shape
     x, w = x.contiguous(), w.contiguous()
     out = torch.empty_like(x)
+    quantize, x8 = int8_buffers(quantize, x.shape[0], x.shape[1], H, out)
     if x.numel():
-        _norm_kernel[(x.shape[0] * S,)](x, w, out, S, H, eps, BH=triton.next_power_of_2(H))
-    return out
+        _norm_kernel[(x.shape[0] * S,)](x, w, out, *x8, S, H, eps, BH=triton.next_power_of_2(H),
+                                        QUANT=quantize)
+    return attach(out, Q8X(*x8)) if quantize else out
 
 
-def hc_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def hc_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float, quantize: bool = False) -> torch.Tensor:
+    """hc_norm in torch (`quantize` is the Triton launch's alone)."""
     S, H = w.shape
     return (F.rms_norm(x.reshape(x.shape[0], S, H), (H,), eps=eps) * w).reshape(x.shape)
 

@@ -302,7 +302,7 @@ _CALLS = {
         OPS["deltanet_conv_inputs"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk),
     "deltanet_gated_norm": lambda o, z, w, eps, quantize=False: OPS["deltanet_gated_norm"](o, z, w, eps),
     "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
-    "hc_norm": lambda x, w, eps: OPS["hc_norm"](x, w, eps),
+    "hc_norm": lambda x, w, eps, quantize=False: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     # a compiled step's ops return new tensors, to which nothing can stay attached: no quantize
     "hc_mix": lambda both, w_up, xn, rank, streams, quantize=False: OPS["hc_mix"](both, w_up, xn, rank, streams),

@@ -45,7 +45,9 @@ Decoding (at most MOE_DP4A_MAX_TOKENS tokens, every format with an int8 unit dec
 takes the dp4a path instead: x and then h are rounded to int8 per 32 values
 (triton_kernels.int8.quantize_x) and each (slot, BLOCK_N rows) program runs the dp4a
 GEMV's inner loop (int8.dot_units) over its expert's rows, gate and up in one loop; no
-block alignment, no padding rows, one read of each chosen expert's weights a slot.
+block alignment, no padding rows, one read of each chosen expert's weights a slot. The
+gate/up programs write h in that int8 form themselves when BLOCK_N is a multiple of 32
+(the default tiles): two launches, no float h.
 
 The k rows of each token are then summed by torch in a fixed order: deterministic, unlike
 atomic adds into (T, H), at the price of the (T, k, H) float32 buffer (420 MB for 4096
@@ -76,7 +78,7 @@ from .asm import asm_for
 from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
-from .int8 import dot_units, quantize_x, row_start
+from .int8 import Q8X, dot_units, int8_buffers, quantize_x, row_start, store_groups
 from .moe_align import aligns_in_one_launch, moe_align_block_size
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -270,6 +272,7 @@ def _down_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
 
 @triton.jit
 def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
+                         hq_ptr, hd_ptr, hs_ptr,
                          ids_ptr, top_k, E, I, H, gate_se, gate_sr, up_se, up_sr, stride_h,
                          UNIT_G: tl.constexpr, UW_G: tl.constexpr, UPB_G: tl.constexpr,
                          HW_G: tl.constexpr, ZERO_G: tl.constexpr, OFFSET_G: tl.constexpr,
@@ -278,13 +281,13 @@ def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_
                          HW_U: tl.constexpr, ZERO_U: tl.constexpr, OFFSET_U: tl.constexpr,
                          BODY_U: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MASK: tl.constexpr,
-                         ASM: tl.constexpr):
+                         QUANT: tl.constexpr, ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
     e = tl.load(ids_ptr + slot).to(tl.int64)
     if (e < 0) | (e >= E):  # an expert held elsewhere: the slot's h is zero (h is not cleared)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(h_ptr + slot * stride_h + cols, tl.zeros((BLOCK_N,), tl.float32), mask=cols < I)
+        _store_h(h_ptr, hq_ptr, hd_ptr, hs_ptr, slot, pid_n, tl.zeros((BLOCK_N,), tl.float32),
+                 I, stride_h, BLOCK_N, QUANT)
         return
     tok = slot // top_k
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -305,7 +308,23 @@ def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_
                            UPB_U, HW_U, ZERO_U, OFFSET_U, BODY_U, MASK, ASM)
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
-    tl.store(h_ptr + slot * stride_h + rows, g * tl.sigmoid(g) * u, mask=rows < I)
+    _store_h(h_ptr, hq_ptr, hd_ptr, hs_ptr, slot, pid_n, g * tl.sigmoid(g) * u, I, stride_h,
+             BLOCK_N, QUANT)
+
+
+@triton.jit
+def _store_h(h_ptr, hq_ptr, hd_ptr, hs_ptr, slot, pid_n, h, I, stride_h, BLOCK_N: tl.constexpr,
+             QUANT: tl.constexpr):
+    """A gate/up program's BLOCK_N values of h: in float32, or with QUANT (BLOCK_N a
+    multiple of 32, so that a program holds whole groups) in the int8 form the down kernel
+    reads, as quantize_x would write it, with no float copy and no launch of its own."""
+    if QUANT:
+        grp = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+        store_groups(hq_ptr, hd_ptr, hs_ptr, slot, grp, tl.reshape(h, (BLOCK_N // 32, 32)), I,
+                     grp < I // 32)
+    else:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(h_ptr + slot * stride_h + rows, h, mask=rows < I)
 
 
 @triton.jit
@@ -358,15 +377,18 @@ def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
     n_slots = T * k
     flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
     x8 = quantize_x(x)
-    h = torch.empty((n_slots, I), dtype=torch.float32, device=dev)  # every row written
+    # h's int8 form written by the gate/up programs themselves when each holds whole groups
+    # of 32 (the default tiles), else h in float32 and quantize_x's launch: the same bits
+    quant, h8 = int8_buffers(True, n_slots, I, block_n, flat_ids)
+    h = flat_ids if quant else torch.empty((n_slots, I), dtype=torch.float32, device=dev)
     asm = asm_for(dev)
     _gate_up_dp4a_kernel[(triton.cdiv(I, block_n), n_slots)](
         x8.q, x8.d, x8.s, w_gate.view(torch.uint16), w_up.view(torch.uint16),
-        unit_table(fmt_gate, dev), unit_table(fmt_up, dev), h, flat_ids, k, E, I, H,
+        unit_table(fmt_gate, dev), unit_table(fmt_up, dev), h, *h8, flat_ids, k, E, I, H,
         gate_se, gate_sr, up_se, up_sr, h.stride(0),
         **_suffixed(launch_args(fmt_gate, ug), "_G"), **_suffixed(launch_args(fmt_up, uu), "_U"),
-        BLOCK_N=block_n, BLOCK_K=block_k, MASK=H % block_k != 0, ASM=asm)
-    h8 = quantize_x(h)
+        BLOCK_N=block_n, BLOCK_K=block_k, MASK=H % block_k != 0, QUANT=quant, ASM=asm)
+    h8 = Q8X(*h8) if quant else quantize_x(h)
     block_n, block_k = tiles_for("moe_down", fmt_down)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     _down_dp4a_kernel[(triton.cdiv(H, block_n), n_slots)](

@@ -56,8 +56,8 @@ class HyperConnection(torch.nn.Module):
 
     def _read_kernels(self, x: torch.Tensor, xn: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         S, rank = self.streams, self.rank
-        if xn is None:
-            xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps)
+        if xn is None:  # on a GPU quantized too, for the down projection (as write_and_norm's)
+            xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps, quantize=x.is_cuda)
         if self.up_w is not None:  # gates, up and combine in one launch
             # on a GPU the launch also quantizes the input for the block's dp4a projections
             inp, inj = impl("hc_mix", "triton")(self.down(xn), self.up_w, xn, rank, S, quantize=xn.is_cuda)

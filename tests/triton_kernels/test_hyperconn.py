@@ -151,7 +151,8 @@ def test_hc_mix_quantizes_its_output_as_quantize_x_does(T, S, G, R, seed, scale)
        seed=st.integers(0, 2 ** 32 - 1), scale=st.sampled_from([1e-30, 1.0, 30.0]))
 def test_the_norming_writes_quantize_the_norm_as_quantize_x_does(T, S, G, K, seed, scale):
     """hc_write_norm and hc_write_moe with `quantize`: the same (y, xn), and xn's int8 form
-    (the next read's down projection's input) written in the launch, quantize_x's bits."""
+    (the next read's down projection's input) written in the launch, quantize_x's bits;
+    hc_norm (a read with no write before it) the same for its xn."""
     from triton_kernels.hc_moe_write import hc_write_moe
     from triton_kernels.int8 import quantize_x, quantize_x_torch
     H = 32 * G
@@ -165,6 +166,10 @@ def test_the_norming_writes_quantize_the_norm_as_quantize_x_does(T, S, G, K, see
         x8 = quantize_x(xn)
         assert quantize_x(xn.view(T, S * H)) is x8, f.__name__
         assert all(torch.equal(a, b) for a, b in zip(x8, quantize_x_torch(xn))), f.__name__
+    xn = hc_norm(x, w, 1e-6, quantize=True)
+    assert torch.equal(xn, hc_norm(x, w, 1e-6))
+    assert all(torch.equal(a, b) for a, b in zip(quantize_x(xn), quantize_x_torch(xn)))
+    assert quantize_x(xn) is quantize_x(xn.view(T, S * H))
 
 
 @settings(max_examples=examples(20), deadline=None)

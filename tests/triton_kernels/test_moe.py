@@ -38,6 +38,7 @@ then a slot marked -1. Each property runs EXAMPLES examples a format. The routin
 (empty experts, one expert for all, top_k = E, one token, ragged blocks) are also tested
 by name with cheap formats.
 """
+import importlib
 import math
 import types
 
@@ -594,6 +595,28 @@ def test_dp4a_path_agrees_with_the_rounded_reference(fmts):
         args = (*(torch.from_numpy(w) for w, _ in held), *(f for _, f in held), weights, ids)
         assert_close(moe(x, *args, tiles=tiles, path="dp4a"), ref, bound, x.dtype, "moe dp4a")
     prop()
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "IQ4_NL"])
+def test_gate_up_programs_of_whole_groups_write_h_as_quantize_x_would(fmt, monkeypatch):
+    """With BLOCK_N a multiple of 32 the gate/up programs write h's int8 form themselves
+    (no float h, no quantize_x launch of it); with 16 rows a program, h goes through
+    quantize_x. A row's sums do not depend on BLOCK_N, so the two give the same bits, an
+    expert held elsewhere (-1) included."""
+    moe_module = importlib.import_module("triton_kernels.moe")  # the package's moe is the function
+    calls = []
+    real = moe_module.quantize_x
+    monkeypatch.setattr(moe_module, "quantize_x", lambda t: calls.append(tuple(t.shape)) or real(t))
+    fmts = (quant.get(fmt),) * 3
+    x, wg, wu, wd, rng = make(fmts, 3, 64, 96, 2, seed=11)
+    args = (torch.from_numpy(wg), torch.from_numpy(wu), torch.from_numpy(wd), *fmts)
+    ids = torch.tensor([[2, 0], [-1, 1]], dtype=torch.int32)
+    w = routing_weights(rng, 2, 2)
+    fused = moe(x, *args, w, ids, tiles=(32, 64), path="dp4a")
+    assert calls == [(2, 64)]  # x's only
+    unfused = moe(x, *args, w, ids, tiles=(16, 64), path="dp4a")
+    assert calls[1:] == [(2, 64), (4, 96)]  # x's, then h's
+    assert torch.equal(fused, unfused)
 
 
 def test_decoding_takes_the_dp4a_path_and_prefill_the_dot_path():

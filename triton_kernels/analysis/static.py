@@ -168,7 +168,7 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
         bn, nb = cfg.get("block_n", qsa.SCORES_BLOCK_N), 131072 // 4
         sig, cx = _sig(f"q_ptr:*fp32,blk_ptr:*{kv},out_ptr:*fp32,T:i32,NB:i32,start:i32,ratio:i32,"
                        "sqrt_d:fp32,stride_qh:i32,stride_qt:i32,stride_bn:i32,stride_ot:i32",
-                       N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn)
+                       N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn, START_PTR=False)
         # no loop: the block-key values of a program
         return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", 4), bn * 128, 1, -(-nb // bn))
     bs, slots = cfg.get("block_s", qsa.ATTN_BLOCK_S), 64 + 4 - 1
@@ -181,7 +181,7 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
                    "start:i32,ratio:i32,keep:i32,sm_scale:fp32,stride_qh:i32,stride_qt:i32,stride_kh:i32,"
                    "stride_kn:i32,stride_vh:i32,stride_vn:i32,stride_st:i32,stride_oh:i32,stride_ot:i32,"
                    "stride_sh:i32,stride_sn:i32",
-                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=scaled)
+                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=scaled, START_PTR=False)
     # K and V elements an iteration; a program a query head
     return Spec(qsa._qsa_attention_kernel, sig, cx, cfg.get("num_warps", 4), 2 * bs * 256, -(-slots // bs), 4)
 
@@ -241,12 +241,13 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
             bn, bk = cfg["block_n"], cfg["block_k"]
             if op == "moe_gate_up":
                 sig, cx = _sig("xq_ptr:*i32,xd_ptr:*fp32,xs_ptr:*fp32,wg_ptr:*u16,wu_ptr:*u16,"
-                               "tab_g_ptr:*i32,tab_u_ptr:*i32,h_ptr:*fp32,ids_ptr:*i32,top_k:i32,"
+                               "tab_g_ptr:*i32,tab_u_ptr:*i32,h_ptr:*fp32,hq_ptr:*i32,hd_ptr:*fp32,"
+                               "hs_ptr:*fp32,ids_ptr:*i32,top_k:i32,"
                                "E:i32,I:i32,H:i32,gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,"
                                "stride_h:i32",
                                **moe._suffixed(launch_args(fmt, u), "_G"),
                                **moe._suffixed(launch_args(fmt, u), "_U"),
-                               BLOCK_N=bn, BLOCK_K=bk, MASK=False, ASM=asm)
+                               BLOCK_N=bn, BLOCK_K=bk, MASK=False, QUANT=bn % 32 == 0, ASM=asm)
                 return Spec(moe._gate_up_dp4a_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk),
                             -(-N // bn))
             sig, cx = _sig("hq_ptr:*i32,hd_ptr:*fp32,hs_ptr:*fp32,wd_ptr:*u16,tab_ptr:*i32,"
