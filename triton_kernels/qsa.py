@@ -103,7 +103,7 @@ def qsa_scores_torch(q: torch.Tensor, blocks: torch.Tensor, start: int, ratio: i
 def _qsa_scores_kernel(q_ptr, blk_ptr, out_ptr, T, NB, start, ratio, sqrt_d,
                        stride_qh, stride_qt, stride_bn, stride_ot,
                        N_IDX: tl.constexpr, NI_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, START_PTR: tl.constexpr):
     # one program: query t against BLOCK_N block keys, which meet all its heads in one dot:
     # the heads are the columns of q (D, NI_P2) (columns past n_idx are zero and add
     # relu(0) = 0), the block keys read once
@@ -116,18 +116,38 @@ def _qsa_scores_kernel(q_ptr, blk_ptr, out_ptr, T, NB, start, ratio, sqrt_d,
     kb = tl.load(blk_ptr + b[:, None] * stride_bn + dd[None, :],
                  mask=(b < NB)[:, None] & (dd < D)[None, :], other=0.0).to(tl.float32)
     s = tl.sum(tl.maximum(tl.dot(kb, qm, input_precision="ieee"), 0.0), axis=1)
-    n_vis = (start + t + 1) // ratio
+    n_vis = (_first(start, START_PTR) + t + 1) // ratio
     s = tl.where(b < n_vis, s / sqrt_d, float("-inf"))
     tl.store(out_ptr + t * stride_ot + b, s, mask=b < NB)
 
 
-def qsa_scores(q: torch.Tensor, blocks: torch.Tensor, start: int, ratio: int, *,
+@triton.jit
+def _first(start, START_PTR: tl.constexpr):
+    """The first query's position: `start` itself, or read from the device (START_PTR)."""
+    if START_PTR:
+        return tl.load(start).to(tl.int32)
+    return start
+
+
+def _start(start: int | torch.Tensor, name: str) -> bool:
+    """Whether `start` is a device tensor (one element, read by the kernel: a decode graph's
+    position, which the host never reads) rather than an int."""
+    if isinstance(start, torch.Tensor):
+        if start.numel() != 1 or start.dtype.is_floating_point:
+            raise ValueError(f"{name}: a tensor start must hold one integer, got {start.dtype} {tuple(start.shape)}")
+        return True
+    return False
+
+
+def qsa_scores(q: torch.Tensor, blocks: torch.Tensor, start: int | torch.Tensor, ratio: int, *,
                block_n: int = SCORES_BLOCK_N) -> torch.Tensor:
     """score[t, b] (T, nb) float32, -inf past query t's visible blocks (see the module).
-    CPU tensors without the interpreter run qsa_scores_torch."""
+    `start` may be a one-element device tensor with the Triton kernel (a decode graph's
+    position). CPU tensors without the interpreter run qsa_scores_torch."""
     _check_scores(q, blocks, ratio)
     if not use_triton(q):
         return qsa_scores_torch(q, blocks, start, ratio)
+    on_device = _start(start, "qsa_scores")
     n_idx, T, d = q.shape
     nb = blocks.shape[0]
     q = q.contiguous() if q.stride(-1) != 1 else q
@@ -138,7 +158,8 @@ def qsa_scores(q: torch.Tensor, blocks: torch.Tensor, start: int, ratio: int, *,
         _qsa_scores_kernel[grid](q, blocks, out, T, nb, start, ratio, math.sqrt(d), q.stride(0), q.stride(1),
                                  blocks.stride(0), out.stride(0), N_IDX=n_idx,
                                  NI_P2=max(4, triton.next_power_of_2(n_idx)), D=d,
-                                 D_P2=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n)
+                                 D_P2=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
+                                 START_PTR=on_device)
     return out
 
 
@@ -174,7 +195,8 @@ def token_mask(sel: torch.Tensor, start: int, ratio: int, n: int) -> torch.Tenso
     pos = torch.arange(start, start + T, device=dev)
     n_vis = visible_blocks(start, T, ratio, dev)
     chosen = torch.zeros(T, n // ratio + 1, dtype=torch.bool, device=dev)
-    chosen.scatter_(1, torch.where(sel >= 0, sel, n // ratio), True)
+    live = (sel >= 0) & (sel < n_vis[:, None])  # a block not yet visible counts as -1
+    chosen.scatter_(1, torch.where(live, sel, n // ratio), True)
     by_block = chosen[:, :n // ratio].repeat_interleave(ratio, dim=1)
     mask = torch.zeros(T, n, dtype=torch.bool, device=dev)
     mask[:, :by_block.shape[1]] = by_block
@@ -201,7 +223,7 @@ def _check_attention(q, k, v, sel, start, ratio):
         raise ValueError(f"qsa_attention: {H} query heads do not share {k.shape[0]} kv heads evenly")
     if sel.dim() != 2 or sel.shape[0] != T:
         raise ValueError(f"qsa_attention: sel must be ({T}, keep), got {tuple(sel.shape)}")
-    if start + T > k.shape[1]:
+    if not isinstance(start, torch.Tensor) and start + T > k.shape[1]:  # (a graph's holds its capacity)
         raise ValueError(f"qsa_attention: queries up to position {start + T - 1} need that many "
                          f"cached keys, the cache holds {k.shape[1]}")
     if ratio < 1:
@@ -216,8 +238,10 @@ def _slots(sel: torch.Tensor, start: int, ratio: int) -> tuple[torch.Tensor, tor
     j = torch.arange(ratio, device=dev)
     pos = torch.arange(start, start + T, device=dev)
     blk = (sel[:, :, None] * ratio + j).reshape(T, keep * ratio)
-    tail = (visible_blocks(start, T, ratio, dev) * ratio)[:, None] + j[:ratio - 1]
-    ok = torch.cat([(sel >= 0).repeat_interleave(ratio, dim=1), tail <= pos[:, None]], dim=1)
+    n_vis = visible_blocks(start, T, ratio, dev)
+    tail = (n_vis * ratio)[:, None] + j[:ratio - 1]
+    chosen = (sel >= 0) & (sel < n_vis[:, None])  # a block not yet visible counts as -1
+    ok = torch.cat([chosen.repeat_interleave(ratio, dim=1), tail <= pos[:, None]], dim=1)
     return torch.where(ok, torch.cat([blk, tail], dim=1), 0), ok
 
 
@@ -261,14 +285,15 @@ def _qsa_attention_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, out_ptr, ks_ptr, vs_ptr,
                           stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn,
                           stride_st, stride_oh, stride_ot, stride_sh, stride_sn,
                           G: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-                          SCALED: tl.constexpr):
+                          SCALED: tl.constexpr, START_PTR: tl.constexpr):
     # one program: query t, query head h (kv head h // G). Slot s < keep * ratio is token
-    # sel[t, s // ratio] * ratio + s % ratio (none where the block id is -1); slot
-    # keep * ratio + j is tail token n_p * ratio + j (none past p). The dots are products
-    # summed along d: one query row would waste 15 of tl.dot's 16.
+    # sel[t, s // ratio] * ratio + s % ratio (none where the block id is -1 or not yet
+    # visible: a graph's sorted scores put the unseen blocks last); slot keep * ratio + j
+    # is tail token n_p * ratio + j (none past p). The dots are products summed along d:
+    # one query row would waste 15 of tl.dot's 16.
     t, h = tl.program_id(0), tl.program_id(1)
     hk = h // G
-    pos = start + t
+    pos = _first(start, START_PTR) + t
     n_vis = (pos + 1) // ratio
     dd = tl.arange(0, D_P2)
     d_ok = dd < D
@@ -283,7 +308,7 @@ def _qsa_attention_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, out_ptr, ks_ptr, vs_ptr,
         is_blk = s < in_blocks
         blk = tl.load(sel_ptr + t * stride_st + s // ratio, mask=is_blk, other=-1)
         tok = tl.where(is_blk, blk * ratio + s % ratio, n_vis * ratio + (s - in_blocks))
-        ok = tl.where(is_blk, blk >= 0, tok <= pos) & (s < n_slots)
+        ok = tl.where(is_blk, (blk >= 0) & (blk < n_vis), tok <= pos) & (s < n_slots)
         kv_mask = ok[:, None] & d_ok[None, :]
         kt = tl.load(k_ptr + hk * stride_kh + tok[:, None] * stride_kn + dd[None, :],
                      mask=kv_mask, other=0.0).to(tl.float32)
@@ -306,15 +331,18 @@ def _qsa_attention_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, out_ptr, ks_ptr, vs_ptr,
 
 
 def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor,
-                  start: int, ratio: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  *, block_s: int = ATTN_BLOCK_S) -> torch.Tensor:
+                  start: int | torch.Tensor, ratio: int, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None, *, block_s: int = ATTN_BLOCK_S) -> torch.Tensor:
     """out (H, T, D) float32: each query attends its chosen blocks and its tail (see the
-    module); K and V read in place from the cache. CPU tensors without the interpreter
-    run qsa_attention_torch."""
+    module); K and V read in place from the cache. A block id past the query's visible
+    blocks counts as -1. `start` may be a one-element device tensor with the Triton kernel
+    (a decode graph's position; the cache then must hold it, unchecked). CPU tensors
+    without the interpreter run qsa_attention_torch."""
     _check_attention(q, k, v, sel, start, ratio)
     _check_scales(k, k_scale, v_scale)
     if not use_triton(q):
         return qsa_attention_torch(q, k, v, sel, start, ratio, k_scale, v_scale)
+    on_device = _start(start, "qsa_attention")
     H, T, D = q.shape
     Hkv = k.shape[0]
     G = H // Hkv
@@ -332,5 +360,6 @@ def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.
                                       q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                       v.stride(0), v.stride(1), sel.stride(0), out.stride(0), out.stride(1),
                                       ks.stride(0) if scaled else 0, ks.stride(1) if scaled else 0,
-                                      G=G, D=D, D_P2=triton.next_power_of_2(D), BLOCK_S=block_s, SCALED=scaled)
+                                      G=G, D=D, D_P2=triton.next_power_of_2(D), BLOCK_S=block_s, SCALED=scaled,
+                                      START_PTR=on_device)
     return out

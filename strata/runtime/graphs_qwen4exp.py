@@ -48,6 +48,7 @@ is the one-token graph's at that position, bit for bit.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -86,19 +87,25 @@ class _Where:
     def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int, nb: int = 0):
         dev, C = P.device, capacity
         self.cos, self.sin = rope.cos[P], rope.sin[P]
-        self.P, self.C, self._causal = P, C, None
+        self.P, self.C, self.ratio, self.nb, self._causal = P, C, ratio, nb, None
         if not ratio:
             return
-        r, span = ratio, torch.arange(ratio, device=dev)
+        r, self.span = ratio, torch.arange(ratio, device=dev)
         self.block = P // r                                                      # the block p lies in
         first = self.block * r
-        self.pool_at = (first[:, None] + span).clamp(max=C - 1)                  # (T, r)
+        self.pool_at = (first[:, None] + self.span).clamp(max=C - 1)             # (T, r)
         self.pool_cos, self.pool_sin = rope.cos[first], rope.sin[first]
+
+    @functools.cached_property
+    def choice(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What torch's QSA gathers by (the kernels find it themselves): (unseen (T, NB),
+        the blocks' rows (NB, r), the open tail's rows (T, r) and which of them are live)."""
+        P, r, span, dev = self.P, self.ratio, self.span, self.P.device
         seen = (P + 1) // r                                                      # complete blocks a query sees
-        self.unseen = torch.arange(nb, device=dev)[None, :] >= seen[:, None]     # (T, NB)
-        self.block_rows = (torch.arange(nb, device=dev)[:, None] * r + span).clamp(max=C - 1)  # (NB, r)
-        tail = seen[:, None] * r + span                                          # the open tail, (T, r)
-        self.tail_ok, self.tail_at = tail <= P[:, None], tail.clamp(max=C - 1)
+        unseen = torch.arange(self.nb, device=dev)[None, :] >= seen[:, None]
+        block_rows = (torch.arange(self.nb, device=dev)[:, None] * r + span).clamp(max=self.C - 1)
+        tail = seen[:, None] * r + span
+        return unseen, block_rows, tail.clamp(max=self.C - 1), tail <= P[:, None]
 
     def causal(self) -> torch.Tensor:
         """(T, C): True where a query attends (its position and those before)."""
@@ -131,21 +138,38 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
     qi = _norm_rope(m, qi, m.idx_q_norm, at.cos, at.sin)
     blocks = st._blocks                                                          # (NB, d)
+    if m.kernels == "triton":
+        return _sparse_kernels(m, q, qi, blocks, keep, st, at)
     if invariant.enabled():
         scores = invariant.scores(qi, blocks)
     else:
         scores = (qi.float() @ blocks.T).relu().sum(dim=0)                      # (T, NB)
-    scores = (scores / math.sqrt(m.idx_dim)).masked_fill(at.unseen, float("-inf"))
+    unseen, block_rows, tail_at, tail_ok = at.choice
+    scores = (scores / math.sqrt(m.idx_dim)).masked_fill(unseen, float("-inf"))
     # the best `keep`, ties to the lower block (a fixed rule: topk's choice among equal
     # scores moves with the row's length, and the graph's row is the capacity's)
     best, sel = (t[:, :keep] for t in scores.sort(dim=-1, descending=True, stable=True))  # (T, keep)
-    tokens = torch.cat([at.block_rows[sel].reshape(T, -1), at.tail_at], dim=1)  # (T, S)
+    tokens = torch.cat([block_rows[sel].reshape(T, -1), tail_at], dim=1)        # (T, S)
     chosen = (best > float("-inf"))[:, :, None].expand(T, keep, m.ratio).reshape(T, -1)
-    ok = torch.cat([chosen, at.tail_ok], dim=1)
+    ok = torch.cat([chosen, tail_ok], dim=1)
     scales = st.kv_scales()
     k = _rows(st._k[:, tokens], None if scales is None else scales[0][:, tokens])  # (Hkv, T, S, D)
     v = _rows(st._v[:, tokens], None if scales is None else scales[1][:, tokens])
     return _rowwise(q, k.transpose(0, 1), v.transpose(0, 1), ok)
+
+
+def _sparse_kernels(m, q, qi, blocks, keep: int, st: AttentionState, at: _Where) -> torch.Tensor:
+    """_sparse's scores and attention with the QSA kernels (triton_kernels.qsa), which read
+    the first position from the device: the scores (-inf past each query's visible blocks)
+    in one launch, and the chosen blocks' and the tail's rows gathered inside the
+    attention's, which counts a block the query cannot see yet (sorted last) as none. A
+    query's sums are its own program's, whatever T: batch-invariant as they stand."""
+    start = at.P[:1]
+    scores = impl("qsa_scores", "triton")(qi, blocks, start, m.ratio)          # (T, NB)
+    sel = scores.sort(dim=-1, descending=True, stable=True)[1][:, :keep]        # ties: the lower block
+    scales = st.kv_scales()
+    return impl("qsa_attention", "triton")(q, *st.kv_cache(), sel, start, m.ratio,
+                                           **({} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}))
 
 
 def _rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:

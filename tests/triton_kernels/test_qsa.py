@@ -84,6 +84,8 @@ def test_scores_equal_the_per_query_loop(n_idx, d, T, start, ratio, seed, zeros)
         assert bool(((got - want).abs()[seen] <= bound.expand_as(got)[seen] + 1e-30).all())
         if zeros and nb:
             assert bool((got[:, ::2][seen[:, ::2]] == 0).all())  # exact zeros stay exact: ties
+    # a decode graph's start, read by the kernel from the device: the same bits
+    assert torch.equal(qsa_scores(q, blocks, torch.tensor([start]), ratio), qsa_scores(q, blocks, start, ratio))
 
 
 # --- selection -----------------------------------------------------------------------------
@@ -160,6 +162,24 @@ def test_block_sparse_attention_equals_the_masked_dense_one(heads, D, T, start, 
     for got in (qsa_attention(q, k, v, sel, start, ratio), qsa_attention_torch(q, k, v, sel, start, ratio)):
         assert got.shape == (H, T, D) and got.dtype == torch.float32
         assert float((got - want).abs().max()) <= tol
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(T=st.integers(1, 4), start=st.integers(0, 40), ratio=st.integers(1, 4), keep=st.integers(1, 6),
+       extra=st.integers(0, 12), seed=st.integers(0, 2**16))
+def test_unseen_blocks_count_as_none_and_a_device_start_as_its_value(T, start, ratio, keep, extra, seed):
+    """A decode graph's selection (its scores sorted, strata.runtime.graphs_qwen4exp) puts
+    blocks a query does not yet see where eager selection puts -1, and its start is a
+    device tensor: both kernels attend exactly as to the eager selection at an int start."""
+    g = torch.Generator().manual_seed(seed)
+    N = start + T + extra
+    q, k, v = torch.randn(4, T, 16, generator=g), torch.randn(2, N, 16, generator=g), torch.randn(2, N, 16, generator=g)
+    sel = random_selection(g, T, start, ratio, keep, True)
+    n_vis = visible_blocks(start, T, ratio)
+    unseen = torch.where(sel < 0, n_vis[:, None] + torch.randint(0, 1 + N // ratio, sel.shape, generator=g), sel)
+    want = qsa_attention(q, k, v, sel, start, ratio)
+    assert torch.equal(qsa_attention(q, k, v, unseen, torch.tensor([start]), ratio), want)
+    assert torch.equal(qsa_attention_torch(q, k, v, unseen, start, ratio), qsa_attention_torch(q, k, v, sel, start, ratio))
 
 
 def test_a_lost_block_is_seen():
