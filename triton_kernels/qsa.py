@@ -124,9 +124,11 @@ def _qsa_scores_kernel(q_ptr, blk_ptr, out_ptr, T, NB, start, ratio, sqrt_d,
 @triton.jit
 def _first(start, START_PTR: tl.constexpr):
     """The first query's position: `start` itself, or read from the device (START_PTR)."""
-    if START_PTR:
-        return tl.load(start).to(tl.int32)
-    return start
+    if START_PTR:  # (one return: the compiler types both branches' returns alike)
+        first = tl.load(start).to(tl.int32)
+    else:
+        first = start
+    return first
 
 
 def _start(start: int | torch.Tensor, name: str) -> bool:
@@ -145,9 +147,9 @@ def qsa_scores(q: torch.Tensor, blocks: torch.Tensor, start: int | torch.Tensor,
     `start` may be a one-element device tensor with the Triton kernel (a decode graph's
     position). CPU tensors without the interpreter run qsa_scores_torch."""
     _check_scores(q, blocks, ratio)
-    if not use_triton(q):
-        return qsa_scores_torch(q, blocks, start, ratio)
     on_device = _start(start, "qsa_scores")
+    if not use_triton(q):  # (a tensor start is on the host here)
+        return qsa_scores_torch(q, blocks, int(start) if on_device else start, ratio)
     n_idx, T, d = q.shape
     nb = blocks.shape[0]
     q = q.contiguous() if q.stride(-1) != 1 else q
@@ -340,9 +342,9 @@ def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.
     without the interpreter run qsa_attention_torch."""
     _check_attention(q, k, v, sel, start, ratio)
     _check_scales(k, k_scale, v_scale)
-    if not use_triton(q):
-        return qsa_attention_torch(q, k, v, sel, start, ratio, k_scale, v_scale)
     on_device = _start(start, "qsa_attention")
+    if not use_triton(q):  # (a tensor start is on the host here)
+        return qsa_attention_torch(q, k, v, sel, int(start) if on_device else start, ratio, k_scale, v_scale)
     H, T, D = q.shape
     Hkv = k.shape[0]
     G = H // Hkv

@@ -187,6 +187,37 @@ def test_the_elementwise_kernels_on_the_gpu_within_their_bounds():
     prop()
 
 
+def test_the_qsa_kernels_on_the_gpu_within_their_bounds_at_a_device_position():
+    """The QSA scores and attention at a position read from the device (a decode graph's,
+    strata.runtime.graphs_qwen4exp), blocks not yet visible in the selection among them,
+    within test_qsa.py's bounds of its references."""
+    from tests.triton_kernels.test_qsa import (attention_bound, attention_reference, gamma, random_selection,
+                                               scores_reference)
+    from triton_kernels.qsa import qsa_attention, qsa_scores, visible_blocks
+
+    @given(T=st.integers(1, 4), start=st.integers(0, 60), ratio=st.integers(1, 4), keep=st.integers(1, 6),
+           seed=st.integers(0, 2 ** 16))
+    @settings(max_examples=examples(30))
+    def prop(T, start, ratio, keep, seed):
+        g = torch.Generator().manual_seed(seed)
+        N = start + T + 8
+        at = torch.tensor([start]).cuda()
+        q, k, v = torch.randn(4, T, 32, generator=g), torch.randn(2, N, 32, generator=g), torch.randn(2, N, 32, generator=g)
+        sel = random_selection(g, T, start, ratio, keep, True)
+        unseen = torch.where(sel < 0, visible_blocks(start, T, ratio)[:, None], sel)  # as a graph sorts them
+        want = attention_reference(q, k[:, :start + T], v[:, :start + T], sel, start, ratio)
+        got = qsa_attention(q.cuda(), k.cuda(), v.cuda(), unseen.cuda(), at, ratio).cpu()
+        assert float((got - want).abs().max()) <= attention_bound(q, k, v, sel, ratio)
+        qi, blocks = torch.randn(4, T, 32, generator=g), torch.randn(N // ratio, 32, generator=g)
+        want = scores_reference(qi, blocks, start, ratio)
+        got = qsa_scores(qi.cuda(), blocks.cuda(), at, ratio).cpu()
+        seen = torch.isfinite(want)
+        assert torch.equal(seen, torch.isfinite(got))
+        bound = gamma(32 + 4 + 1) * (qi.abs() @ blocks.abs().T).sum(0) / 32 ** 0.5
+        assert bool(((got - want).abs()[seen] <= bound[seen] + 1e-30).all())
+    prop()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", UNIT_FORMATS, ids=lambda f: f.name)
 def test_the_ple_gather_on_the_gpu_is_its_torch_twins(fmt, dtype):

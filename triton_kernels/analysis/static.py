@@ -164,11 +164,14 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
     if kv is None:
         raise ValueError(f"{op}: keys are float32, bfloat16 or float16, not {fmt.name}")
     cfg = config or {}
+    # config {"start_ptr": True}: the first position read from the device (a decode graph's)
+    start_ptr = bool(cfg.get("start_ptr", False))
+    start = "start:*i64" if start_ptr else "start:i32"
     if op == "qsa_scores":
         bn, nb = cfg.get("block_n", qsa.SCORES_BLOCK_N), 131072 // 4
-        sig, cx = _sig(f"q_ptr:*fp32,blk_ptr:*{kv},out_ptr:*fp32,T:i32,NB:i32,start:i32,ratio:i32,"
+        sig, cx = _sig(f"q_ptr:*fp32,blk_ptr:*{kv},out_ptr:*fp32,T:i32,NB:i32,{start},ratio:i32,"
                        "sqrt_d:fp32,stride_qh:i32,stride_qt:i32,stride_bn:i32,stride_ot:i32",
-                       N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn, START_PTR=False)
+                       N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn, START_PTR=start_ptr)
         # no loop: the block-key values of a program
         return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", 4), bn * 128, 1, -(-nb // bn))
     bs, slots = cfg.get("block_s", qsa.ATTN_BLOCK_S), 64 + 4 - 1
@@ -178,10 +181,10 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
     scaled = bool(cfg.get("scaled", False))
     codes = "i8" if scaled else kv
     sig, cx = _sig(f"q_ptr:*fp32,k_ptr:*{codes},v_ptr:*{codes},sel_ptr:*i64,out_ptr:*fp32,ks_ptr:*{kv},vs_ptr:*{kv},"
-                   "start:i32,ratio:i32,keep:i32,sm_scale:fp32,stride_qh:i32,stride_qt:i32,stride_kh:i32,"
+                   f"{start},ratio:i32,keep:i32,sm_scale:fp32,stride_qh:i32,stride_qt:i32,stride_kh:i32,"
                    "stride_kn:i32,stride_vh:i32,stride_vn:i32,stride_st:i32,stride_oh:i32,stride_ot:i32,"
                    "stride_sh:i32,stride_sn:i32",
-                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=scaled, START_PTR=False)
+                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=scaled, START_PTR=start_ptr)
     # K and V elements an iteration; a program a query head
     return Spec(qsa._qsa_attention_kernel, sig, cx, cfg.get("num_warps", 4), 2 * bs * 256, -(-slots // bs), 4)
 
@@ -575,7 +578,8 @@ def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None)
         bpw += 16  # the bf16 values written move through the same memory
     row = Row(op=op, format=fmt.name, target=target, kernel=spec.kernel.__name__,
               config={k_: v for k_, v in spec.constexprs.items()
-                      if k_.startswith("BLOCK") or k_ in ("MASK", "SCALED", "SPLIT")} | {"num_warps": spec.num_warps},
+                      if k_.startswith("BLOCK") or k_ in ("MASK", "SCALED", "SPLIT", "START_PTR", "QUANT")}
+              | {"num_warps": spec.num_warps},
               regs=res["regs"], spill_bytes=res["spill"], shared_bytes=res["shared"],
               instructions=len(ins), loop_instructions=body, weights_per_iter=per_thread,
               instr_per_weight=round(ipw, 3), instr_per_weight_whole=round(whole, 3),

@@ -114,14 +114,17 @@ def dequant_and_gather_within_the_h200_budget(fmt, by):
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
 def test_qsa_kernels_compile_without_spills(target):
     """The QSA kernels (triton_kernels.qsa) at Flash-Next's shapes, keys in float32,
-    bfloat16 and int8 codes, in child processes (about 20 s a target): no spills; the attention's loop
+    bfloat16 and int8 codes, the first position given or read from the device (a decode
+    graph's), in child processes (about 20 s a target): no spills; the attention's loop
     over the token slots found."""
     rows = static.rows(static.QSA_OPS, ["F32", "BF16"], [target])
     assert [(r.op, r.format) for r in rows] == [(op, f) for op in static.QSA_OPS for f in ("F32", "BF16")]
     # the int8 cache: codes read in place, a bfloat16 scale a row
     int8 = static.rows(["qsa_attention"], ["BF16"], [target], {"scaled": True})
     assert int8[0].config["SCALED"] is True and all(r.config.get("SCALED") is not True for r in rows)
-    for row in rows + int8:
+    graph = static.rows(static.QSA_OPS, ["F32"], [target], {"start_ptr": True})
+    assert all(r.config.get("START_PTR") is True for r in graph) and not any(r.config.get("START_PTR") for r in rows)
+    for row in rows + int8 + graph:
         assert row.instructions > 0, (row.op, row.format, target)
         assert row.spill_bytes == 0, f"{row.op} {row.format} {target}: {row.spill_bytes} bytes spilled"
         if row.op == "qsa_attention":
