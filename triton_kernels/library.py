@@ -33,7 +33,7 @@ from .moe import moe, route
 from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .ple_mix import ple_mix
 from .qmatmul import qmatmul
-from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_scores
+from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_pool, qsa_scores
 from .rope import norm_rope, norm_rope2
 from .route_align import route_align
 from .shared_expert import gated_add, sigmoid_mul, silu_mul
@@ -130,12 +130,18 @@ def _stage_rows(src: list[Tensor], dst: list[Tensor], ids: Tensor, slots: Tensor
     stage_rows(src, dst, ids, slots, first)
 
 
+def _qsa_pool(idx: Tensor, idx_scale: Optional[Tensor], pos: Tensor, ratio: int, w: Tensor, eps: float,
+              cos: Tensor, sin: Tensor, blocks: Tensor) -> None:
+    qsa_pool(idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks)
+
+
 OPS = {name: _register(name, f) for name, f in (
     ("qmatmul", _qmatmul), ("gated_qmatmul", _gated_qmatmul), ("dequantize", _dequantize), ("route", _route),
     ("moe", _moe),
     ("ngram_ids", _ngram_ids), ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
     ("qsa_attention", _qsa_attention))}
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
+OPS["qsa_pool"] = _register("qsa_pool", _qsa_pool, mutates=("blocks",))
 
 
 def _route_align(logits: Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
@@ -288,6 +294,8 @@ _CALLS = {
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
+    "qsa_pool": lambda idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks:
+        OPS["qsa_pool"](idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks),
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](
         [src] if isinstance(src, Tensor) else list(src), [dst] if isinstance(dst, Tensor) else list(dst),
         ids, slots, first),

@@ -379,16 +379,16 @@ def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
     x8 = quantize_x(x)
     # h's int8 form written by the gate/up programs themselves when each holds whole groups
     # of 32 (the default tiles), else h in float32 and quantize_x's launch: the same bits
-    quant, h8 = int8_buffers(True, n_slots, I, block_n, flat_ids)
-    h = flat_ids if quant else torch.empty((n_slots, I), dtype=torch.float32, device=dev)
+    fused, h8 = int8_buffers(True, n_slots, I, block_n, flat_ids)
+    h = flat_ids if fused else torch.empty((n_slots, I), dtype=torch.float32, device=dev)
     asm = asm_for(dev)
     _gate_up_dp4a_kernel[(triton.cdiv(I, block_n), n_slots)](
         x8.q, x8.d, x8.s, w_gate.view(torch.uint16), w_up.view(torch.uint16),
         unit_table(fmt_gate, dev), unit_table(fmt_up, dev), h, *h8, flat_ids, k, E, I, H,
         gate_se, gate_sr, up_se, up_sr, h.stride(0),
         **_suffixed(launch_args(fmt_gate, ug), "_G"), **_suffixed(launch_args(fmt_up, uu), "_U"),
-        BLOCK_N=block_n, BLOCK_K=block_k, MASK=H % block_k != 0, QUANT=quant, ASM=asm)
-    h8 = Q8X(*h8) if quant else quantize_x(h)
+        BLOCK_N=block_n, BLOCK_K=block_k, MASK=H % block_k != 0, QUANT=fused, ASM=asm)
+    h8 = Q8X(*h8) if fused else quantize_x(h)
     block_n, block_k = tiles_for("moe_down", fmt_down)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
     _down_dp4a_kernel[(triton.cdiv(H, block_n), n_slots)](

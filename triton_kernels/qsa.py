@@ -4,6 +4,7 @@ attention over the chosen blocks only, the gather fused into the attention.
     qsa_scores(q, blocks, start, ratio) -> scores float32 (T, nb)
     select_blocks(scores, start, ratio, keep) -> sel int64 (T, keep), -1 where unused
     qsa_attention(q, k, v, sel, start, ratio[, k_scale, v_scale]) -> out float32 (H, T, D)
+    qsa_pool(idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks)   a graph's block keys, in place
     token_mask(sel, start, ratio, n) -> bool (T, n): the tokens a selection attends to
 
 Queries are T consecutive tokens at positions p = start .. start+T-1. The keys are cut
@@ -46,6 +47,7 @@ import triton.language as tl
 
 from . import invariant
 from .backend import use_triton
+from .rope import norm_rope_torch, norm_rope_values, partner_of
 
 # Tiles, 4 warps (tests/triton_kernels/analysis/test_static.py: no spills on sm_90 and gfx942): the
 # scores' program reads 64 block keys, its dot has the n_idx heads padded to 4 columns, not
@@ -204,6 +206,83 @@ def token_mask(sel: torch.Tensor, start: int, ratio: int, n: int) -> torch.Tenso
     mask[:, :by_block.shape[1]] = by_block
     tail = (tok[None, :] >= (n_vis * ratio)[:, None]) & (tok[None, :] <= pos[:, None])
     return mask | tail
+
+
+# --- pooling the block keys in a decode graph ----------------------------------------------
+
+def _check_pool(idx, idx_scale, pos, ratio, w, cos, sin, blocks):
+    if idx.dim() != 2 or blocks.dim() != 2 or blocks.shape[1] != idx.shape[1] or w.shape != (idx.shape[1],):
+        raise ValueError(f"qsa_pool: idx must be (capacity, d), blocks (n_blocks, d) and w (d,), got "
+                         f"{tuple(idx.shape)}, {tuple(blocks.shape)}, {tuple(w.shape)}")
+    if (idx.dtype == torch.int8) != (idx_scale is not None):
+        raise ValueError("qsa_pool: int8 indexer keys need idx_scale (and only they do)")
+    if pos.dim() != 1 or ratio < 1:
+        raise ValueError(f"qsa_pool: pos must be (T,) and ratio >= 1, got {tuple(pos.shape)} and {ratio}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] > idx.shape[1] or cos.shape[1] % 2:
+        raise ValueError(f"qsa_pool: cos and sin must be (positions, rope_dim), rope_dim even and at most "
+                         f"{idx.shape[1]}, got {tuple(cos.shape)}")
+    if blocks.dtype != torch.float32 or w.dtype != torch.float32 or cos.dtype != torch.float32:
+        raise ValueError("qsa_pool: blocks, w, cos and sin are float32")
+
+
+def qsa_pool_torch(idx: torch.Tensor, idx_scale: torch.Tensor | None, pos: torch.Tensor, ratio: int,
+                   w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, blocks: torch.Tensor) -> None:
+    """blocks[p // ratio] = the pooled key of the block each position p (T,) lies in: the
+    mean of its `ratio` raw indexer keys (rows of idx (capacity, d) as stored, past the
+    capacity the last; int8 rows times idx_scale), RMS-normed times w, roped at the block's
+    first position by the cos and sin tables (positions, rope_dim). In place; the block of
+    a position not yet complete is pooled too (its rows past p are zero: a graph's held
+    buffers), and no query sees it until it is complete (GatedAttention._blocks)."""
+    _check_pool(idx, idx_scale, pos, ratio, w, cos, sin, blocks)
+    block = pos // ratio
+    first = block * ratio
+    rows = (first[:, None] + torch.arange(ratio, device=pos.device)).clamp(max=idx.shape[0] - 1)  # (T, r)
+    raw = idx[rows].float() if idx_scale is None else idx[rows].float() * idx_scale[rows].float()
+    key = norm_rope_torch(raw.mean(dim=1).unsqueeze(1), w, eps, cos[first], sin[first])[0]
+    blocks.index_copy_(0, block, key)
+
+
+@triton.jit
+def _qsa_pool_kernel(idx_ptr, scale_ptr, pos_ptr, w_ptr, cos_ptr, sin_ptr, blocks_ptr, C, D, R, ratio, eps,
+                     stride_i, stride_s, stride_b, BD: tl.constexpr, SCALED: tl.constexpr):
+    # one program a position; positions in one block write the same key (the same rows read)
+    p = tl.load(pos_ptr + tl.program_id(0))
+    blk = p // ratio
+    first = blk * ratio
+    c = tl.arange(0, BD)
+    partner = partner_of(c, R)
+    x = tl.zeros((BD,), tl.float32)
+    xp = tl.zeros((BD,), tl.float32)
+    for j in range(0, ratio):
+        row = tl.minimum(first + j, C - 1)
+        v = tl.load(idx_ptr + row * stride_i + c, mask=c < D, other=0).to(tl.float32)
+        vp = tl.load(idx_ptr + row * stride_i + partner, mask=c < R, other=0).to(tl.float32)
+        if SCALED:
+            s = tl.load(scale_ptr + row * stride_s).to(tl.float32)
+            v, vp = v * s, vp * s
+        x += v
+        xp += vp
+    out = norm_rope_values(x / ratio, xp / ratio, w_ptr, cos_ptr + first * R, sin_ptr + first * R, D, R, eps, BD)
+    tl.store(blocks_ptr + blk * stride_b + c, out, mask=c < D)
+
+
+def qsa_pool(idx: torch.Tensor, idx_scale: torch.Tensor | None, pos: torch.Tensor, ratio: int,
+             w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, blocks: torch.Tensor) -> None:
+    """qsa_pool_torch in one launch, positions read from the device (a decode graph's
+    QSA layer: what torch takes five launches for). CPU tensors without the interpreter
+    run qsa_pool_torch."""
+    _check_pool(idx, idx_scale, pos, ratio, w, cos, sin, blocks)
+    if not use_triton(idx):
+        return qsa_pool_torch(idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks)
+    if idx.stride(-1) != 1 or blocks.stride(-1) != 1:
+        raise ValueError("qsa_pool: idx and blocks must be contiguous along d")
+    scaled = idx_scale is not None
+    scale = idx_scale if scaled else idx  # unread without SCALED
+    if pos.numel():
+        _qsa_pool_kernel[(pos.numel(),)](idx, scale, pos, w.contiguous(), cos.contiguous(), sin.contiguous(), blocks,
+                                         idx.shape[0], idx.shape[1], cos.shape[1], ratio, eps, idx.stride(0),
+                                         scale.stride(0), blocks.stride(0), BD=triton.next_power_of_2(idx.shape[1]),
+                                         SCALED=scaled)
 
 
 # --- attention over the chosen blocks -------------------------------------------------------

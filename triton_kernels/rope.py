@@ -47,21 +47,32 @@ def _norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, r, T, D, R, stride_t
     """Output row r = head * T + token of norm_rope."""
     h, t = r // T, r % T
     c = tl.arange(0, BD)
-    live = c < D
     row = x_ptr + t * stride_t + h * stride_h
-    x = tl.load(row + c, mask=live, other=0.0)
+    x = tl.load(row + c, mask=c < D, other=0.0)
+    xp = tl.load(row + partner_of(c, R), mask=c < R, other=0.0)
+    tl.store(out_ptr + r * D + c, norm_rope_values(x, xp, w_ptr, cos_ptr + t * R, sin_ptr + t * R, D, R, eps, BD),
+             mask=c < D)
+
+
+@triton.jit
+def partner_of(c, R):
+    """Rotate-half: dim c < R/2 pairs with c + R/2 (taken negated), c < R with c - R/2."""
+    return tl.where(c < R // 2, c + R // 2, c - R // 2)
+
+
+@triton.jit
+def norm_rope_values(x, xp, w_ptr, cos_ptr, sin_ptr, D, R, eps, BD: tl.constexpr):
+    """One row x [BD] (D live) RMS-normed times w and roped on its first R dims by the cos
+    and sin row at cos_ptr, sin_ptr; xp [BD]: x at partner_of(c, R) (0 past R)."""
+    c = tl.arange(0, BD)
+    live, roped = c < D, c < R
     inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
     y = x * inv * tl.load(w_ptr + c, mask=live, other=0.0)
-    # rotate-half: dim c < R/2 pairs with c + R/2 (taken negated), c < R with c - R/2
-    half = R // 2
-    roped = c < R
-    partner = tl.where(c < half, c + half, c - half)
-    yp = tl.load(row + partner, mask=roped, other=0.0) * inv * tl.load(w_ptr + partner, mask=roped, other=0.0)
-    yp = tl.where(c < half, -yp, yp)
-    cos = tl.load(cos_ptr + t * R + c, mask=roped, other=1.0)
-    sin = tl.load(sin_ptr + t * R + c, mask=roped, other=0.0)
-    out = tl.where(roped, y * cos + yp * sin, y)
-    tl.store(out_ptr + r * D + c, out, mask=live)
+    yp = xp * inv * tl.load(w_ptr + partner_of(c, R), mask=roped, other=0.0)
+    yp = tl.where(c < R // 2, -yp, yp)
+    cos = tl.load(cos_ptr + c, mask=roped, other=1.0)
+    sin = tl.load(sin_ptr + c, mask=roped, other=0.0)
+    return tl.where(roped, y * cos + yp * sin, y)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -85,22 +85,15 @@ class _Where:
     mask over the capacity, and QSA's indices (see the module)."""
 
     def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int, nb: int = 0):
-        dev, C = P.device, capacity
         self.cos, self.sin = rope.cos[P], rope.sin[P]
-        self.P, self.C, self.ratio, self.nb, self._causal = P, C, ratio, nb, None
-        if not ratio:
-            return
-        r, self.span = ratio, torch.arange(ratio, device=dev)
-        self.block = P // r                                                      # the block p lies in
-        first = self.block * r
-        self.pool_at = (first[:, None] + self.span).clamp(max=C - 1)             # (T, r)
-        self.pool_cos, self.pool_sin = rope.cos[first], rope.sin[first]
+        self.P, self.C, self.ratio, self.nb, self._causal = P, capacity, ratio, nb, None
 
     @functools.cached_property
     def choice(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """What torch's QSA gathers by (the kernels find it themselves): (unseen (T, NB),
         the blocks' rows (NB, r), the open tail's rows (T, r) and which of them are live)."""
-        P, r, span, dev = self.P, self.ratio, self.span, self.P.device
+        P, r, dev = self.P, self.ratio, self.P.device
+        span = torch.arange(r, device=dev)
         seen = (P + 1) // r                                                      # complete blocks a query sees
         unseen = torch.arange(self.nb, device=dev)[None, :] >= seen[:, None]
         block_rows = (torch.arange(self.nb, device=dev)[:, None] * r + span).clamp(max=self.C - 1)
@@ -124,11 +117,10 @@ def _norm_rope(m, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torc
 
 def _pool(m, st: AttentionState, at: _Where) -> None:
     """Write the pooled indexer key of the block each position lies in: the mean of its
-    raw keys, normed, roped at its first position (GatedAttention._blocks)."""
-    rows = at.pool_at                                                            # (T, r)
-    raw = _rows(st._idx[rows], None if st._is is None else st._is[rows]).mean(dim=1)  # (T, d)
-    key = _norm_rope(m, raw.unsqueeze(1), m.idx_k_norm, at.pool_cos, at.pool_sin)[0]
-    st._blocks.index_copy_(0, at.block, key)
+    raw keys, normed, roped at its first position (GatedAttention._blocks; with the Triton
+    kernels one launch)."""
+    impl("qsa_pool", m.kernels)(st._idx, st._is, at.P, m.ratio, m.idx_k_norm, m.eps, m.rope.cos, m.rope.sin,
+                                st._blocks)
 
 
 def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:

@@ -49,6 +49,8 @@ def cases():
         ("ple_gather", (table, torch.tensor([[0, 5, 9, 2], [1, 1, 3, 4]]), "Q8_0", None, 0.5, torch.float32, 16, 10)),
         ("qsa_scores", (qi, pooled, 20, 4, 16)),
         ("qsa_attention", (qh, kh, vh, sel, 21, 4, None, None, 16)),
+        ("qsa_pool", (torch.randn(24, 16), None, torch.tensor([9, 13]), 4, torch.randn(16), 1e-6,
+                      torch.randn(40, 8), torch.randn(40, 8), torch.zeros(7, 16))),
         ("stage_rows", ([torch.arange(40, dtype=torch.uint8).reshape(5, 8), torch.arange(15, dtype=torch.uint8).reshape(5, 3)],
                         [torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 3, dtype=torch.uint8)],
                         torch.tensor([4, 0]), torch.tensor([-1, 2]), 1)),

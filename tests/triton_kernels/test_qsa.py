@@ -30,6 +30,8 @@ from triton_kernels.backend import interpreter_on
 from triton_kernels.qsa import (
     qsa_attention,
     qsa_attention_torch,
+    qsa_pool,
+    qsa_pool_torch,
     qsa_scores,
     qsa_scores_torch,
     select_blocks,
@@ -213,3 +215,43 @@ def test_an_int8_cache_attends_as_its_decoded_rows(heads, D, T, start, ratio, ke
         assert float((got - want).abs().max()) <= tol
     with pytest.raises(ValueError, match="k_scale"):
         qsa_attention_torch(q, k, v, sel, start, ratio)
+
+
+# --- a decode graph's block keys ------------------------------------------------------------
+
+@settings(max_examples=examples(20), deadline=None)
+@given(T=st.integers(1, 4), p0=st.integers(0, 40), ratio=st.integers(1, 5), d=st.sampled_from([16, 24]),
+       rope=st.sampled_from([8, 16]), kind=st.sampled_from(["f32", "bf16", "int8"]), seed=st.integers(0, 2**16))
+def test_the_pooled_block_keys_of_a_graph_within_float32_rounding_of_float64(T, p0, ratio, d, rope, kind, seed):
+    """qsa_pool (one launch) and its torch twin write each position's block key: the mean
+    of the block's raw keys as stored (the rows past the capacity the last one's), normed,
+    roped at the block's first position; the other blocks untouched. Bound, against the
+    same in float64: the mean's error, gamma(ratio + 1) of the rows' largest |value|,
+    over the key's rms, plus the norm's and the rope's own, gamma(d + 8), all times the
+    output's scale 2 max|w|."""
+    from strata.nn import kv
+    g = torch.Generator().manual_seed(seed)
+    C = p0 + T + int(torch.randint(0, 6, (1,), generator=g))
+    data, scale = kv.encode(torch.randn(C, d, generator=g) * 3, kind)
+    pos = torch.arange(p0, p0 + T)
+    w, ang = torch.randn(d, generator=g), torch.randn(C + 8, rope // 2, generator=g)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], 1), torch.cat([ang.sin(), ang.sin()], 1)
+    nb = C // ratio + 1
+    before = torch.randn(nb, d, generator=g)
+    rows = kv.decode(data, scale).double()  # int8 codes times bf16 scales: exact in float32
+    want, bound = before.double().clone(), torch.zeros(nb, dtype=torch.float64)
+    for b in sorted({p // ratio for p in pos.tolist()}):
+        block = rows[[min(b * ratio + j, C - 1) for j in range(ratio)]]
+        x = block.mean(0)
+        rms = torch.sqrt((x * x).mean() + 1e-6)
+        y = x / rms * w.double()
+        rot = torch.cat([-y[rope // 2:rope], y[:rope // 2]])
+        want[b] = torch.cat([y[:rope] * cos[b * ratio].double() + rot * sin[b * ratio].double(), y[rope:]])
+        bound[b] = 2 * w.abs().max() * (gamma(ratio + 1) * block.abs().max() / rms + gamma(d + 8))
+    touched = bound > 0
+    for f in (qsa_pool, qsa_pool_torch):
+        got = before.clone()
+        f(data, scale, pos, ratio, w, 1e-6, cos, sin, got)
+        assert torch.equal(got[~touched], before[~touched]), f.__name__
+        err = (got.double() - want).abs().amax(dim=1)
+        assert bool((err[touched] <= bound[touched]).all()), (f.__name__, err[touched], bound[touched])
