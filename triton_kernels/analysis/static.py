@@ -57,7 +57,7 @@ from ..decode import decoder, launch_args, unit
 
 OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather")
 # QSA's kernels; their "format" is the dtype of the keys they read (F32, BF16, F16)
-QSA_OPS = ("qsa_scores", "qsa_attention")
+QSA_OPS = ("qsa_scores", "qsa_attention", "qsa_pool")
 TARGETS = {
     "sm_80": GPUTarget("cuda", 80, 32),
     "sm_89": GPUTarget("cuda", 89, 32),
@@ -174,6 +174,12 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
                        N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn, START_PTR=start_ptr)
         # no loop: the block-key values of a program
         return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", 4), bn * 128, 1, -(-nb // bn))
+    if op == "qsa_pool":  # a decode graph's block keys: a program a position, 4 rows of 128
+        scaled = bool(cfg.get("scaled", False))
+        sig, cx = _sig(f"idx_ptr:*{'i8' if scaled else kv},scale_ptr:*{kv},pos_ptr:*i64,w_ptr:*fp32,cos_ptr:*fp32,"
+                       "sin_ptr:*fp32,blocks_ptr:*fp32,C:i32,D:i32,R:i32,ratio:i32,eps:fp32,stride_i:i32,"
+                       "stride_s:i32,stride_b:i32", BD=128, SCALED=scaled)
+        return Spec(qsa._qsa_pool_kernel, sig, cx, cfg.get("num_warps", 4), 4 * 128, 4, 1)
     bs, slots = cfg.get("block_s", qsa.ATTN_BLOCK_S), 64 + 4 - 1
     # config {"scaled": True}: the int8 cache (strata.nn.kv), codes read in place with one
     # scale a row in `fmt` (BF16); otherwise float keys, and the scale pointers are passed

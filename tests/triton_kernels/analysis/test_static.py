@@ -113,16 +113,16 @@ def dequant_and_gather_within_the_h200_budget(fmt, by):
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["sm_90", "gfx942"])
 def test_qsa_kernels_compile_without_spills(target):
-    """The QSA kernels (triton_kernels.qsa) at Flash-Next's shapes, keys in float32,
-    bfloat16 and int8 codes, the first position given or read from the device (a decode
-    graph's), in child processes (about 20 s a target): no spills; the attention's loop
-    over the token slots found."""
+    """The QSA kernels (triton_kernels.qsa: scores, attention, a graph's block keys) at
+    Flash-Next's shapes, keys in float32, bfloat16 and int8 codes, the first position given
+    or read from the device (a decode graph's), in child processes (about 20 s a target):
+    no spills; the attention's loop over the token slots found."""
     rows = static.rows(static.QSA_OPS, ["F32", "BF16"], [target])
     assert [(r.op, r.format) for r in rows] == [(op, f) for op in static.QSA_OPS for f in ("F32", "BF16")]
     # the int8 cache: codes read in place, a bfloat16 scale a row
     int8 = static.rows(["qsa_attention"], ["BF16"], [target], {"scaled": True})
     assert int8[0].config["SCALED"] is True and all(r.config.get("SCALED") is not True for r in rows)
-    graph = static.rows(static.QSA_OPS, ["F32"], [target], {"start_ptr": True})
+    graph = static.rows(["qsa_scores", "qsa_attention"], ["F32"], [target], {"start_ptr": True})
     assert all(r.config.get("START_PTR") is True for r in graph) and not any(r.config.get("START_PTR") for r in rows)
     for row in rows + int8 + graph:
         assert row.instructions > 0, (row.op, row.format, target)
