@@ -22,6 +22,7 @@ import torch
 
 import quant
 
+from .cache_write import cache_write
 from .conv import conv_step
 from .deltanet import deltanet_step
 from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
@@ -130,6 +131,10 @@ def _stage_rows(src: list[Tensor], dst: list[Tensor], ids: Tensor, slots: Tensor
     stage_rows(src, dst, ids, slots, first)
 
 
+def _cache_write(dsts: list[Tensor], srcs: list[Tensor], pos: Tensor) -> None:
+    cache_write(dsts, srcs, pos)
+
+
 def _qsa_pool(idx: Tensor, idx_scale: Optional[Tensor], pos: Tensor, ratio: int, w: Tensor, eps: float,
               cos: Tensor, sin: Tensor, blocks: Tensor) -> None:
     qsa_pool(idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks)
@@ -142,6 +147,7 @@ OPS = {name: _register(name, f) for name, f in (
     ("qsa_attention", _qsa_attention))}
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
 OPS["qsa_pool"] = _register("qsa_pool", _qsa_pool, mutates=("blocks",))
+OPS["cache_write"] = _register("cache_write", _cache_write, mutates=("dsts",))
 
 
 def _route_align(logits: Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
@@ -294,6 +300,7 @@ _CALLS = {
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
         OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
+    "cache_write": lambda dsts, srcs, pos: OPS["cache_write"](list(dsts), list(srcs), pos),
     "qsa_pool": lambda idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks:
         OPS["qsa_pool"](idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks),
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](

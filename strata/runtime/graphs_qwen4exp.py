@@ -65,6 +65,20 @@ from triton_kernels import backend, invariant
 from triton_kernels.ops import impl
 
 
+def _write_rows(m, st: AttentionState, k: torch.Tensor, v: torch.Tensor, idx_k: torch.Tensor | None,
+                at: torch.Tensor) -> None:
+    """Keys, values and indexer keys stored at positions `at`: with the Triton kernels in a
+    float cache one launch (triton_kernels.cache_write), else a buffer at a time."""
+    if m.kernels == "triton" and st.kind != "int8":
+        pairs = [(st._k, k), (st._v, v)] + ([(st._idx, idx_k)] if idx_k is not None else [])
+        impl("cache_write", "triton")(*map(list, zip(*pairs)), at)
+        return
+    _write(st, "k", k, at)
+    _write(st, "v", v, at)
+    if idx_k is not None:
+        _write(st, "idx", idx_k, at)
+
+
 def _write(st: AttentionState, name: str, x: torch.Tensor, at: torch.Tensor) -> None:
     """Rows x (..., T, d) stored at positions `at` (T,) of buffer `name` (k, v, idx)."""
     data, scale = kv.encode(x, st.kind)
@@ -181,10 +195,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
     """The gated attention of rows a (T, dim) at device positions P (T,), the state's
     buffers written in place."""
     q, k, v, idx_q, idx_k, gate = project(m.proj(a).float(), *m.project_args(), at.cos, at.sin)
-    _write(st, "k", k, P)
-    _write(st, "v", v, P)
-    if idx_k is not None:
-        _write(st, "idx", idx_k, P)
+    _write_rows(m, st, k, v, idx_k, P)
     if m.qsa and not m.dense_only:
         out = _sparse(m, q, idx_q, st, at)
     else:
@@ -200,10 +211,7 @@ def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -
     """Only the keys, values and indexer keys of rows a written (the MTP block's, which a
     draft attends to; MTPHead.keys)."""
     _, k, v, _, idx_k, _ = project(m.proj(a).float(), *m.project_args(), at.cos, at.sin)
-    _write(st, "k", k, P)
-    _write(st, "v", v, P)
-    if idx_k is not None:
-        _write(st, "idx", idx_k, P)
+    _write_rows(m, st, k, v, idx_k, P)
 
 
 def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
