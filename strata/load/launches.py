@@ -8,8 +8,11 @@ never made, a fake device reads none), dtype and options, on device "cuda" with 
 Triton kernels. The tiers are the plan's where it is a GPU's; a CPU plan's (dense or
 blocks in the mapping) have no GPU twin, so the trace holds the experts and the PLE
 table in VRAM (`device`, as the placement does when they fit). The second step from an
-empty state is counted: the first also makes the launchers' constant tables. A step of a
-llama model is counted eagerly (a CUDA graph replays the same launches)."""
+empty state is counted: the first also makes the launchers' constant tables (and a
+Flash-Next state's decode graph, whose step is the one a GPU replays and is counted, run
+as is on fake CUDA; with STRATA_CUDA_GRAPHS=0, or where the graph is not taken, the eager
+step). A step of a llama model is counted eagerly (its CUDA graph replays the same
+launches)."""
 from __future__ import annotations
 
 import contextlib
@@ -79,7 +82,8 @@ def count_launches(plan) -> StepLaunches:
         return StepLaunches(layers, how, error="several processes (--ep/--pp): a step is traced in one")
     threads = torch.get_num_threads()
     try:
-        with fake_cuda(), _eager_step():
+        # Flash-Next's step as the GPU takes it (its graph's where it holds one); llama's eager
+        with fake_cuda(), (contextlib.nullcontext() if plan.arch == "qwen4exp" else _eager_step()):
             p = decide(plan.gguf, traced)
             if gpu and plan.ple is not None and p.ple is not None:  # a table the placement left on the host
                 p.ple = dataclasses.replace(p.ple, host=plan.ple.host)
@@ -87,6 +91,8 @@ def count_launches(plan) -> StepLaunches:
             state = model.new_cache(8)
             trace(lambda: model(torch.tensor([1]), state))
             t = trace(lambda: model(torch.tensor([4]), state))
+        if getattr(state, "graphs", None):
+            how += ", its CUDA graph's step"
         return StepLaunches(layers, how, t)
     except HostRead as e:
         return StepLaunches(layers, how, error=f"the step reads the host: {e}")

@@ -259,7 +259,7 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
     keys, `prev` (1, S*H) holds the streams at the position before. What a verify keeps
     (T > 1): {"ple_input": the PLE block's input, "rows": each DeltaNet layer's inputs}."""
     T = tok.numel()
-    P = pos + torch.arange(T, device=pos.device)
+    P = pos if T == 1 else pos + torch.arange(T, device=pos.device)  # (a decode: pos itself, no launch)
     x = model.embed(tok).repeat(1, model.cfg.streams)
     where: dict = {}
     kept: dict = {"rows": []} if T > 1 else {}

@@ -73,8 +73,8 @@ def test_bench_model_flash_shape_on_the_cpu(monkeypatch):
     assert m and all(float(x.replace(",", "")) > 0 for x in m.groups()), out
     assert "Flash-Shape 1L (qwen4exp, 1 layers: 1 DeltaNet + 0 attention, dim 2560 x 4 streams, 16 experts " \
            "top-2" in out
-    m = re.search(rf"a decode step on a GPU \(bfloat16, Triton kernels, experts device, PLE in memory, traced on "
-                  rf"fake CUDA\): {NUM} kernel launches \({NUM} a layer\): {NUM} Triton, {NUM} torch", out)
+    m = re.search(rf"a decode step on a GPU \(bfloat16, Triton kernels, experts device, PLE in memory, its CUDA graph's "
+                  rf"step, traced on fake CUDA\): {NUM} kernel launches \({NUM} a layer\): {NUM} Triton, {NUM} torch", out)
     assert m, out
     launches, triton, torch_ops = int(m[1]), int(m[3]), int(m[4])
     assert launches == triton + torch_ops and triton > 0 and 20 < launches < 400
