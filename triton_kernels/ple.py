@@ -206,7 +206,9 @@ def ngram_ids(tokens: torch.Tensor, history: torch.Tensor | None, multipliers: I
             hist, mults, sizes, offsets, out, n, eos_id, CONTEXT=context,
             HEADS_PER_NGRAM=heads_per_ngram, N_HEADS=n_heads,
             HEADS_P2=triton.next_power_of_2(n_heads), BLOCK=block)
-    return out, hist[-context:].clone()
+    # a view of the joined history (no copy launched): the next call's cat reads it, a
+    # decode graph copies it into the buffer it holds
+    return out, hist[-context:]
 
 
 def ngram_ids_torch(tokens: torch.Tensor, history: torch.Tensor | None, multipliers: IntsLike,
