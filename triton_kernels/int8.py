@@ -30,8 +30,8 @@ or in the split device layout (triton_kernels.layout; BODY > 0), whose quants lo
 A launch that writes a dp4a GEMV's input can write its int8 form as well (`store_groups`,
 whole groups of 32 a program) and `attach` it to its output: quantize_x of that tensor then
 returns it and launches nothing (the hyper-connections' reads and norming writes, the
-gates, DeltaNet's gated norm: a decode layer at Flash-Next's shape launches one
-quantize_x where it launched eight).
+gates, DeltaNet's gated norm; the MoE's gate/up kernel writes its intermediate so: a
+decode layer at Flash-Next's shape launches no quantize_x where it launched eight).
 
 `quantize_x_torch` repeats quantize_x's float operations (equal bits); `gemv_dp4a_torch`
 computes the same product, x̂ @ W.T, as one float32 torch matmul with the dequantized W.

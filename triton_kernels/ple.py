@@ -232,7 +232,7 @@ def _ngram_ids_torch(hist, mults, sizes, offsets, eos_id, heads_per_ngram):
         intact = intact & (src != eos)
         mixes.append(mix)
     picked = torch.stack(mixes, dim=1).repeat_interleave(heads_per_ngram, dim=1)  # [T, n_heads]
-    return torch.remainder(picked, sizes) + offsets, hist[-context:].clone()
+    return torch.remainder(picked, sizes) + offsets, hist[-context:]  # a view, as ngram_ids's
 
 
 # --- gather -------------------------------------------------------------------------------

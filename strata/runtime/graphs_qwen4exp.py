@@ -56,10 +56,9 @@ import torch
 import torch.nn.functional as F
 
 from strata.nn import deltanet, kv
-from strata.nn.gated_attention import AttentionState, _heads_norm, output, project
+from strata.nn.gated_attention import AttentionState, output, project
 from strata.nn.hyperconn import next_norm
 from strata.nn.ple import mix
-from strata.nn.rope import rotate
 from strata.runtime.graphs import enabled
 from triton_kernels import backend, invariant
 from triton_kernels.ops import impl
@@ -67,11 +66,12 @@ from triton_kernels.ops import impl
 
 def _write_rows(m, st: AttentionState, k: torch.Tensor, v: torch.Tensor, idx_k: torch.Tensor | None,
                 at: torch.Tensor) -> None:
-    """Keys, values and indexer keys stored at positions `at`: with the Triton kernels in a
-    float cache one launch (triton_kernels.cache_write), else a buffer at a time."""
-    if m.kernels == "triton" and st.kind != "int8":
+    """Keys, values and indexer keys stored at positions `at`: in a float cache by
+    cache_write (with the Triton kernels one launch), int8 rows with their scales a buffer
+    at a time."""
+    if st.kind != "int8":
         pairs = [(st._k, k), (st._v, v)] + ([(st._idx, idx_k)] if idx_k is not None else [])
-        impl("cache_write", "triton")(*map(list, zip(*pairs)), at)
+        impl("cache_write", m.kernels)(*map(list, zip(*pairs)), at)
         return
     _write(st, "k", k, at)
     _write(st, "v", v, at)
@@ -100,7 +100,7 @@ class _Where:
 
     def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int, nb: int = 0):
         self.cos, self.sin = rope.cos[P], rope.sin[P]
-        self.P, self.C, self.ratio, self.nb, self._causal = P, capacity, ratio, nb, None
+        self.P, self.C, self.ratio, self.nb = P, capacity, ratio, nb
 
     @functools.cached_property
     def choice(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,19 +114,10 @@ class _Where:
         tail = seen[:, None] * r + span
         return unseen, block_rows, tail.clamp(max=self.C - 1), tail <= P[:, None]
 
+    @functools.cached_property
     def causal(self) -> torch.Tensor:
         """(T, C): True where a query attends (its position and those before)."""
-        if self._causal is None:
-            self._causal = torch.arange(self.C, device=self.P.device)[None, :] <= self.P[:, None]
-        return self._causal
-
-
-def _norm_rope(m, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, Hx, D) RMS-normed per head by w and roped on its first m.rope.dim dims: (Hx, T, D);
-    with the Triton kernels one launch (triton_kernels.rope), else torch's seven."""
-    if m.kernels == "triton":
-        return impl("norm_rope", "triton")(x, w, m.eps, cos, sin)
-    return rotate(_heads_norm(x, w, m.eps).transpose(0, 1), cos, sin, m.rope.dim)
+        return torch.arange(self.C, device=self.P.device)[None, :] <= self.P[:, None]
 
 
 def _pool(m, st: AttentionState, at: _Where) -> None:
@@ -142,7 +133,7 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     T, keep = q.shape[1], min(m.budget // m.ratio, st._blocks.shape[0])
     _pool(m, st, at)
     qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
-    qi = _norm_rope(m, qi, m.idx_q_norm, at.cos, at.sin)
+    qi = impl("norm_rope", m.kernels)(qi, m.idx_q_norm, m.eps, at.cos, at.sin)  # (n_idx, T, d)
     blocks = st._blocks                                                          # (NB, d)
     if m.kernels == "triton":
         return _sparse_kernels(m, q, qi, blocks, keep, st, at)
@@ -203,7 +194,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
         keys = _rows(st._k, None if scales is None else scales[0])
         vals = _rows(st._v, None if scales is None else scales[1])
         T = q.shape[1]
-        out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal())
+        out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal)
     return output(m.o, out, gate, m.kernels)
 
 
