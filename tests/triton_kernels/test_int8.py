@@ -455,9 +455,9 @@ def test_gemv_dp4a_rejects_formats_without_a_unit_decode(fmt):
         gemv_dp4a(x8, q, fmt, 2)
 
 
-@pytest.mark.slow  # 6 kernels x 2 targets compiled in a child: about 20 s
+@pytest.mark.slow  # 7 kernels x 2 targets compiled in a child: about 20 s
 def test_the_launches_that_quantize_what_they_write_compile_for_both_gpus():
-    """On a GPU the hyper-connections' reads and norming writes, the gates and DeltaNet's
+    """On a GPU the hyper-connections' norms, reads and norming writes, the gates and DeltaNet's
     gated norm write their output's int8 form too (int8.attach); under the interpreter the
     engine asks none of them to (its tensors are on the CPU), so here each is called with
     `quantize` and compiled for sm_90 and gfx942 as a GPU would launch it: no error, no
@@ -470,6 +470,7 @@ def test_the_launches_that_quantize_what_they_write_compile_for_both_gpus():
         return torch.from_numpy(r.standard_normal(shape).astype(np.float32))
     T, S, H, R, K, Hv, dv = 1, 4, 64, 8, 2, 2, 64
     with record() as calls:
+        impl("hc_norm", "triton")(t(T, S * H), t(S, H), 1e-6, quantize=True)
         impl("hc_mix", "triton")(t(T, R + S), t(S * H, R), t(T, S * H), R, S, quantize=True)
         impl("hc_write_norm", "triton")(t(T, S * H), t(T, H), t(T, S), t(S, H), 1e-6, quantize=True)
         impl("hc_write_moe", "triton")(t(T, S * H), t(T, K, H), t(T, 1), t(T, H), t(T, S), t(S, H), 1e-6,
@@ -480,6 +481,6 @@ def test_the_launches_that_quantize_what_they_write_compile_for_both_gpus():
     results = compile_calls(calls, ("sm_90", "gfx942"))
     assert not [r for r in results if not r.ok or r.spill_bytes], [(r.kernel, r.target, r.error) for r in results]
     assert {(r.kernel, r.target) for r in results} >= {
-        (k, g) for k in ("_mix_kernel", "_write_norm_kernel", "_write_moe_kernel", "_silu_mul_kernel",
-                         "_gated_norm_kernel") for g in ("sm_90", "gfx942")}
+        (k, g) for k in ("_norm_kernel", "_mix_kernel", "_write_norm_kernel", "_write_moe_kernel",
+                         "_silu_mul_kernel", "_gated_norm_kernel") for g in ("sm_90", "gfx942")}
     assert all("'QUANT': True" in r.constexprs for r in results), [r.constexprs for r in results]
