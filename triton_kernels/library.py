@@ -107,9 +107,13 @@ def _moe(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, fmt_gate: str,
 
 
 def _ngram_ids(tokens: Tensor, history: Optional[Tensor], multipliers: Tensor, head_vocab_sizes: Tensor,
-               head_offsets: Tensor, eos_id: int, heads_per_ngram: int, block: int) -> tuple[Tensor, Tensor]:
-    return ngram_ids(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos_id,
-                         heads_per_ngram, block=block)
+               head_offsets: Tensor, eos_id: int, heads_per_ngram: int, block: int,
+               in_place: bool) -> tuple[Tensor, Tensor]:
+    ids, nxt = ngram_ids(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos_id,
+                         heads_per_ngram, block=block, in_place=in_place)
+    # an op's output may not alias its input: in place, the next history is `history` itself
+    # (declared mutated), handed back by the caller's wrapper; the op returns none
+    return ids, (nxt.new_empty(0) if in_place else nxt)
 
 
 def _ple_gather(table: Tensor, ids: Tensor, fmt: str, scale: Optional[Tensor], scale_value: Optional[float],
@@ -143,8 +147,9 @@ def _qsa_pool(idx: Tensor, idx_scale: Optional[Tensor], pos: Tensor, ratio: int,
 OPS = {name: _register(name, f) for name, f in (
     ("qmatmul", _qmatmul), ("gated_qmatmul", _gated_qmatmul), ("dequantize", _dequantize), ("route", _route),
     ("moe", _moe),
-    ("ngram_ids", _ngram_ids), ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
+    ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
     ("qsa_attention", _qsa_attention))}
+OPS["ngram_ids"] = _register("ngram_ids", _ngram_ids, mutates=("history",))
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
 OPS["qsa_pool"] = _register("qsa_pool", _qsa_pool, mutates=("blocks",))
 OPS["cache_write"] = _register("cache_write", _cache_write, mutates=("dsts",))
@@ -235,13 +240,13 @@ def _ple_mix(x: Tensor, k: Tensor, v: Tensor, norm_key: Tensor, norm_query: Tens
     return ple_mix(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
 
 
-def _norm_rope(x: Tensor, w: Tensor, eps: float, cos: Tensor, sin: Tensor) -> Tensor:
-    return norm_rope(x, w, eps, cos, sin)
+def _norm_rope(x: Tensor, w: Tensor, eps: float, cos: Tensor, sin: Tensor, pos: Optional[Tensor] = None) -> Tensor:
+    return norm_rope(x, w, eps, cos, sin, pos)
 
 
 def _norm_rope2(q: Tensor, wq: Tensor, k: Tensor, wk: Tensor, eps: float, cos: Tensor,
-                sin: Tensor) -> tuple[Tensor, Tensor]:
-    return norm_rope2(q, wq, k, wk, eps, cos, sin)
+                sin: Tensor, pos: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return norm_rope2(q, wq, k, wk, eps, cos, sin, pos)
 
 
 def _silu_mul(g: Tensor, u: Tensor) -> Tensor:
@@ -270,6 +275,17 @@ def _ints(v, device) -> Tensor:
     return v if isinstance(v, Tensor) else torch.as_tensor(v, dtype=torch.int64, device=device)
 
 
+def _window_out(out: tuple[Tensor, Tensor], window: Tensor, in_place: bool) -> tuple[Tensor, Tensor]:
+    """ple_mix's returns from the op's (which may not write its input): in place, the new
+    window copied over `window`."""
+    return (out[0], window.copy_(out[1])) if in_place else out
+
+
+def _ngram_ids_out(out: tuple[Tensor, Tensor], history: Optional[Tensor], in_place: bool) -> tuple[Tensor, Tensor]:
+    """ngram_ids's returns from the op's: in place, the next history is `history` itself."""
+    return (out[0], history) if in_place else out
+
+
 # each launcher's Python signature -> the registered op's arguments
 def call(op: str, *args, **kwargs):
     """`op` (a launcher's name) through `torch.ops.strata`, taking the launcher's arguments."""
@@ -288,9 +304,10 @@ _CALLS = {
         OPS["moe"](x, wg, wu, wd, _fmt(fg), _fmt(fu), _fmt(fd), weights, ids,
                    list(tiles) if tiles else None, path, tile_slots),
     "ngram_ids": lambda tokens, history, multipliers, head_vocab_sizes, head_offsets, eos_id,
-                        heads_per_ngram=8, *, block=64:
+                        heads_per_ngram=8, *, block=64, in_place=False: _ngram_ids_out(
         OPS["ngram_ids"](tokens, history, _ints(multipliers, tokens.device), _ints(head_vocab_sizes, tokens.device),
-                         _ints(head_offsets, tokens.device), eos_id, heads_per_ngram, block),
+                         _ints(head_offsets, tokens.device), eos_id, heads_per_ngram, block, in_place),
+        history, in_place),
     "ple_gather": lambda table, ids, fmt, *, scale=None, out_dtype=torch.float32, block_rows=PLE_BLOCK_ROWS,
                          bound=None:
         OPS["ple_gather"](table, ids, _fmt(fmt), scale if isinstance(scale, Tensor) else None,
@@ -323,13 +340,15 @@ _CALLS = {
     "hc_mix": lambda both, w_up, xn, rank, streams, quantize=False: OPS["hc_mix"](both, w_up, xn, rank, streams),
     "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0, quantize=False:
         OPS["hc_write_moe"](x, routed, gate, shared, inj, w, eps),
-    "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation:
-        OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation),
+    "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation,
+                      in_place=False: _window_out(
+        OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation), window,
+        in_place),
     "hc_combine": lambda up, xn, streams: OPS["hc_combine"](up, xn, streams),
     "hc_write": lambda x, out, inj: OPS["hc_write"](x, out, inj),
     "hc_write_norm": lambda x, out, inj, w, eps, quantize=False: OPS["hc_write_norm"](x, out, inj, w, eps),
-    "norm_rope": lambda x, w, eps, cos, sin: OPS["norm_rope"](x, w, eps, cos, sin),
-    "norm_rope2": lambda q, wq, k, wk, eps, cos, sin: OPS["norm_rope2"](q, wq, k, wk, eps, cos, sin),
+    "norm_rope": lambda x, w, eps, cos, sin, pos=None: OPS["norm_rope"](x, w, eps, cos, sin, pos),
+    "norm_rope2": lambda q, wq, k, wk, eps, cos, sin, pos=None: OPS["norm_rope2"](q, wq, k, wk, eps, cos, sin, pos),
     "silu_mul": lambda g, u: OPS["silu_mul"](g, u),
     "sigmoid_mul": lambda g, u: OPS["sigmoid_mul"](g, u),
     "gated_add": lambda a, gate, b: OPS["gated_add"](a, gate, b),

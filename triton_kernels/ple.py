@@ -25,7 +25,8 @@ head-major:
     out[t] = | deq(table[ids[t,0]]) * scale | deq(table[ids[t,1]]) * scale | ... |
                <-------- D -------->
 
-`scale` is the safetensors tables' global `weight_scale`, multiplied in float32.
+`scale` is the safetensors tables' global `weight_scale`, multiplied in float32. `ids` may
+be a strided view (an expanded column repeats a token's row, read where it lies).
 """
 from __future__ import annotations
 
@@ -126,23 +127,34 @@ def ngram_constants(vocab_size: int, *, ngram_size: int = 3, heads_per_ngram: in
 # --- hash ---------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["eos_id"])
-def _ngram_ids_kernel(hist_ptr, mult_ptr, size_ptr, offset_ptr, out_ptr, n_tokens, eos_id,
+def _joined(hist_ptr, tok_ptr, j, live, CONTEXT: tl.constexpr):
+    """Token j of the CONTEXT carried tokens followed by the new ones."""
+    carried = j < CONTEXT
+    a = tl.load(hist_ptr + j, mask=live & carried, other=0)
+    b = tl.load(tok_ptr + (j - CONTEXT), mask=live & (j >= CONTEXT), other=0)
+    return tl.where(carried, a, b).to(tl.int64)
+
+
+@triton.jit
+def _ngram_ids_kernel(hist_ptr, tok_ptr, mult_ptr, size_ptr, offset_ptr, out_ptr, next_ptr, n_tokens, eos_id,
                       CONTEXT: tl.constexpr, HEADS_PER_NGRAM: tl.constexpr,
-                      N_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK: tl.constexpr):
-    # hist_ptr: the CONTEXT carried tokens, then the n_tokens new ones; token t is at
-    # CONTEXT + t, so every look-back of up to CONTEXT places stays inside the buffer.
+                      N_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK: tl.constexpr,
+                      CONTEXT_P2: tl.constexpr):
+    # The carried tokens (hist_ptr) and the new ones (tok_ptr) read as one sequence in
+    # which token t stands at CONTEXT + t: every look-back of up to CONTEXT places stays
+    # inside it, and only the first program (BLOCK >= CONTEXT) reads the carried ones.
     pid = tl.program_id(0).to(tl.int64)
     t = pid * BLOCK + tl.arange(0, BLOCK)
     live = t < n_tokens
     h = tl.arange(0, HEADS_P2)
     head_live = h < N_HEADS
     group = h // HEADS_PER_NGRAM  # head h hashes an n-gram of group + 2 tokens
-    mix = tl.load(hist_ptr + CONTEXT + t, mask=live, other=0) * tl.load(mult_ptr)
+    mix = tl.load(tok_ptr + t, mask=live, other=0).to(tl.int64) * tl.load(mult_ptr)
     # `intact`: no EOS among the tokens passed so far (t-1 .. t-p+1), so t-p is still readable
     intact = live
     picked = tl.zeros([BLOCK, HEADS_P2], dtype=tl.int64)
     for p in tl.static_range(1, CONTEXT + 1):
-        src = tl.load(hist_ptr + CONTEXT + t - p, mask=live, other=0)
+        src = _joined(hist_ptr, tok_ptr, CONTEXT + t - p, live, CONTEXT)
         shifted = tl.where(intact, src, eos_id)
         intact = intact & (src != eos_id)
         mix = mix ^ (shifted * tl.load(mult_ptr + p))  # int64 multiply wraps, as torch's
@@ -155,10 +167,18 @@ def _ngram_ids_kernel(hist_ptr, mult_ptr, size_ptr, offset_ptr, out_ptr, n_token
     r = tl.where(r < 0, r + size[None, :], r)
     tl.store(out_ptr + t[:, None] * N_HEADS + h[None, :], r + offset[None, :],
              mask=live[:, None] & head_live[None, :])
+    if pid == 0:  # the next call's history: the last CONTEXT tokens of the sequence
+        i = tl.arange(0, CONTEXT_P2)
+        nxt = _joined(hist_ptr, tok_ptr, n_tokens + i, i < CONTEXT, CONTEXT)
+        # next_ptr may be hist_ptr itself (written in place): every lane has read the old
+        # history before any lane writes it
+        tl.debug_barrier()
+        tl.store(next_ptr + i, nxt, mask=i < CONTEXT)
 
 
-def _hash_args(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos_id, heads_per_ngram):
-    """Validated int64 tensors on the tokens' device: (history + tokens, mults, sizes, offsets)."""
+def _hash_args(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos_id, heads_per_ngram,
+               in_place=False):
+    """Validated int64 tensors on the tokens' device: (history, tokens, mults, sizes, offsets)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype.is_floating_point:
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ValueError(f"ngram_ids: tokens must be a 1-D integer tensor (one sequence), got {shape}")
@@ -176,6 +196,8 @@ def _hash_args(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos
                          f"{heads_per_ngram} both need {n_heads}")
     if not sizes.is_cuda and not is_fake(sizes) and bool((sizes <= 0).any()):
         raise ValueError(f"ngram_ids: head_vocab_sizes must be positive, got {sizes.tolist()}")
+    if history is None and in_place:
+        raise ValueError("ngram_ids: in_place writes the next history into `history`; give one")
     if history is None:  # the sequence starts here
         history = torch.full((context,), eos_id, dtype=torch.int64, device=dev)
     if (not isinstance(history, torch.Tensor) or history.shape != (context,)
@@ -185,38 +207,45 @@ def _hash_args(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos
                          f"None at a sequence start), got {shape}")
     if history.device != dev:
         raise ValueError(f"ngram_ids: history is on {history.device}, tokens on {dev}")
-    hist = torch.cat([history.to(torch.int64), tokens.to(torch.int64)])
-    return hist, mults, sizes, offsets
+    if in_place and history.dtype != torch.int64:
+        raise ValueError(f"ngram_ids: in_place needs an int64 history, got {history.dtype}")
+    return history.to(torch.int64), tokens.to(torch.int64), mults, sizes, offsets
 
 
 def ngram_ids(tokens: torch.Tensor, history: torch.Tensor | None, multipliers: IntsLike,
               head_vocab_sizes: IntsLike, head_offsets: IntsLike, eos_id: int,
-              heads_per_ngram: int = 8, *, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+              heads_per_ngram: int = 8, *, block: int = 64, in_place: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row ids [T, n_heads] of tokens [T] following `history` (the ngram_size - 1 tokens before
-    them, None at a sequence start); returns the history for the next call too. The constants
-    may be sequences of ints; int64 tensors already on the tokens' device save a copy a call."""
-    hist, mults, sizes, offsets = _hash_args(tokens, history, multipliers, head_vocab_sizes,
-                                             head_offsets, eos_id, heads_per_ngram)
-    if not use_triton(hist):
-        return _ngram_ids_torch(hist, mults, sizes, offsets, eos_id, heads_per_ngram)
+    them, None at a sequence start); returns the history for the next call too: a new tensor,
+    or with `in_place` `history` itself, overwritten (a decode graph's held buffer). The
+    constants may be sequences of ints; int64 tensors already on the tokens' device save a
+    copy a call."""
+    history, tokens, mults, sizes, offsets = _hash_args(tokens, history, multipliers, head_vocab_sizes,
+                                                        head_offsets, eos_id, heads_per_ngram, in_place)
+    if not use_triton(tokens):
+        ids, nxt = _ngram_ids_torch(torch.cat([history, tokens]), mults, sizes, offsets, eos_id, heads_per_ngram)
+        return (ids, history.copy_(nxt)) if in_place else (ids, nxt)
     context, n_heads, n = mults.numel() - 1, sizes.numel(), tokens.numel()
-    out = torch.empty((n, n_heads), dtype=torch.int64, device=hist.device)
-    if n:
-        _ngram_ids_kernel[(triton.cdiv(n, block),)](
-            hist, mults, sizes, offsets, out, n, eos_id, CONTEXT=context,
-            HEADS_PER_NGRAM=heads_per_ngram, N_HEADS=n_heads,
-            HEADS_P2=triton.next_power_of_2(n_heads), BLOCK=block)
-    # a view of the joined history (no copy launched): the next call's cat reads it, a
-    # decode graph copies it into the buffer it holds
-    return out, hist[-context:]
+    if block < context:
+        raise ValueError(f"ngram_ids: block {block} is under the history's {context} tokens")
+    out = torch.empty((n, n_heads), dtype=torch.int64, device=tokens.device)
+    nxt = history if in_place else torch.empty_like(history)
+    # one launch (no cat): the kernel reads the history and the tokens where they lie
+    _ngram_ids_kernel[(max(1, triton.cdiv(n, block)),)](
+        history, tokens, mults, sizes, offsets, out, nxt, n, eos_id, CONTEXT=context,
+        HEADS_PER_NGRAM=heads_per_ngram, N_HEADS=n_heads,
+        HEADS_P2=triton.next_power_of_2(n_heads), BLOCK=block, CONTEXT_P2=triton.next_power_of_2(context))
+    return out, nxt
 
 
 def ngram_ids_torch(tokens: torch.Tensor, history: torch.Tensor | None, multipliers: IntsLike,
                     head_vocab_sizes: IntsLike, head_offsets: IntsLike, eos_id: int,
-                    heads_per_ngram: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ngram_ids_torch(*_hash_args(tokens, history, multipliers, head_vocab_sizes,
-                                        head_offsets, eos_id, heads_per_ngram),
-                            eos_id, heads_per_ngram)
+                    heads_per_ngram: int = 8, *, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    history, tokens, mults, sizes, offsets = _hash_args(tokens, history, multipliers, head_vocab_sizes,
+                                                        head_offsets, eos_id, heads_per_ngram, in_place)
+    ids, nxt = _ngram_ids_torch(torch.cat([history, tokens]), mults, sizes, offsets, eos_id, heads_per_ngram)
+    return (ids, history.copy_(nxt)) if in_place else (ids, nxt)
 
 
 def _ngram_ids_torch(hist, mults, sizes, offsets, eos_id, heads_per_ngram):
@@ -232,22 +261,32 @@ def _ngram_ids_torch(hist, mults, sizes, offsets, eos_id, heads_per_ngram):
         intact = intact & (src != eos)
         mixes.append(mix)
     picked = torch.stack(mixes, dim=1).repeat_interleave(heads_per_ngram, dim=1)  # [T, n_heads]
-    return torch.remainder(picked, sizes) + offsets, hist[-context:]  # a view, as ngram_ids's
+    return torch.remainder(picked, sizes) + offsets, hist[-context:]  # (a view of the joined tokens)
 
 
 # --- gather -------------------------------------------------------------------------------
 
 @triton.jit
-def _ple_gather_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_rows,
+def _id_at(k, heads, id_st, id_sh, STRIDED: tl.constexpr):
+    """Where pair k = t * heads + h's id lies: at k itself in contiguous ids, else by their
+    strides (an expanded view's 0 repeats a token's id with no copy)."""
+    out = k
+    if STRIDED:
+        out = (k // heads) * id_st + (k % heads) * id_sh
+    return out
+
+
+@triton.jit
+def _ple_gather_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_rows, heads, id_st, id_sh,
                        DECODE: tl.constexpr, QK: tl.constexpr, ROW_BLOCKS: tl.constexpr,
                        ROW_DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                       HAS_SCALE: tl.constexpr, OUT_BF16: tl.constexpr):
+                       HAS_SCALE: tl.constexpr, OUT_BF16: tl.constexpr, STRIDED: tl.constexpr = False):
     # One program gathers BLOCK_ROWS (token, head) pairs; pair k = t * H + h lands at
     # out[k * ROW_DIM:], which is the head-major layout of out[t].
     pid = tl.program_id(0).to(tl.int64)
     k = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     k_live = k < n_rows
-    row = tl.load(ids_ptr + k, mask=k_live, other=0)
+    row = tl.load(ids_ptr + _id_at(k, heads, id_st, id_sh, STRIDED), mask=k_live, other=0)
     j = tl.arange(0, DIM_P2)
     mask = k_live[:, None] & (j < ROW_DIM)[None, :]
     # rows are whole blocks, so block b of table row r is block r * ROW_BLOCKS + b overall
@@ -264,12 +303,12 @@ def _ple_gather_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_rows,
 
 
 @triton.jit
-def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_units,
+def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_units, heads, id_st, id_sh,
                              UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                              BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                              BODY: tl.constexpr, ROW_UNITS: tl.constexpr, BLOCK: tl.constexpr,
                              HAS_SCALE: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr,
-                             CVT: tl.constexpr = True):
+                             CVT: tl.constexpr = True, STRIDED: tl.constexpr = False):
     # Formats with int8 units: a lane decodes one unit of one (token, head) row; unit v is
     # unit v % ROW_UNITS of pair v // ROW_UNITS, whose values land at out[v * UW:]
     v = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -277,7 +316,7 @@ def _ple_gather_units_kernel(q_ptr, tab_ptr, ids_ptr, scale_ptr, out_ptr, n_unit
     v = tl.where(live, v, 0)
     pair = v // ROW_UNITS
     ur = v % ROW_UNITS
-    row = tl.load(ids_ptr + pair)
+    row = tl.load(ids_ptr + _id_at(pair, heads, id_st, id_sh, STRIDED))
     p = block_ptr(q_ptr, row * (ROW_UNITS // UPB) + ur // UPB, BLOCK_HW, BODY)
     words, a, b = UNIT(p, (ur % UPB).to(tl.int32), tab_ptr, ASM)
     scale = tl.load(scale_ptr) if HAS_SCALE else 1.0
@@ -323,7 +362,9 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
     """[T, H * D]: for each token, its H rows of `table` dequantized and laid side by side.
     bound: the ids are known to lie in [0, bound) (the n-gram hash's heads make them so),
     bound <= the table's rows, checked on the host: no check of the ids themselves (on a
-    GPU an asynchronous assert of four launches)."""
+    GPU an asynchronous assert of four launches). ids may be any strided view: an
+    `expand`ed column gathers a token's row H times side by side with no copy (Qwen4Exp's
+    embedding into its hyper-connection streams)."""
     fmt, dim = _gather_args(table, ids, fmt, out_dtype, bound)
     if not use_triton(ids):
         return ple_gather_torch(table, ids, fmt, scale=scale, out_dtype=out_dtype, bound=bound)
@@ -337,6 +378,8 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
     out = torch.empty((n_tok, n_heads * dim), dtype=out_dtype, device=dev)
     n = ids.numel()
     if n:
+        ids = ids.to(torch.int64)  # (a copy only of narrower ids: a strided view is read as it lies)
+        strides = (n_heads, *ids.stride(), not ids.is_contiguous())
         dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
         s = (torch.as_tensor(scale, dtype=torch.float32, device=dev).reshape(1)
              if scale is not None else out)  # unused without a scale
@@ -346,13 +389,13 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
             n_units = n * row_units
             _ple_gather_units_kernel[(triton.cdiv(n_units, PLE_UNITS_BLOCK),)](
                 table.view(-1).view(torch.uint16), unit_table(fmt, dev),
-                ids.to(torch.int64).contiguous(), s, dst, n_units, **launch_args(fmt, u),
+                ids, s, dst, n_units, *strides[:3], **launch_args(fmt, u), STRIDED=strides[3],
                 ROW_UNITS=row_units, BLOCK=PLE_UNITS_BLOCK, HAS_SCALE=scale is not None,
                 OUT="bf16" if out_dtype == torch.bfloat16 else "", ASM=asm_for(dev), CVT=cvt_pairs(dev),
                 enable_fp_fusion=False)
             return out
         _ple_gather_kernel[(triton.cdiv(n, block_rows),)](
-            table, decode_table(fmt, dev), ids.to(torch.int64).contiguous(), s, dst, n,
+            table, decode_table(fmt, dev), ids, s, dst, n, *strides[:3], STRIDED=strides[3],
             DECODE=decoder(fmt), QK=fmt.block_elems, ROW_BLOCKS=dim // fmt.block_elems,
             ROW_DIM=dim, DIM_P2=triton.next_power_of_2(dim), BLOCK_ROWS=block_rows,
             HAS_SCALE=scale is not None, OUT_BF16=out_dtype == torch.bfloat16,

@@ -3,8 +3,10 @@
 conv of K taps with dilation d over the S*H channels):
 
     ple_mix(x (1, S*H), k (1, S*H), v (1, H), norm_key, norm_query, norm_conv (S*H each),
-            taps (S*H, K), window (S*H, (K-1) d), S, eps, d)
+            taps (S*H, K), window (S*H, (K-1) d), S, eps, d, in_place=False)
         -> (x + gv + silu(conv(norm_conv(gv))) (1, S*H), the conv's new window)
+        in_place: the new window written over `window` (a decode graph's buffer: no copy
+        launched after it) and returned
 
     per stream s:  kn = rmsnorm(k_s) norm_key_s,  q = rmsnorm(x_s) norm_query_s
                    g  = signed_sqrt(sum(kn q) / sqrt(H)),  gv_s = sigmoid(g) v
@@ -71,13 +73,17 @@ def _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dila
 
 def ple_mix(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.Tensor, norm_query: torch.Tensor,
             norm_conv: torch.Tensor, taps: torch.Tensor, window: torch.Tensor, streams: int, eps: float,
-            dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+            dilation: int, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the PLE block after its projections: (x plus the block's output
     (1, S*H), the conv's new window), float32 (see the module)."""
     C, H, Kt = _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dilation)
     if not use_triton(x):
-        return ple_mix_torch(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
-    out, new = torch.empty_like(x), torch.empty_like(window)
+        return ple_mix_torch(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation,
+                             in_place)
+    if in_place and not window.is_contiguous():
+        raise ValueError("ple_mix: in_place needs a contiguous window")
+    # in place: a channel's window is one lane's, read before it is written (conv_taps)
+    out, new = torch.empty_like(x), window if in_place else torch.empty_like(window)
     args = [t.contiguous() for t in (x, k, v, norm_key, norm_query, norm_conv, taps, window)]
     bh = triton.next_power_of_2(H)
     # a whole stream a program: 8 warps from 2048 channels (202 registers a thread at 4, 110
@@ -89,7 +95,8 @@ def ple_mix(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.T
 
 def ple_mix_torch(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.Tensor,
                   norm_query: torch.Tensor, norm_conv: torch.Tensor, taps: torch.Tensor, window: torch.Tensor,
-                  streams: int, eps: float, dilation: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  streams: int, eps: float, dilation: int, in_place: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """strata.nn.ple.mix's ops after the projections, for any number of rows."""
     T, C = x.shape
     H = C // streams
@@ -103,4 +110,4 @@ def ple_mix_torch(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: t
     gv = invariant.pointwise(torch.sigmoid, gate) * v.unsqueeze(1)  # (T, S, H)
     normed = norm(gv.reshape(T, -1), norm_conv).reshape(T, -1)
     out, new = causal_conv_torch(window, normed, taps, dilation)
-    return x + gv.reshape(T, -1) + F.silu(out), new
+    return x + gv.reshape(T, -1) + F.silu(out), window.copy_(new) if in_place else new

@@ -206,11 +206,13 @@ class MTPHead(torch.nn.Module):
         p = (lambda t: torch.nn.Parameter(t.float(), requires_grad=False))
         self.enorm, self.hnorm, self.head_norm = p(enorm), p(hnorm), p(head_norm)
 
-    def inputs(self, model: "Qwen4Exp", tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The block's streams (T, S*H) for `tokens` (T,) and the streams before them (T, S*H)."""
+    def inputs(self, model: "Qwen4Exp", tokens: torch.Tensor, hidden: torch.Tensor,
+               checked: bool = False) -> torch.Tensor:
+        """The block's streams (T, S*H) for `tokens` (T,) and the streams before them (T, S*H);
+        checked: the tokens' ids were checked already (the trunk's, the same step's)."""
         T, S, eps = tokens.numel(), model.cfg.streams, model.cfg.norm_eps
         H = self.enorm.numel()
-        e = F.rms_norm(model.embed(tokens).float(), (H,), eps=eps) * self.enorm
+        e = F.rms_norm(model.embed(tokens, checked=checked), (H,), eps=eps) * self.enorm
         h = F.rms_norm(hidden.float().reshape(T, S, H), (H,), eps=eps) * self.hnorm.reshape(-1, H)
         both = torch.cat([e.unsqueeze(1).expand(T, S, H), h], dim=-1)
         return self.eh_proj(both.reshape(T * S, 2 * H)).float().reshape(T, S * H)
@@ -218,8 +220,9 @@ class MTPHead(torch.nn.Module):
     def keys(self, model: "Qwen4Exp", tokens, hidden, st: AttentionState, start: int,
              positions: Positions | None = None) -> None:
         """Append the block's keys and values at positions start.. (only its attention's
-        input is needed: the rest of the block matters for a draft's own row)."""
-        a, _ = self.block.attn_hc.read(self.inputs(model, tokens, hidden))
+        input is needed: the rest of the block matters for a draft's own row); the trunk has
+        checked the tokens."""
+        a, _ = self.block.attn_hc.read(self.inputs(model, tokens, hidden, checked=True))
         self.block.mixer(a, st, start, positions)
 
     def step(self, model: "Qwen4Exp", tokens, hidden, st: AttentionState, start: int,
@@ -327,16 +330,20 @@ class Qwen4Exp(torch.nn.Module):
         elif tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= n):
             raise ValueError(f"token ids must lie in 0..{n - 1}")
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(T, dim) float32 rows of `tokens`: gathered from the file's blocks on the host, or
-        on a GPU from the blocks held there (no trip back to the host)."""
-        self._check_tokens(tokens)
+    def embed(self, tokens: torch.Tensor, streams: int = 1, checked: bool = False) -> torch.Tensor:
+        """(T, streams * dim) float32: the rows of `tokens`, each `streams` times side by side
+        (the hyper-connections' streams start equal). Gathered from the file's blocks on the
+        host, or on a GPU from the blocks held there, in one launch (no trip back to the
+        host). checked: the caller has checked the ids (a graph's runner, on the host it
+        filled them from)."""
+        if not checked:
+            self._check_tokens(tokens)
         fmt = self.embedding.fmt
         if self.embedding_blocks is None:
-            rows = torch.from_numpy(np.take(self.embedding.data, tokens.numpy(), axis=0))
-            return dequantize_torch(rows, fmt)
-        rows = self.embedding_blocks[to_device(tokens, self.device)]
-        return impl("dequantize", self.kernels)(rows, fmt).reshape(tokens.numel(), -1).float()
+            x = dequantize_torch(torch.from_numpy(np.take(self.embedding.data, tokens.numpy(), axis=0)), fmt)
+            return x.repeat(1, streams) if streams > 1 else x
+        ids = to_device(tokens, self.device).reshape(-1, 1).expand(-1, streams)  # a view: no copy
+        return impl("ple_gather", self.kernels)(self.embedding_blocks, ids, fmt, bound=self.embedding.shape[0])
 
     @torch.inference_mode()
     def forward(self, tokens, state: Qwen4ExpState, last_only: bool = False) -> torch.Tensor:
@@ -374,7 +381,9 @@ class Qwen4Exp(torch.nn.Module):
         their norm by the output mixer's weight where the last layer's write gave it."""
         pipe = self.pipe
         if pipe is None or pipe.first:
-            x = self._with_media(self.embed(tokens), state).repeat(1, self.cfg.streams)
+            S = self.cfg.streams
+            x = self.embed(tokens, S) if state.media is None else \
+                self._with_media(self.embed(tokens), state).repeat(1, S)
         else:  # a later stage: checked here too, so that no stage waits on one that refused
             self._check_tokens(tokens)
             x = pipe.receive(tokens.numel(), self.cfg.streams * self.cfg.dim)

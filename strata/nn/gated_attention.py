@@ -200,9 +200,11 @@ def _heads_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def project(parts: torch.Tensor, splits, q_norm, k_norm, eps: float, n_heads: int, n_kv: int,
-            head_dim: int, rope_dim: int, norm_rope, cos: torch.Tensor, sin: torch.Tensor):
+            head_dim: int, rope_dim: int, norm_rope, cos: torch.Tensor, sin: torch.Tensor,
+            pos: torch.Tensor | None = None):
     """The fused projection's rows (T, sum(splits)) as the attention's inputs: q (H, T, D)
-    and k (Hkv, T, D) normed per head and roped by `cos`/`sin` (Rope._rows), v (Hkv, T, D),
+    and k (Hkv, T, D) normed per head and roped by `cos`/`sin` (Rope._rows; with `pos`,
+    tables the Triton op reads at those positions itself), v (Hkv, T, D),
     the indexer's queries (T, n_idx*d) and key (T, d) (None without an indexer), and the
     output gate (T, H*D). `norm_rope`: the Triton op that norms and ropes q and k in one
     launch (triton_kernels.rope.norm_rope2), or None for torch's ops. A function of tensors: a
@@ -213,8 +215,10 @@ def project(parts: torch.Tensor, splits, q_norm, k_norm, eps: float, n_heads: in
     qg = parts[0].reshape(T, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
     if norm_rope is not None:
-        q, k = norm_rope(q, q_norm, parts[1].reshape(T, Hkv, D), k_norm, eps, cos, sin)       # (H, T, D)
+        q, k = norm_rope(q, q_norm, parts[1].reshape(T, Hkv, D), k_norm, eps, cos, sin, pos)  # (H, T, D)
     else:
+        if pos is not None:
+            cos, sin = cos[pos], sin[pos]
         q = rotate(_heads_norm(q, q_norm, eps).transpose(0, 1), cos, sin, rope_dim)           # (H, T, D)
         k = rotate(_heads_norm(parts[1].reshape(T, Hkv, D), k_norm, eps).transpose(0, 1), cos, sin, rope_dim)
     v = parts[2].reshape(T, Hkv, D).transpose(0, 1)

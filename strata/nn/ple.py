@@ -66,14 +66,16 @@ class NgramPLE(torch.nn.Module):
         window = (self.conv.shape[1] - 1) * self.dilation
         return PLEState([self.hash_args["eos_id"]] * (self.ngram - 1), self.conv.shape[0], window, device)
 
-    def ids(self, tokens: torch.Tensor, st: PLEState) -> torch.Tensor:
+    def ids(self, tokens: torch.Tensor, st: PLEState, in_place: bool = False) -> torch.Tensor:
+        """The block's row ids of `tokens`, the state's n-gram history moved on: replaced,
+        or with `in_place` written into the tensor it holds (a decode graph's buffer)."""
         dev = self.conv.device
         if self._consts is None or self._consts["multipliers"].device != dev:
             # the hash's constants held where it runs: no copy from the host a step
             self._consts = {k: to_device(torch.as_tensor(self.hash_args[k], dtype=torch.int64), dev)
                             for k in ("multipliers", "head_vocab_sizes", "head_offsets")}
         ids, st.history = self.hash(to_device(tokens, dev), to_device(st.history, dev),
-                                    **{**self.hash_args, **self._consts})
+                                    **{**self.hash_args, **self._consts}, in_place=in_place)
         return ids
 
     _consts = None
@@ -106,15 +108,17 @@ def _triton_stream_norm(x: torch.Tensor, w: torch.Tensor, streams: int, eps: flo
 
 
 def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, width: int, eps: float,
-        dilation: int, window, conv_step=None, norm=stream_norm, one=None):
+        dilation: int, window, conv_step=None, norm=stream_norm, one=None, in_place: bool = False):
     """The block's output added to the residual x (T, S*H), from the gathered rows e: (x, the
     conv's new window). `key` and `value` are callables giving float32 rows (the modules, or
     a compiled step's pure matmuls, strata.models.qwen4exp_step); `norm`: stream_norm's
-    form, `one`: the rest for one token in one launch (NgramPLE.kernels, the Triton ones)."""
+    form, `one`: the rest for one token in one launch (NgramPLE.kernels, the Triton ones),
+    which with `in_place` writes the new window over `window` (a decode graph's buffer)."""
     T = x.shape[0]
     kr, v = key(e).float(), value(e).float()
     if one is not None and T == 1:
-        return one(x.float(), kr, v, norm_key, norm_query, norm_conv, conv, window, streams, eps, dilation)
+        return one(x.float(), kr, v, norm_key, norm_query, norm_conv, conv, window, streams, eps, dilation,
+                   in_place=in_place)
     k = norm(kr, norm_key, streams, eps)
     query = norm(x.float(), norm_query, streams, eps)
     gate = (k * query).sum(dim=-1, keepdim=True) / width ** 0.5

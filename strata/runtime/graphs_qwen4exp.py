@@ -4,8 +4,9 @@ window of T tokens, then replayed each step.
 As for llama (strata.runtime.graphs), the graph fixes every address and shape, so the step
 it holds is written for that (`step`):
 
-- the tokens and the first one's position are device tensors the replay reads; the
-  embedding rows are gathered on the device (Qwen4Exp.embed);
+- the tokens and the first one's position are device tensors the replay reads, filled
+  by the runner from the host, which checks the ids there; the embedding rows are
+  gathered on the device into every stream in one launch (Qwen4Exp.embed);
 - attention layers write keys, values and indexer keys at the device positions by
   `index_copy_` into buffers of the graph's whole capacity (AttentionState.hold: the spare
   rows zero); dense attention runs over the whole capacity with the positions past each
@@ -21,8 +22,10 @@ it holds is written for that (`step`):
   order, which moves with the row's length (triton_kernels.qsa), so where a tie straddles
   the cut the two may keep different blocks;
 - DeltaNet conv windows, recurrent states and the PLE block's n-gram history and conv
-  window are written in place (`copy_`), not replaced;
-- RoPE rows are taken by device position from tables that cover the capacity;
+  window are written in place, not replaced: with the Triton kernels by the launches that
+  move them on (no copy launched after them), with torch's by `copy_`;
+- RoPE rows are taken by device position from tables that cover the capacity (the
+  Triton norm-rope kernels read them there themselves);
 - with the MTP head tracking the state (`--spec`), the step also writes the MTP block's
   keys, from the trunk's streams at the position before (a buffer the runner fills from
   `Qwen4ExpState.hidden` before each replay).
@@ -99,8 +102,18 @@ class _Where:
     mask over the capacity, and QSA's indices (see the module)."""
 
     def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int, nb: int = 0):
-        self.cos, self.sin = rope.cos[P], rope.sin[P]
-        self.P, self.C, self.ratio, self.nb = P, capacity, ratio, nb
+        self.rope, self.P, self.C, self.ratio, self.nb = rope, P, capacity, ratio, nb
+
+    def rope_args(self, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cos, sin, pos) for the norm-rope ops: the Triton kernels read the tables' rows at
+        P themselves (no gather launched); torch's take the rows, gathered once a step."""
+        if kernels == "triton":
+            return self.rope.cos, self.rope.sin, self.P
+        return (*self._rows, None)
+
+    @functools.cached_property
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.cos[self.P], self.rope.sin[self.P]
 
     @functools.cached_property
     def choice(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,7 +146,7 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     T, keep = q.shape[1], min(m.budget // m.ratio, st._blocks.shape[0])
     _pool(m, st, at)
     qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
-    qi = impl("norm_rope", m.kernels)(qi, m.idx_q_norm, m.eps, at.cos, at.sin)  # (n_idx, T, d)
+    qi = impl("norm_rope", m.kernels)(qi, m.idx_q_norm, m.eps, *at.rope_args(m.kernels))  # (n_idx, T, d)
     blocks = st._blocks                                                          # (NB, d)
     if m.kernels == "triton":
         return _sparse_kernels(m, q, qi, blocks, keep, st, at)
@@ -185,7 +198,7 @@ def _rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor
 def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> torch.Tensor:
     """The gated attention of rows a (T, dim) at device positions P (T,), the state's
     buffers written in place."""
-    q, k, v, idx_q, idx_k, gate = project(m.proj(a).float(), *m.project_args(), at.cos, at.sin)
+    q, k, v, idx_q, idx_k, gate = project(m.proj(a).float(), *m.project_args(), *at.rope_args(m.kernels))
     _write_rows(m, st, k, v, idx_k, P)
     if m.qsa and not m.dense_only:
         out = _sparse(m, q, idx_q, st, at)
@@ -201,7 +214,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
 def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:
     """Only the keys, values and indexer keys of rows a written (the MTP block's, which a
     draft attends to; MTPHead.keys)."""
-    _, k, v, _, idx_k, _ = project(m.proj(a).float(), *m.project_args(), at.cos, at.sin)
+    _, k, v, _, idx_k, _ = project(m.proj(a).float(), *m.project_args(), *at.rope_args(m.kernels))
     _write_rows(m, st, k, v, idx_k, P)
 
 
@@ -223,13 +236,11 @@ def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
 
 def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
     """NgramPLE.forward with the n-gram history and the conv window written in place."""
-    history = st.history
-    ids = p.ids(tok, st)
-    history.copy_(st.history)
-    st.history = history
+    ids = p.ids(tok, st, in_place=True)  # the history written by the hash's own launch
     e = p.table.gather(ids, bound=p.id_bound)
-    x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, **p.kernels())
-    st.conv.copy_(window)
+    x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, **p.kernels(), in_place=True)
+    if window is not st.conv:  # (one token's Triton launch moves it on in place)
+        st.conv.copy_(window)
     return x
 
 
@@ -251,7 +262,7 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
     (T > 1): {"ple_input": the PLE block's input, "rows": each DeltaNet layer's inputs}."""
     T = tok.numel()
     P = pos if T == 1 else pos + torch.arange(T, device=pos.device)  # (a decode: pos itself, no launch)
-    x = model.embed(tok).repeat(1, model.cfg.streams)
+    x = model.embed(tok, model.cfg.streams, checked=True)  # checked where the runner filled `tok`
     where: dict = {}
     kept: dict = {"rows": []} if T > 1 else {}
     layers, xn = list(model.layers), None  # xn: x's streams normed for the next read (Layer.run)
@@ -274,7 +285,7 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
             x, xn = layer.ffn_hc.write(x, layer.moe.parts(m), w), None
     if state.mtp is not None:
         mtp = model.mtp
-        a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]])))
+        a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]]), checked=True))
         _keys(mtp.block.mixer, a, state.mtp, P, _where(where, P, mtp.block.mixer, state.mtp, False))
     return model.logits(x, xn), x, kept
 
@@ -428,6 +439,7 @@ class Qwen4ExpGraph:
         `Qwen4ExpState.keep` needs is left as the eager forward leaves it."""
         model, state, T = self.model, self.state, self.T
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        model._check_tokens(tokens)  # (on the host, where they are: the step itself checks none)
         for store in self._stores():
             store.rebalance()  # between steps: the device caches' promotions
         if T == 1:

@@ -248,8 +248,10 @@ def test_the_graph_step_with_the_triton_kernels_equals_their_eager_step(tiny_mix
     print("flash-tiny graph step with the Triton kernels against the eager step:", rels)
     assert max(rels) <= 1e-5 and a.layers[3].n_blocks == 3, rels
     # the graph's own launches (the cache's rows, the block keys, the scores and attention
-    # at a device position) compile for sm_90 and gfx942 as a GPU would launch them
-    graph_ops = {"cache_write", "qsa_pool", "qsa_scores", "qsa_attention"}
+    # at a device position, RoPE's rows read there, the embedding gathered into every
+    # stream) compile for sm_90 and gfx942 as a GPU would launch them
+    graph_ops = {"cache_write", "qsa_pool", "qsa_scores", "qsa_attention", "norm_rope", "norm_rope2", "ple_gather"}
     assert graph_ops <= {c["op"] for c in calls}
     _compiles([c for c in calls if c["op"] in graph_ops],
-              ("_cache_write_kernel", "_qsa_pool_kernel", "_qsa_scores_kernel", "_qsa_attention_kernel"))
+              ("_cache_write_kernel", "_qsa_pool_kernel", "_qsa_scores_kernel", "_qsa_attention_kernel",
+               "_norm_rope_kernel", "_norm_rope2_kernel"))

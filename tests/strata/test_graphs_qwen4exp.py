@@ -88,6 +88,24 @@ def test_a_graph_of_a_window_of_tokens_equals_the_models_forward(model):
         assert _rel(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("bad", [-1, 49152])
+def test_a_token_out_of_range_is_refused_before_the_graph_runs(model, bad):
+    """The step holds no check of its ids (the runner checks them on the host it fills
+    them from): an id past the vocabulary is refused there, and the state is untouched."""
+    a = model.new_cache()
+    model([1, 504, 3458], a, last_only=True)
+    g = Qwen4ExpGraph(model, a)
+    conv = a.ple.conv.clone()
+    n = model.embedding.shape[0]
+    assert n == 49152
+    with pytest.raises(ValueError, match=rf"token ids must lie in 0\.\.{n - 1}"):
+        g([bad])
+    assert a.length == 3 and torch.equal(a.ple.conv, conv)
+    b = model.new_cache()
+    model([1, 504, 3458], b, last_only=True)
+    assert _rel(g([5]), model([5], b)) < 1e-5  # and the next good token goes on as if none came
+
+
 def test_a_graph_continues_after_eager_steps_and_eager_after_it(model):
     a = model.new_cache()
     model([1, 2, 3], a, last_only=True)
@@ -110,14 +128,16 @@ def test_the_graph_is_taken_on_cuda_only(model, monkeypatch):
     assert not graphs_qwen4exp.usable(model, state, 1)
 
 
-# flash-tiny's graph step at bf16 with Triton kernels when these bounds were set: 160
-# launches (20.0 a layer) with the experts resident, 168 (21.0) in a cache over host RAM
-# (the router's launch looks the cache up; the staging one launch; the QSA layers' block
-# keys, scores and attention the QSA kernels', an attention layer's cache rows one
-# launch); more than the eager step's at a short context (QSA's choice runs at any
-# position, and the states are written in place), each about a microsecond in a graph.
-# They only come down (212 and 220 before the QSA kernels).
-LAUNCHES_A_LAYER = {"device": 20.0, "cache:16:host": 21.0}
+# flash-tiny's graph step at bf16 with Triton kernels when these bounds were set (its 8
+# layers): 149 launches with the experts resident, 157 in a cache over host RAM (the
+# router's launch looks the cache up; the staging one launch; the QSA layers' block keys,
+# scores and attention the QSA kernels', an attention layer's cache rows one launch; RoPE's
+# rows read by the norm-rope kernels at the device position; the n-gram history and the
+# PLE conv's window moved on in place by the launches that compute them; the embedding
+# one launch into every stream, its ids checked on the host that fills them), and 2 fills
+# of the token and position before the replay. Each about a microsecond in a graph. They
+# only come down (212 and 220 before the QSA kernels, 160 and 168 before these).
+LAUNCHES_A_LAYER = {"device": 149 / 8, "cache:16:host": 157 / 8}
 
 
 @pytest.mark.parametrize("experts, ple_io", [("device", None), ("cache:16:host", "ram")])

@@ -14,13 +14,13 @@ from strata.runtime.trace import HostRead, fake_cuda, trace
 from triton_kernels.backend import to_device
 from triton_kernels.deltanet_fla import fla_installed
 
-# flash-tiny's decode step at bf16 with Triton kernels when these bounds were set: 148
-# launches (18.5 a layer) with the experts resident, 156 (19.5) in a cache over host
-# RAM (its lookup and counters in the router's launch with the alignment, its staging one
-# launch: triton_kernels.route_align, stage); a DeltaNet layer's mixing is three (its
-# conv and inputs, the recurrence, the gated norm: triton_kernels.deltanet_inputs); they
-# only come down
-LAUNCHES_A_LAYER = {"device": 18.5, "cache:16:host": 19.5}
+# flash-tiny's decode step at bf16 with Triton kernels when these bounds were set (its 8
+# layers): 145 launches with the experts resident, 153 in a cache over host RAM (its
+# lookup and counters in the router's launch with the alignment, its staging one launch:
+# triton_kernels.route_align, stage); a DeltaNet layer's mixing is three (its conv and
+# inputs, the recurrence, the gated norm: triton_kernels.deltanet_inputs); the embedding
+# one, gathered into every stream (Qwen4Exp.embed); they only come down
+LAUNCHES_A_LAYER = {"device": 145 / 8, "cache:16:host": 153 / 8}
 
 
 def test_a_host_read_of_device_data_raises_naming_the_line():
@@ -94,7 +94,7 @@ def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tin
 def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     """One layer at Flash-Next's real shape (strata.convert.flash_shape_memory: quantized
     weights, so the dp4a GEMVs and their int8 activations) on fake CUDA, experts resident:
-    32 launches, 2 of them quantize_x, the PLE block's (48 layers: 870, 18.1 a layer). A
+    29 launches, 2 of them quantize_x, the PLE block's (48 layers: 867, 18.1 a layer). A
     hyper-connection read's launch quantizes the block's input as it writes it, a write's
     launch (or the first read's norm) the streams' norm for the next read, a gate's launch
     its product, DeltaNet's gated norm its rows (triton_kernels.hyperconn: hc_mix,
@@ -102,7 +102,8 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     deltanet_inputs.deltanet_gated_norm; int8.attach), for the projections and the routed
     experts alike, and the routed experts' gate/up programs their intermediate
     (triton_kernels.moe): before, 43 launches, 12 quantize_x (48 layers: 1,257, 26.2 a
-    layer), then 35 and 4 (921, 19.2). They only come down."""
+    layer), then 35 and 4 (921, 19.2), then 32 (870: the embedding then took three launches
+    and the token check four). They only come down."""
     from strata.convert import flash_shape_memory as fsm
     from strata.load import Options, build, decide
     monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")  # the eager step (a graph replays its launches)
@@ -116,4 +117,4 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
         trace(lambda: model(torch.tensor([1]), state))
         t = trace(lambda: model(torch.tensor([4]), state))
     print(f"\nflash-shape:1 on fake CUDA (bf16, Triton, experts device): decode: {t.line(1)}")
-    assert t.launches <= 32 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)
+    assert t.launches <= 29 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)

@@ -122,18 +122,24 @@ def test_ids_equal_transformers_for_any_stream_and_split(s):
     def prop(case):
         tokens, chunks = case
         want = s.hf_ids(tokens)
+        context = s.consts.ngram_size - 1
         cache, hist, hist_t = DynamicCache(config=s.cfg), None, None
-        hf_parts, parts, torch_parts = [], [], []
+        held = [torch.full((context,), eos) for _ in range(2)]  # a graph's buffers, written in place
+        hf_parts, parts, torch_parts, held_parts = [], [], [], []
         for lo, hi in chunks:
             hf_parts.append(s.hf_ids(tokens[lo:hi], cache))
             ids, hist = ngram_ids(tokens[lo:hi], hist, *s.args())
             ids_t, hist_t = ngram_ids_torch(tokens[lo:hi], hist_t, *s.args())
             parts.append(ids)
             torch_parts.append(ids_t)
+            for f, buf in zip((ngram_ids, ngram_ids_torch), held):
+                ids_h, same = f(tokens[lo:hi], buf, *s.args(), in_place=True)
+                assert same is buf and torch.equal(buf, hist)
+                held_parts.append(ids_h)
         assert torch.equal(torch.cat(hf_parts), want)  # transformers agrees with itself
         assert torch.equal(torch.cat(parts), want)
         assert torch.equal(torch.cat(torch_parts), want)
-        context = s.consts.ngram_size - 1
+        assert torch.equal(torch.cat(held_parts[0::2]), want) and torch.equal(torch.cat(held_parts[1::2]), want)
         assert torch.equal(hist, torch.cat([torch.full((context,), eos), tokens])[-context:])
         assert ((want >= 0) & (want < s.consts.rows)).all()
     prop()
@@ -190,7 +196,13 @@ def gather_case(draw, fmt, dims=(16, 32, 64)):
     row = st.one_of(st.sampled_from([0, n_rows - 1]), st.integers(0, n_rows - 1))
     ids = draw(st.lists(row, min_size=tok * heads, max_size=tok * heads))
     scale = draw(bf16_scales) if fmt.name == "FP8_E4M3" and draw(st.booleans()) else None
-    return raw.reshape(n_rows, -1), torch.tensor(ids).reshape(tok, heads), scale
+    ids = torch.tensor(ids).reshape(tok, heads)
+    view = draw(st.sampled_from(["contiguous", "expanded", "transposed"]))
+    if view == "expanded":  # a token's first id for every head, read through a stride of 0
+        ids = ids[:, :1].expand(tok, heads)
+    elif view == "transposed":
+        ids = ids.t().contiguous().t()
+    return raw.reshape(n_rows, -1), ids, scale
 
 
 def reference(raw, ids, fmt, scale):

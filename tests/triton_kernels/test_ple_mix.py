@@ -109,3 +109,21 @@ def test_ple_mix_within_the_float32_bound(S, H, K, dil, seed, scale):
         assert out.shape == (1, C) and win.shape == window.shape, fn.__name__
         assert bool(((out.double() - out64).abs() <= bound).all()), fn.__name__
         assert bool(((win.double() - win64).abs() <= win_bound).all()), fn.__name__
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(S=st.integers(1, 3), H=st.integers(1, 70), K=st.integers(2, 4), dil=st.integers(1, 3),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_in_place_the_window_is_moved_on_where_it_lies(S, H, K, dil, seed):
+    """in_place (a decode graph's held window): the call's own outputs bit for bit, the new
+    window written over the one given, which is returned; both twins."""
+    rng = np.random.default_rng(seed)
+    C = S * H
+    args = [data(rng, 1, C), data(rng, 1, C), data(rng, 1, H), data(rng, C), data(rng, C), data(rng, C),
+            data(rng, C, K)]
+    window = data(rng, C, (K - 1) * dil)
+    for fn in (ple_mix, ple_mix_torch):
+        want = fn(*args, window, S, EPS, dil)
+        held = window.clone()
+        out, win = fn(*args, held, S, EPS, dil, in_place=True)
+        assert win is held and torch.equal(out, want[0]) and torch.equal(held, want[1]), fn.__name__

@@ -91,3 +91,35 @@ def test_norm_rope2_is_two_norm_ropes_in_one_launch(T, Hq, Hk, D, rope_frac, sca
     for x, w, y in zip((q, k), (wq, wk), norm_rope2_torch(q, wq, k, wk, 1e-6, cos, sin)):
         ref, mag = reference(x, w, 1e-6, cos, sin)
         assert bool(((y.double() - ref).abs() <= gamma(D + 9) * mag).all())
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(T=st.integers(1, 3), N=st.integers(1, 9), D=st.sampled_from([8, 24, 64]),
+       rope_frac=st.sampled_from([0.5, 1.0]), seed=st.integers(0, 2 ** 32 - 1), data_=st.data())
+def test_with_positions_the_rows_are_read_from_the_tables(T, N, D, rope_frac, seed, data_):
+    """pos (T,): cos and sin are tables (N, R) and token t takes row pos[t], read by the
+    kernel (a graph's step: no gather) — the bits of the call given those rows, in both
+    ops and both twins; repeated positions and the first and last rows included."""
+    from triton_kernels.rope import norm_rope2, norm_rope2_torch
+    R = max(2, int(D * rope_frac) // 2 * 2)
+    pos = torch.tensor(data_.draw(st.lists(st.one_of(st.sampled_from([0, N - 1]), st.integers(0, N - 1)),
+                                           min_size=T, max_size=T)))
+    x = data(seed, T, 3, 2 * D)[..., :D]
+    k = data(seed + 1, T, 2, D)
+    w, wk = data(seed + 2, D), data(seed + 3, D)
+    ang = data(seed + 4, N, R)
+    cos, sin = ang.cos(), ang.sin()
+    for f in (norm_rope, norm_rope_torch):
+        assert torch.equal(f(x, w, 1e-6, cos, sin, pos), f(x, w, 1e-6, cos[pos], sin[pos])), f.__name__
+    for f in (norm_rope2, norm_rope2_torch):
+        got, want = f(x, w, k, wk, 1e-6, cos, sin, pos), f(x, w, k, wk, 1e-6, cos[pos], sin[pos])
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f.__name__
+
+
+def test_positions_are_one_integer_a_token():
+    x, t = torch.zeros(2, 3, 16), torch.zeros(5, 8)
+    with pytest.raises(ValueError, match=r"norm_rope: pos must be \(2,\) integers, one per token, got "
+                                         r"torch.int64 \(3,\)"):
+        norm_rope(x, torch.ones(16), 1e-6, t, t, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"norm_rope: cos and sin must be tables \(positions, rope_dim\)"):
+        norm_rope(x, torch.ones(16), 1e-6, torch.zeros(5, 7), torch.zeros(5, 7), torch.zeros(2, dtype=torch.long))

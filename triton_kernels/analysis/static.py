@@ -288,14 +288,15 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
         if u is not None:
             block = ple.PLE_UNITS_BLOCK
             sig, cx = _sig("q_ptr:*u16,tab_ptr:*i32,ids_ptr:*i64,scale_ptr:*fp32,out_ptr:*i16,"
-                           "n_units:i32", **launch_args(fmt, u), ROW_UNITS=dim // u.weights,
-                           BLOCK=block, HAS_SCALE=False, OUT="bf16", ASM=asm, CVT=True)
+                           "n_units:i32,heads:i32,id_st:i32,id_sh:i32", **launch_args(fmt, u), ROW_UNITS=dim // u.weights,
+                           BLOCK=block, HAS_SCALE=False, OUT="bf16", ASM=asm, CVT=True, STRIDED=False)
             return Spec(ple._ple_gather_units_kernel, sig, cx, nw, block * u.weights, 1, 1,
                         {"enable_fp_fusion": False})
         p2 = triton.next_power_of_2(dim)
-        sig, cx = _sig("q_ptr:*u8,tab_ptr:*u8,ids_ptr:*i64,scale_ptr:*fp32,out_ptr:*i16,n_rows:i32",
+        sig, cx = _sig("q_ptr:*u8,tab_ptr:*u8,ids_ptr:*i64,scale_ptr:*fp32,out_ptr:*i16,n_rows:i32,"
+                       "heads:i32,id_st:i32,id_sh:i32",
                        DECODE=decoder(fmt), QK=fmt.block_elems, ROW_BLOCKS=dim // fmt.block_elems,
-                       ROW_DIM=dim, DIM_P2=p2, BLOCK_ROWS=rows, HAS_SCALE=False, OUT_BF16=True)
+                       ROW_DIM=dim, DIM_P2=p2, BLOCK_ROWS=rows, HAS_SCALE=False, OUT_BF16=True, STRIDED=False)
         # counted over the padded tile: the lanes past ROW_DIM are masked, not free
         return Spec(ple._ple_gather_kernel, sig, cx, nw, rows * dim, 1, 1,
                     {"enable_fp_fusion": False})
