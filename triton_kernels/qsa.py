@@ -3,6 +3,7 @@ attention over the chosen blocks only, the gather fused into the attention.
 
     qsa_scores(q, blocks, start, ratio) -> scores float32 (T, nb)
     select_blocks(scores, start, ratio, keep) -> sel int64 (T, keep), -1 where unused
+    select_sorted(scores, keep) -> (best, sel) (T, keep): a graph's choice over a whole row
     qsa_attention(q, k, v, sel, start, ratio[, k_scale, v_scale]) -> out float32 (H, T, D)
     qsa_pool(idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks)   a graph's block keys, in place
     token_mask(sel, start, ratio, n) -> bool (T, n): the tokens a selection attends to
@@ -28,6 +29,17 @@ changes it). select_blocks therefore runs torch.topk over each group of queries 
 the same n_p (consecutive queries, at most `ratio` of them; rows of equal length in one
 call choose as single rows do). It has no Triton twin: a kernel would choose among ties
 by its own order, not topk's, and the kept blocks would differ from the reference's.
+
+A decode graph cannot cut a row to n_p (its shapes are fixed): `select_sorted` sorts each
+query's whole row (unseen blocks at -inf, sorted last) stably, so that of equal scores
+the lower block is kept. On NVIDIA GPUs that is topk's own choice: its kernels take the
+values above the k-th, then of those equal to it the first in index order, by prefix sums
+in both its single- and multi-block forms (aten/src/ATen/native/cuda/TensorTopK.cu,
+gatherTopK), so there the eager step and the graph keep the same blocks
+(tests/triton_kernels/test_cuda.py checks it on a GPU). ROCm's single-block form reserves
+its output by warp atomics, in no set order. On the CPU topk's choice among equal values
+moves with the row's length (a partial sort), so the graph's step, which runs there only
+in tests, can keep another block than the eager step where a tie straddles the cut.
 
 Attention: for each query head h (kv head h // (H / Hkv)), softmax(q . k / sqrt(D)) over
 the chosen blocks' tokens and the tail, times v. K and V are the layer's cache,
@@ -188,6 +200,14 @@ def select_blocks(scores: torch.Tensor, start: int, ratio: int, keep: int) -> to
         sel[a:b] = scores[a:b, :nb].topk(keep, dim=-1).indices
         a = b
     return sel
+
+
+def select_sorted(scores: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best scores, sel) (T, keep): each row's `keep` best blocks over the whole row,
+    of equal scores the lower block (see the module); -inf ones (unseen) last. One sort
+    launch, whatever the row's visible length: a graph's choice."""
+    best, sel = scores.sort(dim=-1, descending=True, stable=True)
+    return best[:, :keep], sel[:, :keep]
 
 
 def token_mask(sel: torch.Tensor, start: int, ratio: int, n: int) -> torch.Tensor:

@@ -17,10 +17,10 @@ it holds is written for that (`step`):
   -inf, keeps the `budget / ratio` best, and attends to their tokens and the
   open tail's, gathered into budget + ratio slots, those past it or not chosen masked.
   Within the budget that is every visible block: dense attention, as the eager step's.
-  Among blocks of exactly equal score (relu makes zeros common) the lower block is kept:
-  the eager step's topk over a row of exactly the visible blocks chooses by its own
-  order, which moves with the row's length (triton_kernels.qsa), so where a tie straddles
-  the cut the two may keep different blocks;
+  Among blocks of exactly equal score (relu makes zeros common) the lower block is kept
+  (triton_kernels.qsa.select_sorted): on CUDA the eager step's topk keeps the same ones;
+  on the CPU its topk chooses by an order that moves with the row's length, so there,
+  where a tie straddles the cut, the two may keep different blocks;
 - DeltaNet conv windows, recurrent states and the PLE block's n-gram history and conv
   window are written in place, not replaced: with the Triton kernels by the launches that
   move them on (no copy launched after them), with torch's by `copy_`;
@@ -65,6 +65,7 @@ from strata.nn.ple import mix
 from strata.runtime.graphs import enabled
 from triton_kernels import backend, invariant
 from triton_kernels.ops import impl
+from triton_kernels.qsa import select_sorted
 
 
 def _write_rows(m, st: AttentionState, k: torch.Tensor, v: torch.Tensor, idx_k: torch.Tensor | None,
@@ -156,9 +157,7 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
         scores = (qi.float() @ blocks.T).relu().sum(dim=0)                      # (T, NB)
     unseen, block_rows, tail_at, tail_ok = at.choice
     scores = (scores / math.sqrt(m.idx_dim)).masked_fill(unseen, float("-inf"))
-    # the best `keep`, ties to the lower block (a fixed rule: topk's choice among equal
-    # scores moves with the row's length, and the graph's row is the capacity's)
-    best, sel = (t[:, :keep] for t in scores.sort(dim=-1, descending=True, stable=True))  # (T, keep)
+    best, sel = select_sorted(scores, keep)                                      # (T, keep)
     tokens = torch.cat([block_rows[sel].reshape(T, -1), tail_at], dim=1)        # (T, S)
     chosen = (best > float("-inf"))[:, :, None].expand(T, keep, m.ratio).reshape(T, -1)
     ok = torch.cat([chosen, tail_ok], dim=1)
@@ -176,7 +175,7 @@ def _sparse_kernels(m, q, qi, blocks, keep: int, st: AttentionState, at: _Where)
     query's sums are its own program's, whatever T: batch-invariant as they stand."""
     start = at.P[:1]
     scores = impl("qsa_scores", "triton")(qi, blocks, start, m.ratio)          # (T, NB)
-    sel = scores.sort(dim=-1, descending=True, stable=True)[1][:, :keep]        # ties: the lower block
+    sel = select_sorted(scores, keep)[1]                                         # ties: the lower block
     scales = st.kv_scales()
     return impl("qsa_attention", "triton")(q, *st.kv_cache(), sel, start, m.ratio,
                                            **({} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}))

@@ -35,6 +35,7 @@ from triton_kernels.qsa import (
     qsa_scores,
     qsa_scores_torch,
     select_blocks,
+    select_sorted,
     token_mask,
     visible_blocks,
 )
@@ -109,6 +110,22 @@ def test_selection_breaks_ties_as_topk_over_the_visible_scores(T, start, ratio, 
         got = sorted(b for b in sel[t].tolist() if b >= 0)
         assert got == want, (t, n)
         assert (sel[t] < 0).sum() == max(0, keep - n)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(T=st.integers(1, 6), nb=st.integers(1, 40), keep=st.integers(1, 12), seed=st.integers(0, 2**16),
+       levels=st.integers(1, 3))
+def test_a_graphs_selection_keeps_the_lower_of_tied_blocks(T, nb, keep, seed, levels):
+    """select_sorted (a decode graph's choice over its whole row, unseen blocks -inf): the
+    `keep` best by (score, then the lower block), the -inf ones last, with their scores."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (T, nb), generator=g).float()
+    scores[torch.rand(T, nb, generator=g) < 0.3] = float("-inf")
+    best, sel = select_sorted(scores, keep)
+    assert sel.shape == best.shape == (T, min(keep, nb))
+    for t in range(T):
+        want = sorted(range(nb), key=lambda b: (-scores[t, b].item(), b))[:keep]
+        assert sel[t].tolist() == want and torch.equal(best[t], scores[t, want])
 
 
 # --- attention -----------------------------------------------------------------------------
