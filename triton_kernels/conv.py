@@ -1,16 +1,19 @@
-"""One token of a depthwise causal conv (the DeltaNet layer's and the PLE block's), in one
+"""A depthwise causal conv (the DeltaNet layer's and the PLE block's) over T tokens, in one
 kernel:
 
-    conv_step(window (C, S), x (1, C), w (C, K), dilation) -> (y (1, C), new window (C, S))
-    full = [window | x^T]                              (C, S + 1), S = (K - 1) * dilation
-    y[c] = sum over j of full[c, j * dilation] * w[c, j]   taps in order j = 0, 1, ...
-    new window = full[:, 1:]
+    conv_step(window (C, S), x (T, C), w (C, K), dilation, in_place=False)
+        -> (y (T, C), new window (C, S))
+    full = [window | x^T]                              (C, S + T), S = (K - 1) * dilation
+    y[t, c] = sum over j of full[c, t + j * dilation] * w[c, j]   taps in order j = 0, 1, ...
+    new window = full[:, T:]          (with in_place written over `window`, and returned)
 
-`causal_conv_torch` is the conv for any number of tokens as torch ops (a concatenation,
-K products and K - 1 sums, a transpose and a copy: ten launches at K = 4 for one token);
-here one program covers BLOCK_C channels. The taps are summed in the same order, each
-product and sum rounded on its own (no fused multiply-add), so the kernel equals
-`conv_step_torch`, the torch form of one token, bit for bit.
+`causal_conv_torch` is the same conv as torch ops (a concatenation, K products and K - 1
+sums, a transpose and a copy: ten launches at K = 4, and a copy back into a held window);
+here one program covers BLOCK_C channels, token after token. The taps are summed in the
+same order, each product and sum rounded on its own (no fused multiply-add), so the kernel
+equals the torch twin bit for bit, and a token's output is the same whatever T: a verify's
+rows are one-token steps' (the one-token kernels that take the conv inside theirs,
+deltanet_conv_inputs and ple_mix, share `conv_taps`).
 """
 from __future__ import annotations
 
@@ -49,41 +52,72 @@ def conv_taps(x, win_ptr, taps_ptr, new_win_ptr, c, live, S: tl.constexpr, K: tl
 
 
 @triton.jit
-def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, S: tl.constexpr, K: tl.constexpr,
+def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, T, stride_x, S: tl.constexpr, K: tl.constexpr,
                       DIL: tl.constexpr, BLOCK: tl.constexpr):
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = c < C
-    x = tl.load(x_ptr + c, mask=live, other=0.0)
-    tl.store(y_ptr + c, conv_taps(x, win_ptr, w_ptr, out_ptr, c, live, S, K, DIL), mask=live)
+    for t in range(T):
+        y = tl.zeros((BLOCK,), tl.float32)
+        for j in tl.static_range(K):
+            f = _column(win_ptr, x_ptr, c, live, t + j * DIL, stride_x, S)
+            if j == 0:
+                y = f * tl.load(w_ptr + c * K + j, mask=live, other=0.0)
+            else:
+                y = y + f * tl.load(w_ptr + c * K + j, mask=live, other=0.0)
+        tl.store(y_ptr + t * C + c, y, mask=live)
+    # the new window, column i from column T + i: in place, a channel's row is one lane's
+    # and column T + i is read before column i is written (i in order; T >= 1)
+    for i in tl.static_range(S):
+        tl.store(out_ptr + c * S + i, _column(win_ptr, x_ptr, c, live, T + i, stride_x, S), mask=live)
+
+
+@triton.jit
+def _column(win_ptr, x_ptr, c, live, p, stride_x, S: tl.constexpr):
+    """Column p of [window | x^T] at channels c."""
+    p = p + c * 0  # a vector, whether p came as a number or a scalar
+    held = p < S
+    a = tl.load(win_ptr + c * S + p, mask=live & held, other=0.0)
+    b = tl.load(x_ptr + (p - S) * stride_x + c, mask=live & (p >= S), other=0.0)
+    return tl.where(held, a, b)
 
 
 def _check(window, x, w, dilation):
     C, S = window.shape
     K = w.shape[1]
-    if x.shape != (1, C) or w.shape[0] != C or S != (K - 1) * dilation:
+    if x.dim() != 2 or x.shape[1] != C or w.shape[0] != C or S != (K - 1) * dilation:
         raise ValueError(f"conv_step: window {tuple(window.shape)}, x {tuple(x.shape)} and taps {tuple(w.shape)} "
-                         f"do not fit one token of a conv of {K} taps, dilation {dilation}")
+                         f"do not fit tokens (T, {C}) of a conv of {K} taps, dilation {dilation}")
     if not all(t.dtype == torch.float32 for t in (window, x, w)):
         raise ValueError("conv_step: window, x and taps must be float32")
 
 
-def conv_step(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
-    """(y (1, C), the new window): one token of the conv (see the module)."""
+def conv_step(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1, in_place: bool = False):
+    """(y (T, C), the new window): T tokens of the conv (see the module); `in_place`: the
+    new window written over `window` (a decode graph's buffer), which is returned."""
     _check(window, x, w, dilation)
     if not use_triton(x):
-        return conv_step_torch(window, x, w, dilation)
+        return conv_step_torch(window, x, w, dilation, in_place)
+    if in_place and not window.is_contiguous():
+        raise ValueError("conv_step: in_place needs a contiguous window")
     C, S = window.shape
-    y = torch.empty_like(x)
-    out = torch.empty_like(window)
-    _conv_step_kernel[(triton.cdiv(C, BLOCK_C),)](window.contiguous(), x.contiguous(), w.contiguous(), y, out, C,
-                                                  S=S, K=w.shape[1], DIL=dilation, BLOCK=BLOCK_C,
-                                                  enable_fp_fusion=False)
+    T = x.shape[0]
+    window, w = window.contiguous(), w.contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    out = window if in_place else torch.empty_like(window)
+    if T:
+        _conv_step_kernel[(triton.cdiv(C, BLOCK_C),)](window, x, w, y, out, C, T, x.stride(0), S=S, K=w.shape[1],
+                                                      DIL=dilation, BLOCK=BLOCK_C, enable_fp_fusion=False)
+    elif not in_place:
+        out.copy_(window)
     return y, out
 
 
-def conv_step_torch(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):
+def conv_step_torch(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1,
+                    in_place: bool = False):
     _check(window, x, w, dilation)
-    return causal_conv_torch(window, x, w, dilation)
+    y, new = causal_conv_torch(window, x, w, dilation)
+    return y, window.copy_(new) if in_place else new
 
 
 def causal_conv_torch(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1):

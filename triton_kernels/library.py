@@ -276,8 +276,9 @@ def _ints(v, device) -> Tensor:
 
 
 def _window_out(out: tuple[Tensor, Tensor], window: Tensor, in_place: bool) -> tuple[Tensor, Tensor]:
-    """ple_mix's returns from the op's (which may not write its input): in place, the new
-    window copied over `window`."""
+    """(output, new window) of an op that moves a conv's window on (conv_step, ple_mix), from
+    the registered op's, which may not write its input: in place, the new window copied
+    over `window`."""
     return (out[0], window.copy_(out[1])) if in_place else out
 
 
@@ -333,7 +334,8 @@ _CALLS = {
     "deltanet_conv_inputs": lambda window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_conv_inputs"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk),
     "deltanet_gated_norm": lambda o, z, w, eps, quantize=False: OPS["deltanet_gated_norm"](o, z, w, eps),
-    "conv_step": lambda window, x, w, dilation=1: OPS["conv_step"](window, x, w, dilation),
+    "conv_step": lambda window, x, w, dilation=1, in_place=False: _window_out(
+        OPS["conv_step"](window, x, w, dilation), window, in_place),
     "hc_norm": lambda x, w, eps, quantize=False: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     # a compiled step's ops return new tensors, to which nothing can stay attached: no quantize

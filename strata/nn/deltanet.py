@@ -125,12 +125,14 @@ class DeltaNetState:
         recurrent(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec, t.step)
 
 
-def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1, step=None):
+def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1, step=None,
+                in_place: bool = False):
     """Depthwise causal conv of x (T, C) with taps w (C, K), continuing `window` (C, (K-1)*d)
-    of earlier inputs; returns (output (T, C), the new window). `step`: one token's op
-    (triton_kernels.conv, the same sums bit for bit) for T = 1 on the GPU path."""
-    if step is not None and x.shape[0] == 1:
-        return step(window, x, w, dilation)
+    of earlier inputs; returns (output (T, C), the new window). `step`: the GPU path's op
+    (triton_kernels.conv: one launch, the same sums bit for bit), which with `in_place`
+    writes the new window over `window` (a decode graph's buffer)."""
+    if step is not None:
+        return step(window, x, w, dilation, in_place=in_place) if in_place else step(window, x, w, dilation)
     return causal_conv_torch(window, x, w, dilation)
 
 
@@ -202,7 +204,8 @@ def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, kernels: str = "tor
             return impl("deltanet_conv_inputs", "triton")(window, qkv, conv, b, a, dt_bias, a_coef, Hk, dk,
                                                           in_place=True)
         return impl("deltanet_conv_inputs", "triton")(window, qkv, conv, b, a, dt_bias, a_coef, Hk, dk)
-    mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if gpu else None)
+    mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if gpu else None,
+                                in_place=in_place)
     q, k, v, g, beta = impl("deltanet_inputs", kernels)(mixed, b, a, dt_bias, a_coef, Hk, dk)
     return q, k, v, g, beta, window
 

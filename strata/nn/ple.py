@@ -112,8 +112,9 @@ def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, w
     """The block's output added to the residual x (T, S*H), from the gathered rows e: (x, the
     conv's new window). `key` and `value` are callables giving float32 rows (the modules, or
     a compiled step's pure matmuls, strata.models.qwen4exp_step); `norm`: stream_norm's
-    form, `one`: the rest for one token in one launch (NgramPLE.kernels, the Triton ones),
-    which with `in_place` writes the new window over `window` (a decode graph's buffer)."""
+    form, `one`: the rest for one token in one launch (NgramPLE.kernels, the Triton ones);
+    with `in_place` the Triton launches write the new window over `window` (a decode
+    graph's buffer)."""
     T = x.shape[0]
     kr, v = key(e).float(), value(e).float()
     if one is not None and T == 1:
@@ -125,5 +126,5 @@ def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, w
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gv = invariant.pointwise(torch.sigmoid, gate) * v.unsqueeze(1)  # (T, S, H)
     normed = norm(gv.reshape(T, -1), norm_conv, streams, eps).reshape(T, -1)
-    out, window = causal_conv(window, normed, conv, dilation, step=conv_step)
+    out, window = causal_conv(window, normed, conv, dilation, step=conv_step, in_place=in_place)
     return x + gv.reshape(T, -1) + F.silu(out), window

@@ -226,7 +226,7 @@ def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
     q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
                                                 m.proj.kernels, in_place=True)
     o = deltanet.recurrent(q, k, v, g, beta, st.rec, m.recurrence(a.device)[1])
-    if window is not st.conv:  # (one token's Triton step moves it on in place)
+    if window is not st.conv:  # (the Triton launches move it on in place)
         st.conv.copy_(window)
     if rows is not None:
         rows.append((qkv, q, k, v, g, beta))
@@ -238,7 +238,7 @@ def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
     ids = p.ids(tok, st, in_place=True)  # the history written by the hash's own launch
     e = p.table.gather(ids, bound=p.id_bound)
     x, window = mix(x, e, p.key, p.value, *p.mix_args(), st.conv, **p.kernels(), in_place=True)
-    if window is not st.conv:  # (one token's Triton launch moves it on in place)
+    if window is not st.conv:  # (the Triton launches move it on in place)
         st.conv.copy_(window)
     return x
 

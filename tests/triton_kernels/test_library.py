@@ -74,6 +74,7 @@ def cases():
                                   -torch.rand(4), 1, 8)),
         ("deltanet_gated_norm", (torch.randn(2, 4, 6), torch.randn(2, 24), torch.randn(6), 1e-6)),
         ("conv_step", (torch.randn(6, 6), torch.randn(1, 6), torch.randn(6, 4), 2)),
+        ("conv_step", (torch.randn(6, 6), torch.randn(3, 6), torch.randn(6, 4), 2)),
         ("hc_norm", (torch.randn(2, 4 * 24), torch.randn(4, 24), 1e-6)),
         ("hc_gates", (torch.randn(2, 8 + 4), 8, 4)),
         ("hc_combine", (torch.randn(2, 4 * 24), torch.randn(2, 4 * 24), 4)),
