@@ -1,10 +1,10 @@
-"""One token of the gated delta rule (Gated DeltaNet's recurrence), the state updated in
+"""The gated delta rule (Gated DeltaNet's recurrence) over T tokens, the state updated in
 place, in one kernel:
 
     deltanet_step(q, k, v, g, beta, state) -> o
     q, k (Hv, dk); v (Hv, dv); g, beta (Hv,); state (Hv, dk, dv) float32, in place; o (Hv, dv)
-
-    for each value head h:
+    or with a leading token axis on q, k, v, g, beta and o: T tokens, one after another
+    for each value head h and token:
         S     = exp(g_h) S                 the decay
         kv    = k_h^T S                    (dv)
         delta = beta_h (v_h - kv)
@@ -12,13 +12,14 @@ place, in one kernel:
         o_h   = q_h^T S
 
 strata.nn.deltanet.recurrent runs the same math as torch ops, some ten launches a token a
-layer; here one program holds a (dk, BLOCK_V) tile of a head's state in registers from
-the decay to the read-out. `deltanet_step_torch` is that torch form of one token.
-
-Float32 throughout; the kernel's sums over dk run in another order than torch's, so the
-two agree within float32's summation bound (tests/triton_kernels/test_deltanet.py), not
-bit for bit: a model takes one of the two for every token of a sequence (decode and a
-verify's replay alike), never both.
+layer; here one program holds a (dk, BLOCK_V) tile of a head's state in registers from the
+first token's decay to the last one's read-out. A token's arithmetic is the same whatever
+T (the state stays float32 between tokens, in registers or in memory): T tokens at once
+give T one-token calls' bits (a verify's rows are decode steps'). `deltanet_step_torch` is
+that torch form, token by token. Float32 throughout; the kernel's sums over dk run in
+another order than torch's, so the two agree within float32's summation bound
+(tests/triton_kernels/test_deltanet.py), not bit for bit: a model takes one of the two for
+every token of a sequence (decode and a verify's replay alike), never both.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ BLOCK_V = 32
 
 
 @triton.jit
-def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, DK: tl.constexpr, DV: tl.constexpr,
+def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, T, H, DK: tl.constexpr, DV: tl.constexpr,
                  BK: tl.constexpr, BV: tl.constexpr):
     h = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BK)
@@ -40,15 +41,18 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, DK: tl.cons
     mk, mv = rk < DK, rv < DV
     tile = s_ptr + h * DK * DV + rk[:, None] * DV + rv[None, :]
     live = mk[:, None] & mv[None, :]
-    s = tl.load(tile, mask=live, other=0.0) * tl.exp(tl.load(g_ptr + h))
-    k = tl.load(k_ptr + h * DK + rk, mask=mk, other=0.0)
-    kv = tl.sum(s * k[:, None], axis=0)
-    v = tl.load(v_ptr + h * DV + rv, mask=mv, other=0.0)
-    delta = (v - kv) * tl.load(beta_ptr + h)
-    s = s + k[:, None] * delta[None, :]
-    q = tl.load(q_ptr + h * DK + rk, mask=mk, other=0.0)
+    s = tl.load(tile, mask=live, other=0.0)
+    for t in range(T):
+        th = t * H + h  # token t's head h
+        s = s * tl.exp(tl.load(g_ptr + th))
+        k = tl.load(k_ptr + th * DK + rk, mask=mk, other=0.0)
+        kv = tl.sum(s * k[:, None], axis=0)
+        v = tl.load(v_ptr + th * DV + rv, mask=mv, other=0.0)
+        delta = (v - kv) * tl.load(beta_ptr + th)
+        s = s + k[:, None] * delta[None, :]
+        q = tl.load(q_ptr + th * DK + rk, mask=mk, other=0.0)
+        tl.store(o_ptr + th * DV + rv, tl.sum(s * q[:, None], axis=0), mask=mv)
     tl.store(tile, s, mask=live)
-    tl.store(o_ptr + h * DV + rv, tl.sum(s * q[:, None], axis=0), mask=mv)
 
 
 def check_inputs(q, k, v, g, beta, state, op: str = "deltanet_step") -> None:
@@ -67,21 +71,31 @@ def check_inputs(q, k, v, g, beta, state, op: str = "deltanet_step") -> None:
 
 
 def deltanet_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """One token of the recurrence (see the module); `state` updated in place."""
+    """One token of the recurrence, or T with a leading token axis, in one launch (see the
+    module); `state` updated in place."""
     check_inputs(q, k, v, g, beta, state)
     if not use_triton(state):
         return deltanet_step_torch(q, k, v, g, beta, state)
     Hv, dk, dv = state.shape
-    o = torch.empty((Hv, dv), dtype=torch.float32, device=state.device)
+    T = q.shape[0] if q.dim() == 3 else 1
+    o = torch.empty(v.shape, dtype=torch.float32, device=state.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    _step_kernel[(Hv, triton.cdiv(dv, BLOCK_V))](q, k, v, g.contiguous(), beta.contiguous(), state, o,
-                                                 DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BLOCK_V)
+    if T:
+        _step_kernel[(Hv, triton.cdiv(dv, BLOCK_V))](q, k, v, g.contiguous(), beta.contiguous(), state, o, T, Hv,
+                                                     DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BLOCK_V)
     return o
 
 
 def deltanet_step_torch(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     check_inputs(q, k, v, g, beta, state)
-    return delta_rule_token(q, k, v, g, beta, state)
+    if q.dim() == 2:
+        return delta_rule_token(q, k, v, g, beta, state)
+    if q.shape[0] == 1:  # (no copy into `out`)
+        return delta_rule_token(q[0], k[0], v[0], g[0], beta[0], state).unsqueeze(0)
+    out = torch.empty_like(v)
+    for t in range(q.shape[0]):
+        out[t] = delta_rule_token(q[t], k[t], v[t], g[t], beta[t], state)
+    return out
 
 
 def delta_rule_token(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ optional extra `strata-engine[cuda]`), in Strata's layouts:
     deltanet_step_fla(q, k, v, g, beta, state) -> o      as triton_kernels.deltanet's
         q, k (Hv, dk) (q already L2-normed and scaled by dk^-1/2, k L2-normed), v (Hv, dv),
         g (Hv,) the log of the decay, beta (Hv,) after its sigmoid; state (Hv, dk, dv)
-        float32, updated in place; o (Hv, dv)
+        float32, updated in place; o (Hv, dv); or T tokens with a leading token axis
     deltanet_chunk_fla(q, k, v, g, beta, state) -> o     the same over T tokens:
         q, k (T, Hv, dk), v (T, Hv, dv), g, beta (T, Hv); o (T, Hv, dv)
 
@@ -64,15 +64,20 @@ def _fused_recurrent():
 
 
 def deltanet_step_fla(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """One token through fla's fused-recurrent kernel (see the module); `state` in place."""
+    """One token through fla's fused-recurrent kernel, or T with a leading token axis in the
+    same launch (its loop runs them one after another, the state in registers between:
+    each token's arithmetic the one-token call's) (see the module); `state` in place."""
     check_inputs(q, k, v, g, beta, state, "deltanet_step_fla")
     Hv, dk, dv = state.shape
+    T = q.shape[0] if q.dim() == 3 else 1
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = torch.empty_like(v)
+    if not T:
+        return o
     bv = min(8, triton.next_power_of_2(dv))  # fla's own choice (fused_recurrent_gated_delta_rule_fwd)
     _fused_recurrent()[(triton.cdiv(dv, bv) * Hv,)](
         q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=None, dt_bias=None, o=o, h0=state, ht=state,
-        cu_seqlens=None, scale=1.0, T=1, H=Hv, HV=Hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        cu_seqlens=None, scale=1.0, T=T, H=Hv, HV=Hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
         IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=False, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
         STATE_V_FIRST=False, num_warps=1, num_stages=3)
     return o

@@ -32,9 +32,13 @@ from .linear import QuantLinear
 
 def recurrent(q, k, v, g, beta, state, step=delta_rule_token):
     """q, k (T, Hv, dk); v (T, Hv, dv); g, beta (T, Hv); state (Hv, dk, dv), updated in
-    place. Returns o (T, Hv, dv). Token by token, each by `step` (one token's op,
-    triton_kernels.deltanet: torch ops, or the Triton kernel on the GPU path)."""
-    if q.shape[0] == 1:  # a decode: the step's output as it is (no copy into `out`, a launch on a GPU)
+    place. Returns o (T, Hv, dv). Token by token: `step` is one token's torch op
+    (delta_rule_token, run for each), or an op that takes the T tokens and runs them one
+    after another itself, each as its one-token call (triton_kernels.deltanet's and
+    fla-core's kernels, the twin too: one launch for a verify's rows)."""
+    if step is not delta_rule_token:
+        return step(q, k, v, g, beta, state)
+    if q.shape[0] == 1:  # a decode: the step's output as it is
         return step(q[0], k[0], v[0], g[0], beta[0], state).unsqueeze(0)
     out = torch.empty_like(v)
     for t in range(q.shape[0]):
@@ -178,10 +182,11 @@ class GatedDeltaNet(torch.nn.Module):
         return self.out(self.gated_norm(o, z))
 
     def recurrence(self, device) -> tuple[bool, object]:
-        """(fla-core's kernels?, one token's op): fla-core's on CUDA where it is installed
-        (triton_kernels.deltanet_fla.deltanet_path says why), else Strata's Triton kernel on
-        the GPU path or torch ops; every token taken one by one runs it (decode, a verify and
-        its replay in `keep` alike: a verify's rows stay a decode's)."""
+        """(fla-core's kernels?, the token-by-token op): fla-core's on CUDA where it is
+        installed (triton_kernels.deltanet_fla.deltanet_path says why), else Strata's Triton
+        kernel on the GPU path or torch ops; every token taken one by one runs it (decode, a
+        verify and its replay in `keep` alike: a verify's rows stay a decode's), a verify's
+        rows in one call (`recurrent`)."""
         fla = deltanet_path(device, self.proj.kernels)[0] == "fla-core"
         return fla, deltanet_step_fla if fla else impl("deltanet_step", self.proj.kernels)
 

@@ -292,3 +292,31 @@ def test_topk_on_the_gpu_keeps_the_lower_of_tied_blocks_as_a_graphs_sort_does():
             got = sorted(b for b, s in zip(graph[t].tolist(), best[t].tolist()) if s > float("-inf"))
             assert got == want, (t, int(n[t]))
     prop()
+
+
+def test_a_verifys_rows_in_one_recurrence_launch_are_one_token_steps_on_the_gpu():
+    """triton_kernels.deltanet's kernel and fla-core's (where installed): T tokens in one
+    launch give the T one-token launches' outputs and state bit for bit on the device too
+    (the compiled loop's arithmetic is the one-token kernel's), which batch-invariant
+    verifies promise (strata.nn.deltanet.recurrent)."""
+    from triton_kernels.deltanet import deltanet_step
+    from triton_kernels.deltanet_fla import deltanet_step_fla, fla_installed
+    steps = [deltanet_step] + ([deltanet_step_fla] if fla_installed() else [])
+
+    @given(T=st.integers(2, 9), Hv=st.integers(1, 32), dk=st.sampled_from([64, 128]), dv=st.sampled_from([64, 128]),
+           seed=st.integers(0, 2 ** 32 - 1))
+    @settings(max_examples=examples(20))
+    def prop(T, Hv, dk, dv, seed):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.nn.functional.normalize(torch.randn(T, Hv, dk, generator=g), dim=-1) * dk ** -0.5
+        k = torch.nn.functional.normalize(torch.randn(T, Hv, dk, generator=g), dim=-1)
+        v = torch.randn(T, Hv, dv, generator=g)
+        gate, beta = -torch.rand(T, Hv, generator=g), torch.rand(T, Hv, generator=g)
+        s0 = torch.randn(Hv, dk, dv, generator=g)
+        args = [t.cuda() for t in (q, k, v, gate, beta)]
+        for step in steps:
+            s_all, s_one = s0.cuda(), s0.cuda()
+            o_all = step(*args, s_all)
+            o_one = torch.stack([step(*(a[t] for a in args), s_one) for t in range(T)])
+            assert torch.equal(o_all, o_one) and torch.equal(s_all, s_one), step.__name__
+    prop()

@@ -62,6 +62,26 @@ def test_one_token_agrees_with_the_float64_rule(Hv, dk, dv, seed):
         assert bool(((o.double() - o_ref).abs() <= o_err).all()), (step.__name__, (o.double() - o_ref).abs().max())
 
 
+@settings(max_examples=examples(15), deadline=None)
+@given(T=st.integers(1, 5), Hv=st.integers(1, 3), dk=st.sampled_from([8, 24]), dv=st.sampled_from([8, 40]),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_tokens_at_once_are_one_token_steps(T, Hv, dk, dv, seed):
+    """A leading token axis: the T tokens in one launch give the T one-token calls' outputs
+    and state bit for bit (the state stays float32 between them), in both twins; so a
+    verify's rows are decode steps'."""
+    rng = np.random.default_rng(seed)
+    f = (lambda *shape: torch.from_numpy(rng.standard_normal(shape).astype(np.float32)))
+    q, k, v = f(T, Hv, dk), f(T, Hv, dk), f(T, Hv, dv)
+    g = -torch.from_numpy(rng.uniform(0, 2, (T, Hv)).astype(np.float32))
+    beta = torch.from_numpy(rng.uniform(0, 1, (T, Hv)).astype(np.float32))
+    s0 = f(Hv, dk, dv)
+    for step in (deltanet_step, deltanet_step_torch):
+        s_all, s_one = s0.clone(), s0.clone()
+        o_all = step(q, k, v, g, beta, s_all)
+        o_one = torch.stack([step(q[t], k[t], v[t], g[t], beta[t], s_one) for t in range(T)])
+        assert o_all.shape == (T, Hv, dv) and torch.equal(o_all, o_one) and torch.equal(s_all, s_one), step.__name__
+
+
 def test_a_wrong_shape_is_named():
     s = torch.zeros(2, 8, 8)
     with pytest.raises(ValueError, match=r"deltanet_step: k must be float32 \(2, 8\)"):

@@ -75,10 +75,14 @@ def test_fla_fused_recurrent_matches_strata_recurrence_within_the_bound():
                                                 initial_state=s0[None].clone(), output_final_state=True)
     check("fla fused_recurrent", o[0], final[0])
     s_fla = s0.clone()
-    o_fla = recurrent(q, k, v, g, beta, s_fla, deltanet_step_fla)
+    o_fla = recurrent(q, k, v, g, beta, s_fla, deltanet_step_fla)  # the 64 in one launch
     check("deltanet_step_fla", o_fla, s_fla)
-    # the state goes through float32 memory between tokens exactly as it stays in registers
     assert torch.equal(o_fla, o[0]) and torch.equal(s_fla, final[0])
+    # one token a launch: the state goes through float32 memory between tokens exactly as
+    # it stays in registers (a verify's rows in one launch are decode steps')
+    s_one = s0.clone()
+    o_one = torch.stack([deltanet_step_fla(q[t], k[t], v[t], g[t], beta[t], s_one) for t in range(64)])
+    assert torch.equal(o_one, o_fla) and torch.equal(s_one, s_fla)
     s_torch = s0.clone()
     check("Strata's torch step", recurrent(q, k, v, g, beta, s_torch, delta_rule_token), s_torch)
 
