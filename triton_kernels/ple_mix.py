@@ -1,10 +1,10 @@
-"""The n-gram PLE block's work after its two projections, for one token, in one kernel
+"""The n-gram PLE block's work after its two projections, for T tokens, in one kernel
 (strata.nn.ple says what the block computes; S streams of width H, a depthwise causal
 conv of K taps with dilation d over the S*H channels):
 
-    ple_mix(x (1, S*H), k (1, S*H), v (1, H), norm_key, norm_query, norm_conv (S*H each),
+    ple_mix(x (T, S*H), k (T, S*H), v (T, H), norm_key, norm_query, norm_conv (S*H each),
             taps (S*H, K), window (S*H, (K-1) d), S, eps, d, in_place=False)
-        -> (x + gv + silu(conv(norm_conv(gv))) (1, S*H), the conv's new window)
+        -> (x + gv + silu(conv(norm_conv(gv))) (T, S*H), the conv's new window)
         in_place: the new window written over `window` (a decode graph's buffer: no copy
         launched after it) and returned
 
@@ -14,9 +14,10 @@ conv of K taps with dilation d over the S*H channels):
 In torch (`ple_mix_torch`, strata.nn.ple.mix's ops) this is three norms of three or four
 launches each (or one each through hc_norm), eleven elementwise ops and reductions, the
 conv's step and the final sums: one launch here, one program a stream (its H channels:
-the norms, the gate, the conv's taps and the window's shift are all within the stream).
-Float32, not bit for bit with the twin (the sums' order, exp and sqrt may round otherwise);
-the bound is in tests/triton_kernels/test_ple_mix.py.
+the norms, the gate, the conv's taps and the window's shift are all within the stream),
+token after token, each token's arithmetic the one-token launch's (a verify's rows are
+decode steps', bit for bit). Float32, not bit for bit with the twin (the sums' order, exp
+and sqrt may round otherwise); the bound is in tests/triton_kernels/test_ple_mix.py.
 """
 from __future__ import annotations
 
@@ -33,22 +34,28 @@ from .hyperconn import hc_norm_torch
 
 @triton.jit
 def _ple_mix_kernel(x_ptr, k_ptr, v_ptr, wk_ptr, wq_ptr, wc_ptr, taps_ptr, win_ptr, out_ptr, new_win_ptr,
-                    H, eps, root, SPAN: tl.constexpr, K: tl.constexpr, DIL: tl.constexpr, BH: tl.constexpr):
+                    T, H, eps, root, SPAN: tl.constexpr, K: tl.constexpr, DIL: tl.constexpr, BH: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BH)
     live = h < H
     c = s * H + h  # the stream's channels
-    k = tl.load(k_ptr + c, mask=live, other=0.0)
-    x = tl.load(x_ptr + c, mask=live, other=0.0)
-    kn = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) / H + eps)) * tl.load(wk_ptr + c, mask=live, other=0.0)
-    qn = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)) * tl.load(wq_ptr + c, mask=live, other=0.0)
-    g = tl.sum(kn * qn, axis=0) / root
-    sign = tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0))
-    g = tl.sqrt_rn(tl.maximum(tl.abs(g), 1e-6)) * sign
-    gv = (1.0 / (1.0 + tl.exp(-g))) * tl.load(v_ptr + h, mask=live, other=0.0)
-    nc = gv * (1.0 / tl.sqrt_rn(tl.sum(gv * gv, axis=0) / H + eps)) * tl.load(wc_ptr + c, mask=live, other=0.0)
-    y = conv_taps(nc, win_ptr, taps_ptr, new_win_ptr, c, live, SPAN, K, DIL)  # conv_step's, bit for bit
-    tl.store(out_ptr + c, (x + gv) + y * (1.0 / (1.0 + tl.exp(-y))), mask=live)
+    C = tl.num_programs(0) * H
+    # the window moved on where it is to land (in place: onto itself), then token by token
+    # there, each channel's row one lane's (conv_taps reads an element before it writes it)
+    for j in tl.static_range(SPAN):
+        tl.store(new_win_ptr + c * SPAN + j, tl.load(win_ptr + c * SPAN + j, mask=live, other=0.0), mask=live)
+    for t in range(T):
+        k = tl.load(k_ptr + t * C + c, mask=live, other=0.0)
+        x = tl.load(x_ptr + t * C + c, mask=live, other=0.0)
+        kn = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) / H + eps)) * tl.load(wk_ptr + c, mask=live, other=0.0)
+        qn = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)) * tl.load(wq_ptr + c, mask=live, other=0.0)
+        g = tl.sum(kn * qn, axis=0) / root
+        sign = tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0))
+        g = tl.sqrt_rn(tl.maximum(tl.abs(g), 1e-6)) * sign
+        gv = (1.0 / (1.0 + tl.exp(-g))) * tl.load(v_ptr + t * H + h, mask=live, other=0.0)
+        nc = gv * (1.0 / tl.sqrt_rn(tl.sum(gv * gv, axis=0) / H + eps)) * tl.load(wc_ptr + c, mask=live, other=0.0)
+        y = conv_taps(nc, new_win_ptr, taps_ptr, new_win_ptr, c, live, SPAN, K, DIL)  # conv_step's, bit for bit
+        tl.store(out_ptr + t * C + c, (x + gv) + y * (1.0 / (1.0 + tl.exp(-y))), mask=live)
 
 
 def _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dilation):
@@ -58,14 +65,14 @@ def _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dila
     if bad:
         raise ValueError(f"ple_mix: expects float32 tensors, got {', '.join(f'{n} {ts[n].dtype}' for n in bad)}")
     if streams < 1 or x.dim() != 2 or x.shape[1] % streams:
-        raise ValueError(f"ple_mix: x must be (1, streams * width) for {streams} streams, got {tuple(x.shape)}")
-    C = x.shape[1]
+        raise ValueError(f"ple_mix: x must be (T, streams * width) for {streams} streams, got {tuple(x.shape)}")
+    T, C = x.shape
     H = C // streams
     Kt = taps.shape[1] if taps.dim() == 2 else 0
-    if (x.shape[0] != 1 or tuple(k.shape) != (1, C) or tuple(v.shape) != (1, H)
+    if (tuple(k.shape) != (T, C) or tuple(v.shape) != (T, H)
             or any(w.numel() != C for w in (norm_key, norm_query, norm_conv)) or taps.dim() != 2
             or taps.shape[0] != C or Kt < 1 or tuple(window.shape) != (C, (Kt - 1) * dilation)):
-        raise ValueError(f"ple_mix: one token's x (1, {C}), k (1, {C}), v (1, {H}), norms of {C}, taps ({C}, K) and "
+        raise ValueError(f"ple_mix: x (T, {C}), k (T, {C}), v (T, {H}), norms of {C}, taps ({C}, K) and "
                          f"a window ({C}, (K - 1) * {dilation}); got x {tuple(x.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}, taps {tuple(taps.shape)}, window {tuple(window.shape)}")
     return C, H, Kt
@@ -74,8 +81,8 @@ def _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dila
 def ple_mix(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.Tensor, norm_query: torch.Tensor,
             norm_conv: torch.Tensor, taps: torch.Tensor, window: torch.Tensor, streams: int, eps: float,
             dilation: int, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the PLE block after its projections: (x plus the block's output
-    (1, S*H), the conv's new window), float32 (see the module)."""
+    """T tokens of the PLE block after its projections: (x plus the block's output
+    (T, S*H), the conv's new window), float32 (see the module)."""
     C, H, Kt = _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dilation)
     if not use_triton(x):
         return ple_mix_torch(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation,
@@ -88,7 +95,7 @@ def ple_mix(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.T
     bh = triton.next_power_of_2(H)
     # a whole stream a program: 8 warps from 2048 channels (202 registers a thread at 4, 110
     # at 8 for sm_90), 16 past 4096
-    _ple_mix_kernel[(streams,)](*args, out, new, H, eps, float(H ** 0.5), SPAN=window.shape[1], K=Kt,
+    _ple_mix_kernel[(streams,)](*args, out, new, x.shape[0], H, eps, float(H ** 0.5), SPAN=window.shape[1], K=Kt,
                                 DIL=dilation, BH=bh, num_warps=4 if bh < 2048 else 8 if bh <= 4096 else 16)
     return out, new
 

@@ -255,3 +255,26 @@ def test_the_graph_step_with_the_triton_kernels_equals_their_eager_step(tiny_mix
     _compiles([c for c in calls if c["op"] in graph_ops],
               ("_cache_write_kernel", "_qsa_pool_kernel", "_qsa_scores_kernel", "_qsa_attention_kernel",
                "_norm_rope_kernel", "_norm_rope2_kernel"))
+
+
+@pytest.mark.slow
+def test_batch_invariant_a_verify_through_the_graph_is_one_token_steps_with_the_triton_kernels(
+        tiny_mixed, monkeypatch):
+    """The promise greedy `--spec` rests on (triton_kernels.invariant), on the GPU path's
+    kernels: a verify of 2 rows through its graph gives the one-token graph steps' logits
+    bit for bit, every kind of layer (DeltaNet, the PLE block, QSA attention) and the int8
+    MoE among them. Each op that takes T rows runs them as its one-token launch does (the
+    conv, the recurrence and the PLE block's mix token after token inside one launch)."""
+    from strata.runtime import graphs_qwen4exp
+    from triton_kernels import invariant
+    monkeypatch.setattr(graphs_qwen4exp, "usable", graphs_qwen4exp.holds)  # the graphs, run as is
+    with configs.interpreter_tiles():
+        model = load_model(tiny_mixed, dtype=torch.float32, kernels="triton")
+        base = model.new_cache()
+        model([1, 504, 3458], base)
+        one, v = base.copy(), base.copy()
+        with invariant.batch_invariant(True):
+            steps = torch.cat([model([t], one) for t in (1234, 2345)])
+            verify = model.verify([1234, 2345], v)
+    assert list(one.graphs) == [1] and list(v.graphs) == [2]
+    assert torch.equal(steps, verify), _rel(verify, steps)

@@ -112,18 +112,25 @@ def test_ple_mix_within_the_float32_bound(S, H, K, dil, seed, scale):
 
 
 @settings(max_examples=examples(8), deadline=None)
-@given(S=st.integers(1, 3), H=st.integers(1, 70), K=st.integers(2, 4), dil=st.integers(1, 3),
+@given(S=st.integers(1, 3), H=st.integers(1, 70), K=st.integers(2, 4), dil=st.integers(1, 3), T=st.integers(1, 4),
        seed=st.integers(0, 2 ** 32 - 1))
-def test_in_place_the_window_is_moved_on_where_it_lies(S, H, K, dil, seed):
-    """in_place (a decode graph's held window): the call's own outputs bit for bit, the new
-    window written over the one given, which is returned; both twins."""
+def test_tokens_at_once_are_one_token_steps_and_in_place_too(S, H, K, dil, T, seed):
+    """T tokens in one launch: the T one-token launches' outputs and window bit for bit (a
+    verify's rows are decode steps'); in_place (a decode graph's held window): the same
+    bits, the new window written over the one given, which is returned; both twins."""
     rng = np.random.default_rng(seed)
     C = S * H
-    args = [data(rng, 1, C), data(rng, 1, C), data(rng, 1, H), data(rng, C), data(rng, C), data(rng, C),
-            data(rng, C, K)]
+    x, k, v = data(rng, T, C), data(rng, T, C), data(rng, T, H)
+    rest = [data(rng, C), data(rng, C), data(rng, C), data(rng, C, K)]
     window = data(rng, C, (K - 1) * dil)
-    for fn in (ple_mix, ple_mix_torch):
-        want = fn(*args, window, S, EPS, dil)
-        held = window.clone()
-        out, win = fn(*args, held, S, EPS, dil, in_place=True)
-        assert win is held and torch.equal(out, want[0]) and torch.equal(held, want[1]), fn.__name__
+    out, win = ple_mix(x, k, v, *rest, window, S, EPS, dil)
+    held, rows = window.clone(), []
+    for t in range(T):
+        o, same = ple_mix(x[t:t + 1], k[t:t + 1], v[t:t + 1], *rest, held, S, EPS, dil, in_place=True)
+        assert same is held
+        rows.append(o)
+    assert torch.equal(torch.cat(rows), out) and torch.equal(held, win)
+    want = ple_mix_torch(x, k, v, *rest, window, S, EPS, dil)
+    held = window.clone()
+    got = ple_mix_torch(x, k, v, *rest, held, S, EPS, dil, in_place=True)
+    assert got[1] is held and torch.equal(got[0], want[0]) and torch.equal(held, want[1])
