@@ -241,9 +241,11 @@ def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
     if T:
         br = triton.next_power_of_2(rank)
         bh = min(triton.next_power_of_2(H), max(GROUP if quantize else 16, MIX_TILE // br))
+        # a whole tile at 4 warps (32 weights a thread) held 128 registers and spilled 8 bytes
+        # a thread on sm_90 at Flash-Next's shape; at 8 warps 106 and none
         _mix_kernel[(T, triton.cdiv(H, bh))](both, w_up, xn, out, inj, *x8, rank, C, streams, H, BR=br,
                                              BC=triton.next_power_of_2(max(C - rank, 1)), BLOCK_H=bh,
-                                             QUANT=quantize)
+                                             QUANT=quantize, num_warps=8 if bh * br >= MIX_TILE else 4)
     return (attach(out, Q8X(*x8)) if quantize else out), inj
 
 

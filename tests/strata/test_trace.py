@@ -118,3 +118,30 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
         t = trace(lambda: model(torch.tensor([4]), state))
     print(f"\nflash-shape:1 on fake CUDA (bf16, Triton, experts device): decode: {t.line(1)}")
     assert t.launches <= 29 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)
+
+
+@pytest.mark.slow
+def test_flash_next_shapes_graph_step_compiles_for_the_gpus_without_spills():
+    """The step a GPU replays at Flash-Next's real widths (flash-shape:4: DeltaNet layers,
+    the PLE block, a QSA attention layer, the int8 MoE over 512 experts), traced on fake
+    CUDA with its launches recorded, then every kernel compiled for sm_90 and gfx942 as
+    those launches ask: none fails, none spills (hc_mix's whole tile spilled 8 bytes a
+    thread at 4 warps here, which flash-tiny's widths never showed)."""
+    from strata.convert import flash_shape_memory as fsm
+    from strata.load import Options, build, decide
+    from triton_kernels.analysis.launches import compile_calls, record
+    g = fsm.flash_shape_memory(4, 65536)
+    with fake_cuda():
+        model = build(decide(g, Options(device="cuda", kernels="triton", dtype=torch.bfloat16, gpu_mem_gib=140.0,
+                                        ram_gib=64, vram_reserve_mib=0)))
+        state = model.new_cache(8)
+        trace(lambda: model(torch.tensor([1]), state))
+        with record() as calls:
+            trace(lambda: model(torch.tensor([4]), state))
+    assert state.graphs and {"ple_mix", "qsa_attention", "moe", "hc_mix"} <= {c["op"] for c in calls}
+    results = compile_calls(calls, ("sm_90", "gfx942"))
+    bad = [f"{r.kernel} on {r.target}: {r.error or f'{r.spill_bytes} B spilled'}" for r in results
+           if not r.ok or r.spill_bytes]
+    assert results and not bad, bad
+    print(f"\nflash-shape:4 graph step: {len(results)} kernels compiled, max registers "
+          f"{max(r.regs for r in results if r.target == 'sm_90')} on sm_90")
