@@ -9,7 +9,7 @@ kernel:
 
 `causal_conv_torch` is the same conv as torch ops (a concatenation, K products and K - 1
 sums, a transpose and a copy: ten launches at K = 4, and a copy back into a held window);
-here one program covers BLOCK_C channels, token after token. The taps are summed in the
+here one program covers BLOCK_C channels of up to BLOCK_T tokens. The taps are summed in the
 same order, each product and sum rounded on its own (no fused multiply-add), so the kernel
 equals the torch twin bit for bit, and a token's output is the same whatever T: a verify's
 rows are one-token steps' (the one-token kernels that take the conv inside theirs,
@@ -23,7 +23,8 @@ import triton.language as tl
 
 from .backend import use_triton
 
-BLOCK_C = 128
+BLOCK_C = 128  # channels a program
+BLOCK_T = 16   # tokens a program, at most
 
 
 @triton.jit
@@ -53,22 +54,30 @@ def conv_taps(x, win_ptr, taps_ptr, new_win_ptr, c, live, S: tl.constexpr, K: tl
 
 @triton.jit
 def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, T, stride_x, S: tl.constexpr, K: tl.constexpr,
-                      DIL: tl.constexpr, BLOCK: tl.constexpr):
+                      DIL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_T: tl.constexpr):
+    # a program: BLOCK_T tokens x BLOCK channels (a token's output reads inputs only, so a
+    # prompt's tokens run side by side); the first token block also moves the window on
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = c < C
-    for t in range(T):
-        y = tl.zeros((BLOCK,), tl.float32)
-        for j in tl.static_range(K):
-            f = _column(win_ptr, x_ptr, c, live, t + j * DIL, stride_x, S)
-            if j == 0:
-                y = f * tl.load(w_ptr + c * K + j, mask=live, other=0.0)
-            else:
-                y = y + f * tl.load(w_ptr + c * K + j, mask=live, other=0.0)
-        tl.store(y_ptr + t * C + c, y, mask=live)
-    # the new window, column i from column T + i: in place, a channel's row is one lane's
-    # and column T + i is read before column i is written (i in order; T >= 1)
-    for i in tl.static_range(S):
-        tl.store(out_ptr + c * S + i, _column(win_ptr, x_ptr, c, live, T + i, stride_x, S), mask=live)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tile = (t < T)[:, None] & live[None, :]
+    y = tl.zeros((BLOCK_T, BLOCK), tl.float32)
+    for j in tl.static_range(K):
+        f = _column(win_ptr, x_ptr, c[None, :], tile, (t + j * DIL)[:, None], stride_x, S)
+        w = tl.load(w_ptr + c * K + j, mask=live, other=0.0)[None, :]
+        if j == 0:
+            y = f * w
+        else:
+            y = y + f * w
+    tl.store(y_ptr + t[:, None] * C + c[None, :], y, mask=tile)
+    if tl.program_id(1) == 0:
+        # the new window, column i from column T + i. In place (one token block then: the
+        # launcher's), every lane has read the window before any writes it, and a lane
+        # reads column T + i of its channel before it writes column i (i in order, T >= 1);
+        # later token blocks start at or past column S, so never read the window
+        tl.debug_barrier()
+        for i in tl.static_range(S):
+            tl.store(out_ptr + c * S + i, _column(win_ptr, x_ptr, c, live, T + i, stride_x, S), mask=live)
 
 
 @triton.jit
@@ -106,8 +115,15 @@ def conv_step(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: 
     y = torch.empty((T, C), dtype=x.dtype, device=x.device)
     out = window if in_place else torch.empty_like(window)
     if T:
-        _conv_step_kernel[(triton.cdiv(C, BLOCK_C),)](window, x, w, y, out, C, T, x.stride(0), S=S, K=w.shape[1],
-                                                      DIL=dilation, BLOCK=BLOCK_C, enable_fp_fusion=False)
+        # tokens a program: all of a short window's (a verify's), else blocks that start at
+        # or past the window's S columns (see the kernel)
+        bt = triton.next_power_of_2(T) if T <= BLOCK_T else max(BLOCK_T, triton.next_power_of_2(S))
+        if in_place and bt < T:  # (a long prompt into a held window: written after)
+            y, new = conv_step(window, x, w, dilation)
+            return y, window.copy_(new)
+        _conv_step_kernel[(triton.cdiv(C, BLOCK_C), triton.cdiv(T, bt))](
+            window, x, w, y, out, C, T, x.stride(0), S=S, K=w.shape[1], DIL=dilation, BLOCK=BLOCK_C, BLOCK_T=bt,
+            enable_fp_fusion=False)
     elif not in_place:
         out.copy_(window)
     return y, out

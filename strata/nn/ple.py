@@ -89,10 +89,11 @@ class NgramPLE(torch.nn.Module):
 
     def kernels(self) -> dict:
         """`mix`'s keyword arguments for this block's kernels: with Triton, the whole block
-        after its projections as one launch for any number of tokens (triton_kernels.ple_mix)."""
+        after its projections as one launch (triton_kernels.ple_mix), and for a long
+        prompt's rows the per-stream norms and the conv one launch each (hc_norm, conv)."""
         if self.key.kernels != "triton":
             return {}
-        return dict(one=impl("ple_mix", "triton"))
+        return dict(one=impl("ple_mix", "triton"), norm=_triton_stream_norm, conv_step=impl("conv_step", "triton"))
 
     def mix_args(self) -> tuple:
         """`mix`'s arguments between the projections and the conv's window."""
@@ -100,23 +101,38 @@ class NgramPLE(torch.nn.Module):
                 self.eps, self.dilation)
 
 
+def _triton_stream_norm(x: torch.Tensor, w: torch.Tensor, streams: int, eps: float) -> torch.Tensor:
+    """hyperconn.stream_norm as one launch of the hc_norm kernel: (T, S, H)."""
+    width = w.numel() // streams
+    return impl("hc_norm", "triton")(x, w.reshape(streams, width), eps).reshape(x.shape[0], streams, width)
+
+
+# tokens up to which the Triton path runs the block in its one launch, every token as a
+# decode step's (a verify's rows, a short chunk; any number in batch-invariant mode): the
+# launch's S programs walk the tokens one after another, so a long prompt's rows run
+# torch's ops instead, the tokens side by side
+ONE_LAUNCH_TOKENS = 16
+
+
 def mix(x, e, key, value, norm_key, norm_query, norm_conv, conv, streams: int, width: int, eps: float,
-        dilation: int, window, one=None, in_place: bool = False):
+        dilation: int, window, conv_step=None, norm=stream_norm, one=None, in_place: bool = False):
     """The block's output added to the residual x (T, S*H), from the gathered rows e: (x, the
     conv's new window). `key` and `value` are callables giving float32 rows (the modules, or
     a compiled step's pure matmuls, strata.models.qwen4exp_step); `one`: the rest in one
-    launch, token after token (NgramPLE.kernels, the Triton ones), which with `in_place`
-    writes the new window over `window` (a decode graph's buffer); else torch's ops."""
+    launch, token after token (NgramPLE.kernels, the Triton ones; see ONE_LAUNCH_TOKENS),
+    which with `in_place` writes the new window over `window` (a decode graph's buffer);
+    else torch's ops, with `norm` stream_norm's form and `conv_step` the conv's op
+    (causal_conv's `step`)."""
     T = x.shape[0]
     kr, v = key(e).float(), value(e).float()
-    if one is not None:  # every token as one-token steps compute it (a verify's rows are decode steps')
+    if one is not None and (T <= ONE_LAUNCH_TOKENS or invariant.enabled()):
         return one(x.float(), kr, v, norm_key, norm_query, norm_conv, conv, window, streams, eps, dilation,
                    in_place=in_place)
-    k = stream_norm(kr, norm_key, streams, eps)
-    query = stream_norm(x.float(), norm_query, streams, eps)
+    k = norm(kr, norm_key, streams, eps)
+    query = norm(x.float(), norm_query, streams, eps)
     gate = (k * query).sum(dim=-1, keepdim=True) / width ** 0.5
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gv = invariant.pointwise(torch.sigmoid, gate) * v.unsqueeze(1)  # (T, S, H)
-    normed = stream_norm(gv.reshape(T, -1), norm_conv, streams, eps).reshape(T, -1)
-    out, window = causal_conv(window, normed, conv, dilation)
+    normed = norm(gv.reshape(T, -1), norm_conv, streams, eps).reshape(T, -1)
+    out, window = causal_conv(window, normed, conv, dilation, step=conv_step, in_place=in_place)
     return x + gv.reshape(T, -1) + F.silu(out), window

@@ -1,8 +1,9 @@
-"""The depthwise causal conv over T tokens (triton_kernels/conv.py): the kernel, through the
-interpreter, equals its torch twin bit for bit (the same products and sums, each rounded on
-its own), the twin equals strata.nn.deltanet.causal_conv's torch result bit for bit, and a
-token's output and the window left are the same whether the tokens come at once or one by
-one (a verify's rows are one-token steps'), also with the window moved on in place."""
+"""The depthwise causal conv over T tokens (triton_kernels/conv.py; a short window in one
+token block, a prompt in several): the kernel, through the interpreter, equals its torch
+twin bit for bit (the same products and sums, each rounded on its own), the twin equals
+strata.nn.deltanet.causal_conv's torch result bit for bit, and a token's output and the
+window left are the same whether the tokens come at once or one by one (a verify's rows
+are one-token steps'), also with the window moved on in place."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +18,8 @@ from triton_kernels.conv import conv_step, conv_step_torch
 
 
 @settings(max_examples=examples(25), deadline=None)
-@given(C=st.integers(1, 300), T=st.integers(1, 6), K=st.integers(2, 5), dilation=st.integers(1, 3),
+@given(C=st.integers(1, 300), T=st.one_of(st.integers(1, 6), st.sampled_from([16, 17, 40])), K=st.integers(2, 5),
+       dilation=st.integers(1, 3),
        strided=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
 def test_tokens_equal_the_torch_conv_and_one_token_steps(C, T, K, dilation, strided, seed):
     assert interpreter_on()
@@ -37,6 +39,9 @@ def test_tokens_equal_the_torch_conv_and_one_token_steps(C, T, K, dilation, stri
             assert same is held
             rows.append(y1)
         assert torch.equal(torch.cat(rows), y) and torch.equal(held, out), fn.__name__
+        held = window.clone()  # all at once, in place
+        y1, same = fn(held, x, w, dilation, in_place=True)
+        assert same is held and torch.equal(y1, y) and torch.equal(held, out), fn.__name__
 
 
 def test_the_conv_names_its_shapes():
