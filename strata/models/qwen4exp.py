@@ -84,11 +84,12 @@ class Layer(torch.nn.Module):
 
 class _Verify:
     """What a verify forward leaves for `Qwen4ExpState.keep`: where it started, the PLE
-    state before it and the PLE block's inputs, its tokens and the streams of its rows."""
+    state before it and the PLE block's inputs, its tokens and the streams of its rows; from
+    a graph (strata.runtime.graphs_qwen4exp) its outputs, with (the graph, its replay)."""
 
     def __init__(self, start: int, ple):
         self.start, self.ple = start, ple
-        self.tokens = self.ple_input = self.streams = None
+        self.tokens = self.ple_input = self.streams = self.graph = None
 
 
 class Qwen4ExpState:
@@ -156,6 +157,9 @@ class Qwen4ExpState:
         v, self._verify = self._verify, None
         if v is None or v.tokens is None:
             raise RuntimeError("Qwen4ExpState.keep: no verify forward since begin_verify()")
+        if v.graph is not None and v.graph[0].replays != v.graph[1]:  # (outputs last to its next replay)
+            raise RuntimeError("Qwen4ExpState.keep: the verify's graph ran again since, over what keep reads; "
+                               "keep right after the verify")
         T = v.tokens.numel()
         if not 0 < n <= T:
             raise ValueError(f"a verify of {T} tokens keeps 1 to {T} of them, not {n}")
@@ -331,11 +335,9 @@ class Qwen4Exp(torch.nn.Module):
             raise ValueError(f"token ids must lie in 0..{n - 1}")
 
     def embed(self, tokens: torch.Tensor, streams: int = 1, checked: bool = False) -> torch.Tensor:
-        """(T, streams * dim) float32: the rows of `tokens`, each `streams` times side by side
-        (the hyper-connections' streams start equal). Gathered from the file's blocks on the
-        host, or on a GPU from the blocks held there, in one launch (no trip back to the
-        host). checked: the caller has checked the ids (a graph's runner, on the host it
-        filled them from)."""
+        """(T, streams * dim) float32: the rows of `tokens`, `streams` times side by side, from
+        the file's blocks on the host, or on a GPU from those held there in one launch;
+        checked: the caller has checked the ids (a graph's runner, where it filled them)."""
         if not checked:
             self._check_tokens(tokens)
         fmt = self.embedding.fmt
@@ -381,7 +383,7 @@ class Qwen4Exp(torch.nn.Module):
         their norm by the output mixer's weight where the last layer's write gave it."""
         pipe = self.pipe
         if pipe is None or pipe.first:
-            S = self.cfg.streams
+            S = self.cfg.streams  # the hyper-connections' streams start equal
             x = self.embed(tokens, S) if state.media is None else \
                 self._with_media(self.embed(tokens), state).repeat(1, S)
         else:  # a later stage: checked here too, so that no stage waits on one that refused

@@ -33,7 +33,8 @@ it holds is written for that (`step`):
 What stays on the host happens between replays: the expert caches' promotions
 (`rebalance`, which updates their device tables), the states' lengths, and for a verify
 what `Qwen4ExpState.keep` reads (the rows' streams, the PLE block's input, each DeltaNet
-layer's inputs: copies of the graph's outputs).
+layer's inputs): the graph's own outputs, which its next replay rewrites, so `keep` must
+come first (it raises otherwise).
 
 `step` is plain torch and Triton, so on the CPU it runs as is (the tests check it against
 the model's own decode); only the capture needs CUDA. A state has a graph per window: one
@@ -353,6 +354,7 @@ class Qwen4ExpGraph:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.prev = torch.zeros(1, model.cfg.streams * model.cfg.dim, device=dev) if state.mtp is not None else None
         self.graph = None
+        self.replays = 0  # what a verify leaves are views of this graph's outputs: valid until the next
         if captures(dev):
             self._capture(dev)
 
@@ -451,6 +453,7 @@ class Qwen4ExpGraph:
                 self.prev.zero_()
             else:
                 self.prev.copy_(state.hidden.reshape(1, -1))
+        self.replays += 1
         if self.graph is not None:
             self.graph.replay()
             logits, x, kept = self.out
@@ -472,12 +475,14 @@ class Qwen4ExpGraph:
             state.hidden = x[-1].clone()
         v = state._verify
         if v is not None and v.start == start:
-            v.tokens, v.streams = tokens, x.clone()
+            # the graph's own outputs, not copies (a real verify's are hundreds of launches):
+            # `keep` comes before this graph's next replay, and checks that it does
+            v.tokens, v.streams, v.graph = tokens, x, (self, self.replays)
             if "ple_input" in kept:
-                v.ple_input = kept["ple_input"].clone()
+                v.ple_input = kept["ple_input"]
             rows = iter(kept["rows"])
             for layer, st in zip(model.layers, state.layers):
                 if layer.recurrent:
-                    st.trail.rows = tuple(t.clone() for t in next(rows))
+                    st.trail.rows = tuple(next(rows))
                     st.trail.step = layer.mixer.recurrence(x.device)[1]
         return logits

@@ -400,3 +400,30 @@ def test_a_dropped_state_takes_its_graphs_with_it(model):
         assert gone() is None  # no cycle left for the collector
     finally:
         gc.enable()
+
+
+def test_a_verify_through_its_graph_leaves_the_graphs_outputs_and_keep_checks_they_are_there(
+        model, graphs_on_the_cpu):
+    """What a verify through its graph leaves for `keep` are the graph's own outputs (no
+    copies: at the real shape hundreds of launches a verify), valid until the graph runs
+    again: keep right after the verify cuts the state as the eager one does; keep after
+    another verify of the same graph is refused, naming why."""
+    base = model.new_cache(mtp=True)
+    model([1, 504, 3458], base)
+    a, b = base.copy(), base.copy()
+    got = model.verify([5, 6, 7], a)
+    assert a._verify.graph is not None and a.graphs[3].replays == a._verify.graph[1]
+    a.keep(2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(graphs_qwen4exp, "usable", lambda *args: False)
+        want = model.verify([5, 6, 7], b)
+        b.keep(2)
+    assert _rel(got, want) < 1e-5 and a.length == b.length == 5
+    assert _rel(model([9], a), model([9], b)) < 1e-5
+    model.verify([1, 2, 3], a)
+    v = a._verify
+    a.begin_verify()
+    model.verify([4, 5, 6], a)  # the same graph again
+    a._verify = v
+    with pytest.raises(RuntimeError, match=r"the verify's graph ran again since, over what keep reads"):
+        a.keep(1)
