@@ -210,10 +210,9 @@ class MTPHead(torch.nn.Module):
         p = (lambda t: torch.nn.Parameter(t.float(), requires_grad=False))
         self.enorm, self.hnorm, self.head_norm = p(enorm), p(hnorm), p(head_norm)
 
-    def inputs(self, model: "Qwen4Exp", tokens: torch.Tensor, hidden: torch.Tensor,
-               checked: bool = False) -> torch.Tensor:
-        """The block's streams (T, S*H) for `tokens` (T,) and the streams before them (T, S*H);
-        checked: the tokens' ids were checked already (the trunk's, the same step's)."""
+    def inputs(self, model: "Qwen4Exp", tokens: torch.Tensor, hidden: torch.Tensor, checked=False) -> torch.Tensor:
+        """The block's streams (T, S*H) for `tokens` (T,) (`checked`: ids checked, as the trunk
+        does) and the streams before them (T, S*H)."""
         T, S, eps = tokens.numel(), model.cfg.streams, model.cfg.norm_eps
         H = self.enorm.numel()
         e = F.rms_norm(model.embed(tokens, checked=checked), (H,), eps=eps) * self.enorm
@@ -328,8 +327,7 @@ class Qwen4Exp(torch.nn.Module):
         asynchronous assert: a step never waits to read them)."""
         n = self.embedding.shape[0]
         if tokens.device.type != "cpu":
-            # 0 <= id < n exactly where id // n == 0 (floor division): a launch fewer than two
-            # comparisons and their conjunction
+            # 0 <= id < n exactly where id // n == 0: a launch fewer than two comparisons and an and
             torch._assert_async((tokens // n == 0).all(), f"token ids must lie in 0..{n - 1}")
         elif tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= n):
             raise ValueError(f"token ids must lie in 0..{n - 1}")
@@ -408,7 +406,8 @@ class Qwen4Exp(torch.nn.Module):
                               next_norm(layers, i, last))
         if state.mtp is not None:
             prev = x.new_zeros(1, x.shape[1]) if state.hidden is None else state.hidden.reshape(1, -1)
-            self.mtp.keys(self, tokens, torch.cat([prev, x[:-1]]), state.mtp, start, state.positions)
+            before = prev if x.shape[0] == 1 else torch.cat([prev, x[:-1]])  # the streams a row ago
+            self.mtp.keys(self, tokens, before, state.mtp, start, state.positions)
             state.hidden = x[-1].clone()
         if verify is not None:
             verify.tokens, verify.streams = tokens, x

@@ -285,7 +285,8 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
             x, xn = layer.ffn_hc.write(x, layer.moe.parts(m), w), None
     if state.mtp is not None:
         mtp = model.mtp
-        a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, torch.cat([prev, x[:-1]]), checked=True))
+        before = prev if T == 1 else torch.cat([prev, x[:-1]])  # the streams a row ago
+        a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, before, checked=True))
         _keys(mtp.block.mixer, a, state.mtp, P, _where(where, P, mtp.block.mixer, state.mtp, False))
     return model.logits(x, xn), x, kept
 
