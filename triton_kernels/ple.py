@@ -126,7 +126,7 @@ def ngram_constants(vocab_size: int, *, ngram_size: int = 3, heads_per_ngram: in
 
 # --- hash ---------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["eos_id"])
+@triton.jit
 def _joined(hist_ptr, tok_ptr, j, live, CONTEXT: tl.constexpr):
     """Token j of the CONTEXT carried tokens followed by the new ones."""
     carried = j < CONTEXT
@@ -135,7 +135,7 @@ def _joined(hist_ptr, tok_ptr, j, live, CONTEXT: tl.constexpr):
     return tl.where(carried, a, b).to(tl.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["eos_id"])
 def _ngram_ids_kernel(hist_ptr, tok_ptr, mult_ptr, size_ptr, offset_ptr, out_ptr, next_ptr, n_tokens, eos_id,
                       CONTEXT: tl.constexpr, HEADS_PER_NGRAM: tl.constexpr,
                       N_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK: tl.constexpr,
@@ -379,7 +379,8 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
     n = ids.numel()
     if n:
         ids = ids.to(torch.int64)  # (a copy only of narrower ids: a strided view is read as it lies)
-        strides = (n_heads, *ids.stride(), not ids.is_contiguous())
+        where = (n_heads, *ids.stride())  # where pair t * H + h's id lies (_id_at)
+        strided = not ids.is_contiguous()
         dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
         s = (torch.as_tensor(scale, dtype=torch.float32, device=dev).reshape(1)
              if scale is not None else out)  # unused without a scale
@@ -389,13 +390,13 @@ def ple_gather(table: torch.Tensor, ids: torch.Tensor, fmt: str | quant.Format, 
             n_units = n * row_units
             _ple_gather_units_kernel[(triton.cdiv(n_units, PLE_UNITS_BLOCK),)](
                 table.view(-1).view(torch.uint16), unit_table(fmt, dev),
-                ids, s, dst, n_units, *strides[:3], **launch_args(fmt, u), STRIDED=strides[3],
+                ids, s, dst, n_units, *where, **launch_args(fmt, u), STRIDED=strided,
                 ROW_UNITS=row_units, BLOCK=PLE_UNITS_BLOCK, HAS_SCALE=scale is not None,
                 OUT="bf16" if out_dtype == torch.bfloat16 else "", ASM=asm_for(dev), CVT=cvt_pairs(dev),
                 enable_fp_fusion=False)
             return out
         _ple_gather_kernel[(triton.cdiv(n, block_rows),)](
-            table, decode_table(fmt, dev), ids, s, dst, n, *strides[:3], STRIDED=strides[3],
+            table, decode_table(fmt, dev), ids, s, dst, n, *where, STRIDED=strided,
             DECODE=decoder(fmt), QK=fmt.block_elems, ROW_BLOCKS=dim // fmt.block_elems,
             ROW_DIM=dim, DIM_P2=triton.next_power_of_2(dim), BLOCK_ROWS=block_rows,
             HAS_SCALE=scale is not None, OUT_BF16=out_dtype == torch.bfloat16,

@@ -136,7 +136,7 @@ def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation
     (triton_kernels.conv: one launch, the same sums bit for bit), which with `in_place`
     writes the new window over `window` (a decode graph's buffer)."""
     if step is not None:
-        return step(window, x, w, dilation, in_place=in_place) if in_place else step(window, x, w, dilation)
+        return step(window, x, w, dilation, in_place=in_place)
     return causal_conv_torch(window, x, w, dilation)
 
 
