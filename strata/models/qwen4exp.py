@@ -28,7 +28,7 @@ from strata.models.qwen4exp_config import Qwen4ExpConfig
 from strata.names.qwen4exp import mtp_sidecar
 from strata.nn import QuantLinear
 from strata.nn import kv as kv_types
-from strata.nn.deltanet import GatedDeltaNet
+from strata.nn.deltanet import GatedDeltaNet, begin_all
 from triton_kernels.deltanet_fla import deltanet_path
 from strata.nn.gated_attention import AttentionState
 from strata.nn.hyperconn import HyperConnection, next_norm
@@ -141,9 +141,7 @@ class Qwen4ExpState:
 
     def begin_verify(self) -> None:
         """The next forward is a verify: keep what `keep` needs to cut it back."""
-        for s in self.layers:
-            if not isinstance(s, AttentionState):
-                s.begin()
+        begin_all([s for s in self.layers if not isinstance(s, AttentionState)])
         self._verify = _Verify(self.length, self.ple.copy() if self.ple is not None else None)
 
     @torch.inference_mode()

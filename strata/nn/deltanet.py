@@ -91,7 +91,7 @@ class _Trail:
 class DeltaNetState:
     """One sequence's conv window (conv_dim, K-1) and recurrent state (Hv, dk, dv).
 
-    A speculative verify runs between `begin` and `keep(n)`: it may feed several drafted
+    A speculative verify runs between `begin_all` and `keep(n)`: it may feed several drafted
     tokens, and `keep(n)` cuts the state back to its first n. The conv window is a slice of
     the window before and the rows' inputs (free); the recurrent state is the one before,
     with the recurrence replayed over the n kept rows on their recorded inputs (the same
@@ -109,17 +109,12 @@ class DeltaNetState:
         c.conv, c.rec, c.trail = self.conv.clone(), self.rec.clone(), None
         return c
 
-    def begin(self) -> None:
-        """The next forward is a verify: keep what `keep` needs to cut it back (copies: the
-        state's own tensors stay where they are, as a decode graph reads them)."""
-        self.trail = _Trail(self.conv.clone(), self.rec.clone())
-
     @torch.inference_mode()
     def keep(self, n: int) -> None:
         """Keep the first n tokens of the verify since `begin`, as if only they had been fed."""
         t, self.trail = self.trail, None
         if t is None or t.rows is None:
-            raise RuntimeError("DeltaNetState.keep: no verify forward since begin()")
+            raise RuntimeError("DeltaNetState.keep: no verify forward since begin_all()")
         x, q, k, v, g, beta = t.rows
         if n == x.shape[0]:
             return
@@ -127,6 +122,18 @@ class DeltaNetState:
         self.conv.copy_(torch.cat([t.conv, x.T], dim=1)[:, n:n + span])
         self.rec.copy_(t.rec)
         recurrent(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec, t.step)
+
+
+def begin_all(states: list[DeltaNetState]) -> None:
+    """The next forward is a verify: each state keeps what its `keep` needs to cut it back,
+    copies of its tensors (which stay where they are, as a decode graph reads them), all
+    written by one foreach copy (on a GPU a launch or two, where each clone was one)."""
+    held = [t for s in states for t in (s.conv, s.rec)]
+    copies = [torch.empty_like(t) for t in held]
+    if held:
+        torch._foreach_copy_(copies, held)
+    for s, conv, rec in zip(states, copies[0::2], copies[1::2]):
+        s.trail = _Trail(conv, rec)
 
 
 def causal_conv(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dilation: int = 1, step=None,
