@@ -213,8 +213,9 @@ class MTPHead(torch.nn.Module):
         does) and the streams before them (T, S*H)."""
         T, S, eps = tokens.numel(), model.cfg.streams, model.cfg.norm_eps
         H = self.enorm.numel()
-        e = F.rms_norm(model.embed(tokens, checked=checked), (H,), eps=eps) * self.enorm
-        h = F.rms_norm(hidden.float().reshape(T, S, H), (H,), eps=eps) * self.hnorm.reshape(-1, H)
+        norm, w = impl("hc_norm", model.kernels), self.hnorm.reshape(-1, H)  # (a launch a norm with Triton's)
+        e = norm(model.embed(tokens, checked=checked), self.enorm.reshape(1, H), eps)
+        h = norm(hidden.float().reshape(-1, w.numel()), w, eps).reshape(T, S, H)  # one weight: a row a stream
         both = torch.cat([e.unsqueeze(1).expand(T, S, H), h], dim=-1)
         return self.eh_proj(both.reshape(T * S, 2 * H)).float().reshape(T, S * H)
 
