@@ -422,8 +422,7 @@ def test_a_verify_through_its_graph_leaves_the_graphs_outputs_and_keep_checks_th
     assert _rel(model([9], a), model([9], b)) < 1e-5
     model.verify([1, 2, 3], a)
     v = a._verify
-    a.begin_verify()
-    model.verify([4, 5, 6], a)  # the same graph again
+    model.verify([4, 5, 6], a)  # the same graph again, over what v refers to
     a._verify = v
     with pytest.raises(RuntimeError, match=r"the verify's graph ran again since, over what keep reads"):
         a.keep(1)
