@@ -59,7 +59,7 @@ def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, T, stride_x, S: 
     # prompt's tokens run side by side); the first token block also moves the window on
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = c < C
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (t * C passes 2^31 in a long prompt)
     tile = (t < T)[:, None] & live[None, :]
     y = tl.zeros((BLOCK_T, BLOCK), tl.float32)
     for j in tl.static_range(K):

@@ -275,11 +275,11 @@ def _ints(v, device) -> Tensor:
     return v if isinstance(v, Tensor) else torch.as_tensor(v, dtype=torch.int64, device=device)
 
 
-def _window_out(out: tuple[Tensor, Tensor], window: Tensor, in_place: bool) -> tuple[Tensor, Tensor]:
-    """(output, new window) of an op that moves a conv's window on (conv_step, ple_mix), from
-    the registered op's, which may not write its input: in place, the new window copied
-    over `window`."""
-    return (out[0], window.copy_(out[1])) if in_place else out
+def _window_out(out: tuple, window: Tensor, in_place: bool) -> tuple:
+    """The returns of an op that moves a conv's window on (conv_step, ple_mix,
+    deltanet_conv_inputs: the new window last), from the registered op's, which may not
+    write its input: in place, the new window copied over `window`."""
+    return (*out[:-1], window.copy_(out[-1])) if in_place else out
 
 
 def _ngram_ids_out(out: tuple[Tensor, Tensor], history: Optional[Tensor], in_place: bool) -> tuple[Tensor, Tensor]:
@@ -331,8 +331,8 @@ _CALLS = {
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),
-    "deltanet_conv_inputs": lambda window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk:
-        OPS["deltanet_conv_inputs"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk),
+    "deltanet_conv_inputs": lambda window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk, in_place=False: _window_out(
+        OPS["deltanet_conv_inputs"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk), window, in_place),
     "deltanet_gated_norm": lambda o, z, w, eps, quantize=False: OPS["deltanet_gated_norm"](o, z, w, eps),
     "conv_step": lambda window, x, w, dilation=1, in_place=False: _window_out(
         OPS["conv_step"](window, x, w, dilation), window, in_place),

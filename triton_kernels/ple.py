@@ -207,9 +207,11 @@ def _hash_args(tokens, history, multipliers, head_vocab_sizes, head_offsets, eos
                          f"None at a sequence start), got {shape}")
     if history.device != dev:
         raise ValueError(f"ngram_ids: history is on {history.device}, tokens on {dev}")
-    if in_place and history.dtype != torch.int64:
-        raise ValueError(f"ngram_ids: in_place needs an int64 history, got {history.dtype}")
-    return history.to(torch.int64), tokens.to(torch.int64), mults, sizes, offsets
+    if in_place and (history.dtype != torch.int64 or not history.is_contiguous()):
+        raise ValueError(f"ngram_ids: in_place needs a contiguous int64 history, got {history.dtype} "
+                         f"with stride {history.stride()}")
+    # the kernel reads both where they lie, element after element
+    return history.to(torch.int64).contiguous(), tokens.to(torch.int64).contiguous(), mults, sizes, offsets
 
 
 def ngram_ids(tokens: torch.Tensor, history: torch.Tensor | None, multipliers: IntsLike,

@@ -54,7 +54,7 @@ def _ple_mix_kernel(x_ptr, k_ptr, v_ptr, wk_ptr, wq_ptr, wc_ptr, taps_ptr, win_p
         g = tl.sqrt_rn(tl.maximum(tl.abs(g), 1e-6)) * sign
         gv = (1.0 / (1.0 + tl.exp(-g))) * tl.load(v_ptr + t * H + h, mask=live, other=0.0)
         nc = gv * (1.0 / tl.sqrt_rn(tl.sum(gv * gv, axis=0) / H + eps)) * tl.load(wc_ptr + c, mask=live, other=0.0)
-        y = conv_taps(nc, new_win_ptr, taps_ptr, new_win_ptr, c, live, SPAN, K, DIL)  # conv_step's, bit for bit
+        y = conv_taps(nc, new_win_ptr, taps_ptr, new_win_ptr, c, live, SPAN, K, DIL)  # conv_step's taps, in order
         tl.store(out_ptr + t * C + c, (x + gv) + y * (1.0 / (1.0 + tl.exp(-y))), mask=live)
 
 

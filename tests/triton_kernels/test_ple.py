@@ -159,6 +159,19 @@ def test_no_tokens_keep_the_history():
     assert ids.shape == (0, 16) and hist.tolist() == [5, 6]
 
 
+@pytest.mark.parametrize("fn", [ngram_ids, ngram_ids_torch])
+def test_strided_tokens_and_history_hash_as_contiguous_ones(fn):
+    """Tokens and a history given as strided views hash as their contiguous copies; a
+    history to write in place must be contiguous int64, and the error says so."""
+    s = SETUPS[0]
+    tokens, history = torch.tensor([5, 0, 7, 0, 9, 0, 11, 0]), torch.tensor([[3, 0], [4, 0]])
+    want = fn(tokens[::2].clone(), history[:, 0].clone(), *s.args())
+    got = fn(tokens[::2], history[:, 0], *s.args())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[1].tolist() == [9, 11]
+    with pytest.raises(ValueError, match=r"in_place needs a contiguous int64 history"):
+        fn(tokens[::2], history[:, 0], *s.args(), in_place=True)
+
+
 def test_many_programs():
     s = SETUPS[0]
     tokens = torch.randint(0, 40, (300,), generator=torch.Generator().manual_seed(1))
