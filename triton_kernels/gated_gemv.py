@@ -67,20 +67,36 @@ def _check(g, u, dtype):
         raise ValueError(f"gated_qmatmul: dtype must be float32, bfloat16 or float16, got {dtype}")
 
 
+def product_apart(fmt, M: int) -> bool:
+    """Whether gated_qmatmul of M rows launches the product apart from its GEMV (the dp4a
+    path), so that an earlier launch may write it instead (`product`)."""
+    return choose_path(quant.get(fmt), M) == "dp4a"
+
+
 def gated_qmatmul(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: bool = True,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, product: torch.Tensor | None = None) -> torch.Tensor:
     """qmatmul((silu(g) * u).to(dtype), q, fmt), sigmoid for silu=False (see the module);
     (M, N) in dtype. On the dp4a path qmatmul(silu(g) * u, q, fmt).to(dtype): the GEMV rounds
-    the float32 product to int8 itself (a copy in dtype first would round it twice)."""
+    the float32 product to int8 itself (a copy in dtype first would round it twice).
+    `product`: that float32 product as another launch wrote it (its int8 attached as
+    silu_mul(quantize=True) attaches it; route_align's for the shared expert), taken on the
+    dp4a path in place of the product's own launch (`product_apart`)."""
     fmt = quant.get(fmt)
     _check(g, u, dtype)
+    if product is not None and product.shape != g.shape:
+        raise ValueError(f"gated_qmatmul: product {tuple(product.shape)} must be g's {tuple(g.shape)}")
     if not use_triton(g):
-        return gated_qmatmul_torch(g, u, q, fmt, silu, dtype)
+        return gated_qmatmul_torch(g, u, q, fmt, silu, dtype, product)
     _, N, K = _check_q(g, q, fmt, None)
     M = g.shape[0]
     path = choose_path(fmt, M)
     if path == "dp4a":  # the product in float32, quantized in its launch for the GEMV (int8.attach)
-        return qmatmul((silu_mul if silu else sigmoid_mul)(g, u, quantize=g.is_cuda), q, fmt).to(dtype)
+        if product is None:
+            product = (silu_mul if silu else sigmoid_mul)(g, u, quantize=g.is_cuda)
+        return qmatmul(product, q, fmt).to(dtype)
+    if product is not None:
+        raise ValueError(f"gated_qmatmul: a product is taken on the dp4a path only ({fmt.name}, {M} rows: "
+                         f"{path}); ask product_apart first")
     if path != "gemv" or not M or not N or not K:
         return qmatmul((silu_mul if silu else sigmoid_mul)(g, u).to(dtype), q, fmt)
     block_m, block_n, block_k = configs.tiles("gemv", GEMV_TILES)
@@ -96,6 +112,8 @@ def gated_qmatmul(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: 
 
 
 def gated_qmatmul_torch(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: bool = True,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                        dtype: torch.dtype = torch.float32, product: torch.Tensor | None = None) -> torch.Tensor:
     _check(g, u, dtype)
-    return qmatmul_torch((silu_mul_torch if silu else sigmoid_mul_torch)(g, u).to(dtype), q, fmt)
+    if product is None:
+        product = (silu_mul_torch if silu else sigmoid_mul_torch)(g, u)
+    return qmatmul_torch(product.to(dtype), q, fmt)

@@ -8,10 +8,12 @@
                                                  weights 2 sigmoid(both[:, R:] / S) (T, S)
     hc_combine(up (T, S*H), xn (T, S*H), S)   -> the block's input (T, H): the mean over
                                                  streams of sigmoid(up) * xn
-    hc_mix(both, w_up (S*H, R), xn, R, S)     -> hc_gates, the up projection by w_up (the
-                                                 weight dequantized, float32) and hc_combine
-                                                 in one launch: (the block's input (T, H),
-                                                 the injection weights (T, S) or (T, 0))
+    hc_mix(both, w_up (S*H, R), xn, R, S, fmt=None)
+                                              -> hc_gates, the up projection by w_up (float32,
+                                                 or its blocks in fmt, decoded in the launch)
+                                                 and hc_combine in one launch: (the block's
+                                                 input (T, H), the injection weights (T, S)
+                                                 or (T, 0))
     hc_write(x (T, S*H), out (T, H), inj (T, S)) -> x + inj * out in every stream
     hc_write_norm(x, out, inj, w, eps)        -> hc_write's result and its hc_norm by the
                                                  next read's weight: a block's write and the
@@ -33,7 +35,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+import quant
+
 from .backend import use_triton
+from .decode import decoder, table
+from .dequant import dequantize_torch
 from .int8 import GROUP, Q8X, attach, int8_buffers, store_groups
 
 BLOCK = 1024  # columns a program of hc_combine and hc_write
@@ -74,8 +80,9 @@ def _combine_kernel(up_ptr, xn_ptr, out_ptr, S, H, BS: tl.constexpr, BLOCK_H: tl
 
 
 @triton.jit
-def _mix_kernel(both_ptr, w_ptr, xn_ptr, out_ptr, inj_ptr, q_ptr, d_ptr, s_ptr, R, C, S, H,
-                BR: tl.constexpr, BC: tl.constexpr, BLOCK_H: tl.constexpr, QUANT: tl.constexpr):
+def _mix_kernel(both_ptr, w_ptr, tab_ptr, xn_ptr, out_ptr, inj_ptr, q_ptr, d_ptr, s_ptr, R, C, S, H,
+                BR: tl.constexpr, BC: tl.constexpr, BLOCK_H: tl.constexpr, QUANT: tl.constexpr,
+                DECODE: tl.constexpr, QK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     r = tl.arange(0, BR)
@@ -87,7 +94,11 @@ def _mix_kernel(both_ptr, w_ptr, xn_ptr, out_ptr, inj_ptr, q_ptr, d_ptr, s_ptr, 
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for s in range(0, S):
         rows = (s * H + h).to(tl.int64)
-        w = tl.load(w_ptr + rows[:, None] * R + r[None, :], mask=wmask, other=0.0)
+        if QK == 0:  # float32 rows
+            w = tl.load(w_ptr + rows[:, None] * R + r[None, :], mask=wmask, other=0.0)
+        else:  # the rows' blocks, decoded where they lie: the same float32 values
+            blk = rows[:, None] * (R // QK) + (r // QK)[None, :]
+            w = DECODE(w_ptr, tab_ptr, blk, tl.broadcast_to((r % QK)[None, :], (BLOCK_H, BR)), wmask)
         u = tl.sum(w * a[None, :], axis=1)
         xn = tl.load(xn_ptr + t * S * H + s * H + h, mask=live, other=0.0)
         acc += xn / (1.0 + tl.exp(-u))
@@ -216,26 +227,34 @@ def hc_combine_torch(up: torch.Tensor, xn: torch.Tensor, streams: int) -> torch.
 
 
 def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
-           streams: int, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           streams: int, quantize: bool = False, fmt: str | quant.Format | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """A read's work after its down projection, one launch: hc_gates(both, rank, S), the up
-    projection of the gates by w_up (S*H, rank) float32, and hc_combine of it with xn
-    (T, S*H): (the block's input (T, H), the injection weights (T, S) or (T, 0)). Each
-    program takes one row and BLOCK_H columns of every stream: it recomputes the row's
-    rank gates (a few dozen exps) and reads its columns' rows of w_up. With `quantize`
-    (and H a multiple of 32) the launch also writes the input as int8.quantize_x would,
-    attached to it (int8.attach): the block's dp4a projections then launch no quantize_x."""
-    _f32("hc_mix", both, w_up, xn)
+    projection of the gates by w_up (S*H, rank), and hc_combine of it with xn (T, S*H):
+    (the block's input (T, H), the injection weights (T, S) or (T, 0)). w_up is float32,
+    or with `fmt` its GGUF blocks as the file holds them (uint8, rank a whole number of
+    blocks a row; in the device layout where fmt says so), decoded in the launch to the
+    float32 values dequantize gives: the same result as from those values, and at
+    Flash-Next's shape (10240 x 64, Q4_0) 0.37 MB read a launch where float32 is 2.6 MB.
+    Each program takes one row and BLOCK_H columns of every stream: it recomputes the
+    row's rank gates (a few dozen exps) and reads its columns' rows of w_up. With
+    `quantize` (and H a multiple of 32) the launch also writes the input as
+    int8.quantize_x would, attached to it (int8.attach): the block's dp4a projections then
+    launch no quantize_x."""
+    _f32("hc_mix", both, xn)
+    if fmt is None:
+        _f32("hc_mix", w_up)
     if not use_triton(xn):
-        return hc_mix_torch(both, w_up, xn, rank, streams)
+        return hc_mix_torch(both, w_up, xn, rank, streams, fmt=fmt)
     T, C = both.shape
     SH = xn.shape[-1]
     H = SH // streams
     if C not in (rank, rank + streams):
         raise ValueError(f"hc_mix: both has {C} columns, not rank {rank} (+ streams {streams})")
-    if tuple(w_up.shape) != (SH, rank) or SH != streams * H or xn.shape[0] != T:
-        raise ValueError(f"hc_mix: w_up must be (streams * width {SH}, rank {rank}) and xn ({T}, {SH}), "
-                         f"got {tuple(w_up.shape)} and {tuple(xn.shape)}")
-    both, w_up, xn = both.contiguous(), w_up.contiguous(), xn.contiguous()
+    if SH != streams * H or xn.shape[0] != T:
+        raise ValueError(f"hc_mix: xn must be ({T}, streams {streams} x width), got {tuple(xn.shape)}")
+    w_up, decode, qk = _up_weight("hc_mix", w_up, fmt, SH, rank)
+    both, xn = both.contiguous(), xn.contiguous()
     out, inj = xn.new_empty(T, H), both.new_empty(T, C - rank)
     quantize, x8 = int8_buffers(quantize, T, H, H, out)
     if T:
@@ -243,15 +262,34 @@ def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
         bh = min(triton.next_power_of_2(H), max(GROUP if quantize else 16, MIX_TILE // br))
         # a whole tile at 4 warps (32 weights a thread) held 128 registers and spilled 8 bytes
         # a thread on sm_90 at Flash-Next's shape; at 8 warps 106 and none
-        _mix_kernel[(T, triton.cdiv(H, bh))](both, w_up, xn, out, inj, *x8, rank, C, streams, H, BR=br,
+        _mix_kernel[(T, triton.cdiv(H, bh))](both, w_up, table(fmt, w_up.device) if qk else w_up, xn, out, inj,
+                                             *x8, rank, C, streams, H, BR=br,
                                              BC=triton.next_power_of_2(max(C - rank, 1)), BLOCK_H=bh,
-                                             QUANT=quantize, num_warps=8 if bh * br >= MIX_TILE else 4)
+                                             QUANT=quantize, DECODE=decode, QK=qk,
+                                             num_warps=8 if bh * br >= MIX_TILE else 4)
     return (attach(out, Q8X(*x8)) if quantize else out), inj
 
 
+def _up_weight(name: str, w_up: torch.Tensor, fmt, rows: int, rank: int):
+    """(the tensor the kernel reads, its DECODE, its block size QK: 0 for float32 rows)."""
+    if fmt is None:
+        if tuple(w_up.shape) != (rows, rank):
+            raise ValueError(f"{name}: w_up must be (streams x width {rows}, rank {rank}), got {tuple(w_up.shape)}")
+        return w_up.contiguous(), None, 0
+    fmt = quant.get(fmt)
+    qk = fmt.block_elems
+    if rank % qk or w_up.dtype != torch.uint8 or w_up.numel() != rows * rank // qk * fmt.block_bytes:
+        raise ValueError(f"{name}: w_up in {fmt.name} must be ({rows} x {rank}) weights' blocks of {qk}, "
+                         f"uint8, a whole number a row; got {w_up.dtype} {tuple(w_up.shape)}")
+    return w_up.contiguous(), decoder(fmt), qk
+
+
 def hc_mix_torch(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
-                 streams: int, quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 streams: int, quantize: bool = False, fmt: str | quant.Format | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hc_mix in torch (`quantize` is the Triton launch's alone)."""
+    if fmt is not None:
+        w_up = dequantize_torch(w_up, quant.get(fmt), torch.float32, compiled=False).reshape(-1, rank)
     a, inj = hc_gates_torch(both, rank, streams)
     return hc_combine_torch(a @ w_up.T, xn, streams), inj
 

@@ -157,8 +157,10 @@ OPS["cache_write"] = _register("cache_write", _cache_write, mutates=("dsts",))
 
 def _route_align(logits: Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
                  hits: Optional[Tensor], lut: Optional[Tensor], routed: Optional[Tensor], missed: Optional[Tensor],
-                 first: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return route_align(logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first)
+                 first: int, g: Optional[Tensor] = None, u: Optional[Tensor] = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return route_align(logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first,
+                       None if g is None else (g, u))
 
 
 OPS["route_align"] = _register("route_align", _route_align, mutates=("hits", "routed", "missed"))
@@ -218,8 +220,9 @@ def _hc_combine(up: Tensor, xn: Tensor, streams: int) -> Tensor:
     return hc_combine(up, xn, streams)
 
 
-def _hc_mix(both: Tensor, w_up: Tensor, xn: Tensor, rank: int, streams: int) -> tuple[Tensor, Tensor]:
-    return hc_mix(both, w_up, xn, rank, streams)
+def _hc_mix(both: Tensor, w_up: Tensor, xn: Tensor, rank: int, streams: int,
+            fmt: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    return hc_mix(both, w_up, xn, rank, streams, fmt=fmt)
 
 
 def _hc_write(x: Tensor, out: Tensor, inj: Tensor) -> Tensor:
@@ -296,8 +299,10 @@ def call(op: str, *args, **kwargs):
 _CALLS = {
     "qmatmul": lambda x, q, fmt, *, n=None, path=None, tiles=None:
         OPS["qmatmul"](x, q, _fmt(fmt), n, path, list(tiles) if tiles else None),
-    "gated_qmatmul": lambda g, u, q, fmt, silu=True, dtype=torch.float32:
-        OPS["gated_qmatmul"](g, u, q, _fmt(fmt), silu, dtype),
+    # a product written by another launch (route_align's) is an eager step's: it calls the launcher
+    "gated_qmatmul": lambda g, u, q, fmt, silu=True, dtype=torch.float32, product=None:
+        OPS["gated_qmatmul"](g, u, q, _fmt(fmt), silu, dtype) if product is None
+        else gated_qmatmul(g, u, q, fmt, silu, dtype, product),
     "dequantize": lambda q, fmt, dtype=torch.float32, block=1024:
         OPS["dequantize"](q, _fmt(fmt), dtype, block),
     "route": lambda logits, top_k, norm_topk_prob=True: OPS["route"](logits, top_k, norm_topk_prob),
@@ -325,8 +330,9 @@ _CALLS = {
         [src] if isinstance(src, Tensor) else list(src), [dst] if isinstance(dst, Tensor) else list(dst),
         ids, slots, first),
     "route_align": lambda logits, top_k, norm_topk_prob, block_m, rows, hits=None, lut=None, routed=None,
-                          missed=None, first=0:
-        OPS["route_align"](logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first),
+                          missed=None, first=0, swiglu=None:
+        OPS["route_align"](logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first,
+                           *(swiglu or (None, None))),
     "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
@@ -339,7 +345,8 @@ _CALLS = {
     "hc_norm": lambda x, w, eps, quantize=False: OPS["hc_norm"](x, w, eps),
     "hc_gates": lambda both, rank, streams: OPS["hc_gates"](both, rank, streams),
     # a compiled step's ops return new tensors, to which nothing can stay attached: no quantize
-    "hc_mix": lambda both, w_up, xn, rank, streams, quantize=False: OPS["hc_mix"](both, w_up, xn, rank, streams),
+    "hc_mix": lambda both, w_up, xn, rank, streams, quantize=False, fmt=None:
+        OPS["hc_mix"](both, w_up, xn, rank, streams, None if fmt is None else _fmt(fmt)),
     "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0, quantize=False:
         OPS["hc_write_moe"](x, routed, gate, shared, inj, w, eps),
     "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation,

@@ -1,15 +1,20 @@
 """A one-token decode step's routing in one program: the router's top-k (route), an
-expert cache's lookup and counters (cache_lookup) and the MoE's alignment of the slots by
-expert (moe_align_block_size), which took three launches a layer (two on the resident tier).
+expert cache's lookup and counters (cache_lookup), the MoE's alignment of the slots by
+expert (moe_align_block_size) and the shared expert's SwiGLU for its dp4a down projection
+(silu_mul), which took four launches a layer (three on the resident tier).
 
     route_align(logits (1, E), top_k, norm_topk_prob, block_m, rows, hits=None,
-                lut=None, routed=None, missed=None, first=0)
+                lut=None, routed=None, missed=None, first=0, swiglu=None)
         -> weights (1, k) float32, ids (1, k) int32   the chosen experts, as route's
            local (1, k) int32                         the rows of the MoE's weights they name
            slots (k,) int64                           lut[ids] (-1: a miss; -1s without lut)
            sorted_token_ids, expert_ids, num_tokens_post_padded
                                                       moe_align_block_size(local, rows, block_m);
                                                       empty for block_m = 0 (the dp4a path)
+           product (1, I) float32                     silu_mul(g, u) for swiglu = (g, u), each
+                                                      (1, I), with its int8 attached (int8.attach)
+                                                      as silu_mul(quantize=True) writes it (I a
+                                                      multiple of 32); (1, 0) without swiglu
 
 Without `lut`, local is ids (the resident tier: `rows` = E). With an expert cache's table
 `lut` (E,) int64 (expert -> VRAM slot, -1 where not held), local is the slot, or for a
@@ -17,10 +22,11 @@ miss the staging row first + j, and `routed` and `missed` (E,) int64 are added t
 cache_lookup adds to them; `hits` (E,) int64 is route's tally. The router's ids are always
 in [0, E) (a NaN logit ranks last), so the alignment leaves no slot out and zeroes no rows.
 
-The top-k is route's own code (triton_kernels.moe._top_k) and the alignment the align
-kernel's (triton_kernels.moe_align.align_slots): the outputs are those of the three
-launches, bit for bit. `route_align_torch` is the same in torch: route_torch,
-cache_lookup_torch, moe_align_block_size_torch.
+The top-k is route's own code (triton_kernels.moe._top_k), the alignment the align
+kernel's (triton_kernels.moe_align.align_slots) and the product silu_mul's
+(shared_expert.gate_block): the outputs are those of the four launches, bit for bit.
+`route_align_torch` is the same in torch: route_torch, cache_lookup_torch,
+moe_align_block_size_torch, silu_mul_torch.
 """
 from __future__ import annotations
 
@@ -31,15 +37,20 @@ import triton.language as tl
 from .backend import use_triton
 from .moe import _check_route, _top_k, route_torch
 from .moe_align import ALIGN_CHUNK, ALIGN_MAX_SLOTS, _length, align_slots, moe_align_block_size_torch
+from .int8 import Q8X, attach, int8_buffers
+from .shared_expert import BLOCK as SWIGLU_BLOCK
+from .shared_expert import _rows, gate_block, silu_mul_torch
 from .stage import cache_lookup_torch
 
 
 @triton.jit
 def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, hits_ptr, lut_ptr, routed_ptr,
-                        missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, E, first, rows, length, n_blocks,
+                        missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, g_ptr, u_ptr, act_ptr, q_ptr, d_ptr, s_ptr,
+                        E, first, rows, length, n_blocks, n_shared,
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, N_PAD: tl.constexpr,
                         NORM: tl.constexpr, COUNT: tl.constexpr, LOOKUP: tl.constexpr, ALIGN: tl.constexpr,
-                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SWIGLU: tl.constexpr, QUANT: tl.constexpr,
+                        BLOCK_SH: tl.constexpr):
     offs = tl.arange(0, E_PAD)
     live = offs < E
     logit = tl.load(logits_ptr + offs, mask=live, other=float("-inf")).to(tl.float32)
@@ -69,9 +80,12 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, 
         raw = tl.load(local_ptr + i, mask=i < TOP_K, other=-1)
         align_slots(raw, TOP_K, rows, sorted_ptr, expert_ids_ptr, n_post_ptr, local_ptr, 0, 0, length, n_blocks,
                     N_PAD, BLOCK_M, CHUNK, False)
+    if SWIGLU:  # the shared expert's product: silu_mul's programs, one after another
+        for c0 in range(0, n_shared, BLOCK_SH):
+            gate_block(g_ptr, u_ptr, act_ptr, q_ptr, d_ptr, s_ptr, 0, c0, n_shared, 0, 0, BLOCK_SH, True, QUANT)
 
 
-def _check(logits, top_k, block_m, rows, hits, lut, routed, missed):
+def _check(logits, top_k, block_m, rows, hits, lut, routed, missed, swiglu):
     _check_route(logits, top_k)
     T, E = logits.shape
     if T != 1:
@@ -85,6 +99,12 @@ def _check(logits, top_k, block_m, rows, hits, lut, routed, missed):
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
     if (lut is None) != (routed is None) or (lut is None) != (missed is None):
         raise ValueError("route_align: lut, routed and missed come together")
+    if swiglu is not None:
+        g, u = swiglu
+        _rows("route_align", g, u)
+        if g.shape != u.shape or g.shape[0] != 1 or g.device != logits.device:
+            raise ValueError(f"route_align: swiglu's g {tuple(g.shape)} and u {tuple(u.shape)} must be one row "
+                             f"each, of one width, on {logits.device}")
 
 
 def _empty_alignment(dev):
@@ -95,12 +115,15 @@ def _empty_alignment(dev):
 
 def route_align(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
                 hits: torch.Tensor | None = None, lut: torch.Tensor | None = None,
-                routed: torch.Tensor | None = None, missed: torch.Tensor | None = None, first: int = 0):
-    """(weights, ids, local, slots, sorted_token_ids, expert_ids, num_tokens_post_padded) of
-    one token's logits (see the module); hits, routed and missed added to in place."""
-    _check(logits, top_k, block_m, rows, hits, lut, routed, missed)
+                routed: torch.Tensor | None = None, missed: torch.Tensor | None = None, first: int = 0,
+                swiglu: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """(weights, ids, local, slots, sorted_token_ids, expert_ids, num_tokens_post_padded,
+    product) of one token's logits (see the module); hits, routed and missed added to in
+    place."""
+    _check(logits, top_k, block_m, rows, hits, lut, routed, missed, swiglu)
     if not use_triton(logits):
-        return route_align_torch(logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first)
+        return route_align_torch(logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first,
+                                 swiglu)
     E = logits.shape[1]
     dev = logits.device
     if not logits.is_cuda and logits.dtype == torch.bfloat16:
@@ -120,21 +143,29 @@ def route_align(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m:
     else:
         length = n_blocks = 0
         sorted_ids, expert_ids, n_post = _empty_alignment(dev)
+    g, u = swiglu if swiglu is not None else (weights, weights)
+    n_shared = g.shape[1] if swiglu is not None else 0
+    product = torch.empty((1, n_shared), dtype=torch.float32, device=dev)
+    # with its int8 for the dp4a GEMV (whole groups of 32), which then quantizes nothing
+    quantize, x8 = int8_buffers(n_shared > 0, 1, n_shared, n_shared, product)
     _route_align_kernel[(1,)](logits, weights, ids, local, slots, ids if hits is None else hits,
                               ids if lut is None else lut, ids if routed is None else routed,
                               ids if missed is None else missed, sorted_ids, expert_ids, n_post,
-                              E, first, rows, length, n_blocks,
+                              g, u, product, *x8, E, first, rows, length, n_blocks, n_shared,
                               TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
                               N_PAD=max(16, triton.next_power_of_2(top_k)), NORM=norm_topk_prob,
                               COUNT=hits is not None, LOOKUP=lut is not None, ALIGN=block_m > 0,
-                              BLOCK_M=max(block_m, 1), CHUNK=ALIGN_CHUNK)
-    return weights, ids, local, slots, sorted_ids, expert_ids, n_post
+                              BLOCK_M=max(block_m, 1), CHUNK=ALIGN_CHUNK, SWIGLU=n_shared > 0, QUANT=quantize,
+                              BLOCK_SH=min(SWIGLU_BLOCK, triton.next_power_of_2(max(n_shared, 32))))
+    return weights, ids, local, slots, sorted_ids, expert_ids, n_post, (attach(product, Q8X(*x8)) if quantize
+                                                                        else product)
 
 
 def route_align_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
                       hits: torch.Tensor | None = None, lut: torch.Tensor | None = None,
-                      routed: torch.Tensor | None = None, missed: torch.Tensor | None = None, first: int = 0):
-    _check(logits, top_k, block_m, rows, hits, lut, routed, missed)
+                      routed: torch.Tensor | None = None, missed: torch.Tensor | None = None, first: int = 0,
+                      swiglu: tuple[torch.Tensor, torch.Tensor] | None = None):
+    _check(logits, top_k, block_m, rows, hits, lut, routed, missed, swiglu)
     weights, ids = route_torch(logits, top_k, norm_topk_prob, hits)
     if lut is not None:
         slots, local = cache_lookup_torch(ids.reshape(-1), lut, routed, missed, first)
@@ -142,7 +173,8 @@ def route_align_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, bl
     else:
         slots, local = torch.full((top_k,), -1, dtype=torch.int64, device=logits.device), ids.clone()
     aligned = (moe_align_block_size_torch(local, rows, block_m) if block_m else _empty_alignment(logits.device))
-    return weights, ids, local, slots, *aligned
+    product = silu_mul_torch(*swiglu) if swiglu is not None else logits.new_empty((1, 0), dtype=torch.float32)
+    return weights, ids, local, slots, *aligned, product
 
 
 

@@ -53,15 +53,25 @@ def gated_sum(a_ptr, gate_ptr, b_ptr, t, c, live, K, stride_a, stride_k, stride_
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, stride_g, stride_u,
                      BLOCK_N: tl.constexpr, SILU: tl.constexpr = True, QUANT: tl.constexpr = False):
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_block(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, tl.program_id(0).to(tl.int64),
+               tl.program_id(1) * BLOCK_N, N, stride_g, stride_u, BLOCK_N, SILU, QUANT)
+
+
+@triton.jit
+def gate_block(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, t, c0, N, stride_g, stride_u,
+               BLOCK_N: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr):
+    """Columns c0 .. c0 + BLOCK_N of row t of silu_mul (sigmoid_mul for SILU False), with
+    QUANT also as int8.quantize_x writes them (N a multiple of 32, c0 of BLOCK_N): a
+    program of _silu_mul_kernel, and the router's launch for the shared expert
+    (triton_kernels.route_align), with the same bits."""
+    c = c0 + tl.arange(0, BLOCK_N)
     live = c < N
     g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0)
     u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0)
-    v = gate(g, u, SILU)  # SILU False: sigmoid_mul
+    v = gate(g, u, SILU)
     tl.store(out_ptr + t * N + c, v, mask=live)
-    if QUANT:  # as int8.quantize_x writes it, for a dp4a GEMV (N a multiple of 32)
-        i = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+    if QUANT:
+        i = c0 // 32 + tl.arange(0, BLOCK_N // 32)
         store_groups(q_ptr, d_ptr, s_ptr, t, i, tl.reshape(v, (BLOCK_N // 32, 32)), N, i < N // 32)
 
 

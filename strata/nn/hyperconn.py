@@ -38,13 +38,17 @@ class HyperConnection(torch.nn.Module):
         self.norm = torch.nn.Parameter(norm.float().reshape(streams, self.width), requires_grad=False)
         self.down, self.up = down, up
         self.injects = down.out_features > rank
-        # with the Triton kernels: the up weight dequantized (float32, exact for any format;
-        # S*H x rank values, small), which hc_mix multiplies inside its launch
-        self.up_w = None
+        # with the Triton kernels hc_mix multiplies by the up weight inside its launch,
+        # decoding its blocks where they lie (a whole number a row: rank 64 holds two
+        # 32-weight blocks), else from a float32 copy (S*H x rank values, small)
+        self.up_w, self.up_fmt = None, None
         if up.kernels == "triton" and up.mode == "triton":
-            self.up_w = torch.nn.Parameter(
-                dequantize_torch(up.blocks, up.fmt, torch.float32, compiled=False).reshape(up.out_features, rank),
-                requires_grad=False)
+            if rank % up.fmt.block_elems == 0:
+                self.up_w, self.up_fmt = up.blocks, up.fmt
+            else:
+                self.up_w = torch.nn.Parameter(
+                    dequantize_torch(up.blocks, up.fmt, torch.float32, compiled=False).reshape(up.out_features, rank),
+                    requires_grad=False)
 
     def read(self, x: torch.Tensor, xn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's input (T, H) and the streams' injection weights (T, S) (None for the
@@ -60,7 +64,8 @@ class HyperConnection(torch.nn.Module):
             xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps, quantize=x.is_cuda)
         if self.up_w is not None:  # gates, up and combine in one launch
             # on a GPU the launch also quantizes the input for the block's dp4a projections
-            inp, inj = impl("hc_mix", "triton")(self.down(xn), self.up_w, xn, rank, S, quantize=xn.is_cuda)
+            inp, inj = impl("hc_mix", "triton")(self.down(xn), self.up_w, xn, rank, S, quantize=xn.is_cuda,
+                                                fmt=self.up_fmt)
             return inp, (inj if self.injects else None)
         a, inj = impl("hc_gates", "triton")(self.down(xn), rank, S)
         inp = impl("hc_combine", "triton")(self.up(a), xn, S)

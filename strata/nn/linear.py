@@ -34,6 +34,7 @@ from triton_kernels.backend import choose_kernels, cpu_compile_mode, cpu_int8_ve
 from triton_kernels.cpu.codes import codes_matmul
 from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
+from triton_kernels.gated_gemv import product_apart
 from triton_kernels.ops import impl
 from triton_kernels.qmatmul import choose_path
 
@@ -214,13 +215,20 @@ class QuantLinear(torch.nn.Module):
             y = self._rows(lambda t: t @ w.T, x2.to(dtype))
         return y.float().reshape(*lead, self.out_features)
 
-    def gated(self, g: torch.Tensor, u: torch.Tensor, silu: bool = True) -> torch.Tensor:
+    def gated(self, g: torch.Tensor, u: torch.Tensor, silu: bool = True,
+              product: torch.Tensor | None = None) -> torch.Tensor:
         """self(silu(g) * u), or self(sigmoid(g) * u) for silu=False, for float32 rows g, u:
         with the Triton kernels the gate in the GEMV's launch where it runs one
-        (triton_kernels.gated_gemv), the two launches' result."""
+        (triton_kernels.gated_gemv), the two launches' result. `product`: the gate's result
+        as an earlier launch wrote it, where `product_apart` says the GEMV takes one."""
         if self.mode == "triton":
-            return self._gated(g, u, self.blocks, self.fmt, silu, self.dtype).float()
-        return self(impl("silu_mul" if silu else "sigmoid_mul", self.kernels)(g, u))
+            return self._gated(g, u, self.blocks, self.fmt, silu, self.dtype, product).float()
+        return self(product if product is not None else impl("silu_mul" if silu else "sigmoid_mul", self.kernels)(g, u))
+
+    def product_apart(self, rows: int) -> bool:
+        """Whether `gated` of `rows` rows launches the gate's product apart from the GEMV
+        (triton_kernels.gated_gemv.product_apart): an earlier launch may then write it."""
+        return self.mode == "triton" and product_apart(self.fmt, rows)
 
     def pure(self):
         """(f, args) with f(x, *args) == self(x) for 2-D x, f a module-level function of

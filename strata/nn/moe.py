@@ -53,11 +53,13 @@ class MoE(torch.nn.Module):
         tally = self.experts.route_tally() if kernels and plan is None and hasattr(self.experts, "route_tally") else None
         if plan is not None:  # routed, counted, looked up and aligned in one launch
             block_m = plan.pop("block_m")
-            weights, ids, local, slot, *aligned = self.route_align(logits, self.top_k, self.norm_topk, block_m,
-                                                                   **plan)
+            # the shared expert's SwiGLU in that launch too, where its GEMV does not take it
+            swiglu = (g, u) if self.shared_down.product_apart(1) else None
+            weights, ids, local, slot, *aligned, product = self.route_align(
+                logits, self.top_k, self.norm_topk, block_m, **plan, swiglu=swiglu)
             routed = self.experts(x.float(), weights, ids, slots=True,
                                   plan=(local, slot, (*aligned, block_m) if block_m else None))
-            return self._finish(routed, None, g, u, gate)
+            return self._finish(routed, None, g, u, gate, product if swiglu else None)
         if tally is not None:  # the store's hit counter counted in the router's launch
             weights, ids = self.route(logits, self.top_k, self.norm_topk, hits=tally)
         else:
@@ -70,8 +72,8 @@ class MoE(torch.nn.Module):
             routed, summed = self.share.reduce_start(self.experts(x.float(), weights, self.share.local(ids)))
         return self._finish(routed, summed, g, u, gate)
 
-    def _finish(self, routed, summed, g, u, gate):
-        shared = self.shared_down.gated(g, u)  # the SwiGLU in the down GEMV's launch
+    def _finish(self, routed, summed, g, u, gate, product=None):
+        shared = self.shared_down.gated(g, u, product=product)  # else the SwiGLU in the down GEMV's launch
         if summed is not None:
             summed()
         return routed, gate, shared

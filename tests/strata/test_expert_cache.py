@@ -108,9 +108,57 @@ def test_a_step_routed_by_route_align_equals_the_resident_tier_and_counts_the_sa
         assert plan is not None and plan["block_m"] == (0 if fmt == "Q4_0" else 16), plan
         block_m = plan.pop("block_m")
         logits, x = torch.randn(1, E, generator=g), torch.randn(1, H, generator=g)
-        w, ids, local, slot, *aligned = route_align(logits, 2, True, block_m, **plan)
+        w, ids, local, slot, *aligned, _ = route_align(logits, 2, True, block_m, **plan)
         got = store(x, w, ids, slots=True, plan=(local, slot, (*aligned, block_m) if block_m else None))
         assert torch.equal(got.sum(dim=1), ref(x, w, ids)), step
     s = store.stats()
     assert s["hits"] + s["misses"] == 8 and s["misses"] > 0
     assert ref.route_plan(1, 2) is None  # resident on the CPU: the store counts on the host
+
+
+def test_the_routers_launch_computes_the_shared_experts_swiglu_with_the_separate_launches_bits(flash_tiny_gguf,
+                                                                                              layer):
+    """On the dp4a path (the shared expert in Q4_0) a one-token step's router launch also
+    computes the shared expert's SwiGLU and its int8 (route_align(swiglu=)), where the
+    step without a plan launches silu_mul: the MoE's parts are the same bits, the launch
+    one fewer."""
+    import collections
+
+    import triton.runtime.interpreter as interpreter
+
+    from strata.names import qwen4exp as n
+    from strata.nn.linear import QuantLinear
+    from strata.nn.moe import MoE
+    f = quant.get("Q4_0")
+    run = interpreter.InterpretedFunction.run
+
+    def launches(step):  # the step's result and its Triton launches, counted by kernel
+        counts = collections.Counter()
+
+        def counted(self, *args, **kwargs):
+            counts[self.fn.__name__] += 1
+            return run(self, *args, **kwargs)
+        interpreter.InterpretedFunction.run = counted
+        try:
+            return step(), counts
+        finally:
+            interpreter.InterpretedFunction.run = run
+
+    def q4(name):
+        t = flash_tiny_gguf.tensor(n.blk(0, n.MOE[name]))
+        return QTensor(t.name, f, t.shape, f.quantize(t.numpy().reshape(-1, t.shape[-1])))
+
+    E, shared = layer[0].shape[0], flash_tiny_gguf.tensor(n.blk(0, n.MOE["shexp_gate"])).shape[0]
+    store = ex.ExpertStore(*layer, torch.float32, "cpu", None, "cache:4:host", kernels="triton", top_k=2)
+    proj = QuantLinear([q4("router"), q4("shexp_gate"), q4("shexp_up"), q4("shexp_router")], kernels="triton")
+    moe = MoE(proj, store, E, 2, shared, QuantLinear(q4("shexp_down"), kernels="triton"))
+    assert moe.shared_down.product_apart(1)
+    x = torch.randn(1, proj.in_features, generator=torch.Generator().manual_seed(3))
+    store.rebalance()
+    with_plan, fused = launches(lambda: moe.parts(x))
+    store.route_plan = lambda *a: None  # the separate launches: route, cache_lookup, silu_mul, ...
+    without, apart = launches(lambda: moe.parts(x))
+    assert fused["_route_align_kernel"] == 1 and "_silu_mul_kernel" not in fused, fused
+    assert apart["_silu_mul_kernel"] == 1 and sum(fused.values()) < sum(apart.values()), (fused, apart)
+    for a, b in zip(with_plan, without):
+        assert torch.equal(a, b)

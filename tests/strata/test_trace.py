@@ -94,16 +94,18 @@ def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tin
 def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     """One layer at Flash-Next's real shape (strata.convert.flash_shape_memory: quantized
     weights, so the dp4a GEMVs and their int8 activations) on fake CUDA, experts resident:
-    29 launches, 2 of them quantize_x, the PLE block's (48 layers: 867, 18.1 a layer). A
+    28 launches, 2 of them quantize_x, the PLE block's (48 layers: 819, 17.1 a layer). A
     hyper-connection read's launch quantizes the block's input as it writes it, a write's
     launch (or the first read's norm) the streams' norm for the next read, a gate's launch
-    its product, DeltaNet's gated norm its rows (triton_kernels.hyperconn: hc_mix,
-    hc_norm, hc_write_norm, hc_write_moe; shared_expert: silu_mul, sigmoid_mul;
+    its product (the shared expert's: the router's, route_align), DeltaNet's gated norm its
+    rows (triton_kernels.hyperconn: hc_mix, hc_norm, hc_write_norm, hc_write_moe;
+    shared_expert: silu_mul, sigmoid_mul;
     deltanet_inputs.deltanet_gated_norm; int8.attach), for the projections and the routed
     experts alike, and the routed experts' gate/up programs their intermediate
     (triton_kernels.moe): before, 43 launches, 12 quantize_x (48 layers: 1,257, 26.2 a
     layer), then 35 and 4 (921, 19.2), then 32 (870: the embedding then took three launches
-    and the token check four). They only come down."""
+    and the token check four), then 29 (867: the shared expert's SwiGLU then took its own
+    launch). They only come down."""
     from strata.convert import flash_shape_memory as fsm
     from strata.load import Options, build, decide
     monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")  # the eager step (a graph replays its launches)
@@ -117,7 +119,7 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
         trace(lambda: model(torch.tensor([1]), state))
         t = trace(lambda: model(torch.tensor([4]), state))
     print(f"\nflash-shape:1 on fake CUDA (bf16, Triton, experts device): decode: {t.line(1)}")
-    assert t.launches <= 29 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)
+    assert t.launches <= 28 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)
 
 
 @pytest.mark.slow

@@ -27,10 +27,12 @@ bit for bit, the first row alone against the batch).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import quant
 from tests.tiers import examples
 from triton_kernels.backend import interpreter_on
 from triton_kernels.hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_mix, hc_mix_torch,
@@ -118,6 +120,32 @@ def test_hc_mix_within_the_float32_bound(T, S, H, R, injects, seed, scale):
         assert within(inj, ref_inj, rel[:, R:] * ref_inj.abs() + 1e-36), f.__name__
     one = hc_mix(both[:1], w, xn[:1], R, S)
     assert all(torch.equal(p, q[:1]) for p, q in zip(one, hc_mix(both, w, xn, R, S)))
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(T=st.integers(1, 3), S=st.integers(1, 4), H=st.integers(1, 80), blocks=st.integers(1, 3),
+       fmt=st.sampled_from(["Q4_0", "Q8_0", "IQ4_NL", "Q5_0", "BF16", "F16"]), split=st.booleans(),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_hc_mix_reads_the_up_weight_in_its_blocks_as_its_float32_values(T, S, H, blocks, fmt, split, seed):
+    """w_up as the file holds it (`fmt`; in the split device layout too), decoded in the
+    launch: bit for bit the result from its dequantized float32 values, the torch twin's
+    too. A row must be whole blocks."""
+    from triton_kernels import layout
+    from triton_kernels.dequant import dequantize_torch
+    from triton_kernels.layout.split import TILE_BLOCKS, has_split
+    f = quant.get(fmt)
+    R = blocks * f.block_elems
+    split = split and has_split(f) and (S * H * blocks) % TILE_BLOCKS == 0  # whole tiles
+    raw = f.quantize(data(seed, S * H, R).numpy()).reshape(-1, f.block_bytes)
+    q = torch.from_numpy(layout.pack(raw, f) if split else raw).reshape(-1)
+    qf = layout.split_format(f) if split else f
+    w = dequantize_torch(q, qf, torch.float32, compiled=False).reshape(S * H, R)
+    both, xn = data(seed + 1, T, R + S), data(seed + 2, T, S * H)
+    for fn in (hc_mix, hc_mix_torch):
+        got, want = fn(both, q, xn, R, S, fmt=qf), fn(both, w, xn, R, S)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), fn.__name__
+    with pytest.raises(ValueError, match="whole number a row"):
+        hc_mix(both[:, 1:], q, xn, R - 1, S, fmt=qf)
 
 
 @settings(max_examples=examples(10), deadline=None)
