@@ -127,8 +127,9 @@ def _qsa_scores(q: Tensor, blocks: Tensor, start: int, ratio: int, block_n: int)
 
 
 def _qsa_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, start: int, ratio: int,
-                   k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_s: int) -> Tensor:
-    return qsa_attention(q, k, v, sel, start, ratio, k_scale, v_scale, block_s=block_s)
+                   k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_s: int,
+                   gate: Optional[Tensor] = None) -> Tensor:
+    return qsa_attention(q, k, v, sel, start, ratio, k_scale, v_scale, block_s=block_s, gate=gate)
 
 
 def _stage_rows(src: list[Tensor], dst: list[Tensor], ids: Tensor, slots: Tensor, first: int) -> None:
@@ -321,8 +322,8 @@ _CALLS = {
                           bound),
     "qsa_scores": lambda q, blocks, start, ratio, *, block_n=SCORES_BLOCK_N:
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
-    "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S:
-        OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s),
+    "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S,
+                            gate=None: OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s, gate),
     "cache_write": lambda dsts, srcs, pos: OPS["cache_write"](list(dsts), list(srcs), pos),
     "qsa_pool": lambda idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks:
         OPS["qsa_pool"](idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks),

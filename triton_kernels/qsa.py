@@ -5,6 +5,8 @@ attention over the chosen blocks only, the gather fused into the attention.
     select_blocks(scores, start, ratio, keep) -> sel int64 (T, keep), -1 where unused
     select_sorted(scores, keep) -> (best, sel) (T, keep): a graph's choice over a whole row
     qsa_attention(q, k, v, sel, start, ratio[, k_scale, v_scale]) -> out float32 (H, T, D)
+                 gate= (T, H*D) -> sigmoid(gate) * out as rows (T, H*D): the output projection's
+                                   input, sigmoid_mul's bits, its int8 attached (D % 32 == 0)
     qsa_pool(idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks)   a graph's block keys, in place
     token_mask(sel, start, ratio, n) -> bool (T, n): the tokens a selection attends to
 
@@ -59,7 +61,10 @@ import triton.language as tl
 
 from . import invariant
 from .backend import use_triton
+from .int8 import Q8X, attach, int8_buffers, store_groups
 from .rope import norm_rope_torch, norm_rope_values, partner_of
+from .shared_expert import gate as gate_product
+from .shared_expert import sigmoid_mul_torch
 
 # Tiles, 4 warps (tests/triton_kernels/analysis/test_static.py: no spills on sm_90 and gfx942): the
 # scores' program reads 64 block keys, its dot has the n_idx heads padded to 4 columns, not
@@ -382,11 +387,12 @@ def qsa_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: 
 
 
 @triton.jit
-def _qsa_attention_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, out_ptr, ks_ptr, vs_ptr, start, ratio, keep, sm_scale,
+def _qsa_attention_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, out_ptr, ks_ptr, vs_ptr, gate_ptr, x8q_ptr, x8d_ptr, x8s_ptr,
+                          start, ratio, keep, sm_scale,
                           stride_qh, stride_qt, stride_kh, stride_kn, stride_vh, stride_vn,
-                          stride_st, stride_oh, stride_ot, stride_sh, stride_sn,
+                          stride_st, stride_oh, stride_ot, stride_sh, stride_sn, stride_gt,
                           G: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-                          SCALED: tl.constexpr, START_PTR: tl.constexpr):
+                          SCALED: tl.constexpr, START_PTR: tl.constexpr, GATE: tl.constexpr, QUANT: tl.constexpr):
     # one program: query t, query head h (kv head h // G). Slot s < keep * ratio is token
     # sel[t, s // ratio] * ratio + s % ratio (none where the block id is -1 or not yet
     # visible: a graph's sorted scores put the unseen blocks last); slot keep * ratio + j
@@ -428,28 +434,47 @@ def _qsa_attention_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, out_ptr, ks_ptr, vs_ptr,
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)
+    if GATE:  # the output projection's input, as sigmoid_mul computes it from these rows
+        out = gate_product(tl.load(gate_ptr + t * stride_gt + h * D + dd, mask=d_ok, other=0.0), out, False)
     tl.store(out_ptr + h * stride_oh + t * stride_ot + dd, out, mask=d_ok)
+    if QUANT:  # and as int8.quantize_x writes the row (T, H*D): this head's D // 32 groups
+        i = tl.arange(0, D_P2 // 32)
+        store_groups(x8q_ptr, x8d_ptr, x8s_ptr, t, h * (D // 32) + i, tl.reshape(out, (D_P2 // 32, 32)),
+                     tl.num_programs(1) * D, i < D // 32)
 
 
 def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor,
                   start: int | torch.Tensor, ratio: int, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None, *, block_s: int = ATTN_BLOCK_S) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, *, block_s: int = ATTN_BLOCK_S,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
     """out (H, T, D) float32: each query attends its chosen blocks and its tail (see the
     module); K and V read in place from the cache. A block id past the query's visible
     blocks counts as -1. `start` may be a one-element device tensor with the Triton kernel
-    (a decode graph's position; the cache then must hold it, unchecked). CPU tensors
-    without the interpreter run qsa_attention_torch."""
+    (a decode graph's position; the cache then must hold it, unchecked). With `gate`
+    (T, H*D) float32 rows: the gated attention's output projection input instead,
+    sigmoid_mul(gate, out as rows (T, H*D)) with its bits, and with D a multiple of 32
+    its int8 attached (int8.attach) for a dp4a GEMV: the launch of sigmoid_mul taken in.
+    CPU tensors without the interpreter run qsa_attention_torch."""
     _check_attention(q, k, v, sel, start, ratio)
     _check_scales(k, k_scale, v_scale)
+    H, T, D = q.shape
+    if gate is not None and (gate.dtype != torch.float32 or tuple(gate.shape) != (T, H * D)
+                             or (D > 1 and gate.stride(1) != 1)):
+        raise ValueError(f"qsa_attention: gate must be float32 rows ({T}, {H * D}) with unit column stride, got "
+                         f"{gate.dtype} {tuple(gate.shape)}")
     on_device = _start(start, "qsa_attention")
     if not use_triton(q):  # (a tensor start is on the host here)
-        return qsa_attention_torch(q, k, v, sel, int(start) if on_device else start, ratio, k_scale, v_scale)
-    H, T, D = q.shape
+        out = qsa_attention_torch(q, k, v, sel, int(start) if on_device else start, ratio, k_scale, v_scale)
+        return out if gate is None else sigmoid_mul_torch(gate, out.transpose(0, 1).reshape(T, H * D))
     Hkv = k.shape[0]
     G = H // Hkv
     if k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("qsa_attention: q, k and v must be contiguous along head_dim")
-    out = torch.empty(H, T, D, dtype=torch.float32, device=q.device)
+    # gated, the rows (T, H*D) are stored through the (H, T, D) view of them
+    out = (torch.empty(H, T, D, dtype=torch.float32, device=q.device) if gate is None else
+           torch.empty(T, H * D, dtype=torch.float32, device=q.device))
+    view = out if gate is None else out.view(T, H, D).transpose(0, 1)
+    quantize, x8 = int8_buffers(gate is not None, T, H * D, D, out)
     sel = sel.contiguous()
     if T:
         scaled = k_scale is not None
@@ -457,10 +482,12 @@ def qsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.
             v_scale = v_scale.contiguous()
             k_scale = k_scale.contiguous()
         ks, vs = (k_scale, v_scale) if scaled else (k, v)  # unread without SCALED
-        _qsa_attention_kernel[(T, H)](q, k, v, sel, out, ks, vs, start, ratio, sel.shape[1], D ** -0.5,
+        _qsa_attention_kernel[(T, H)](q, k, v, sel, out, ks, vs, out if gate is None else gate, *x8,
+                                      start, ratio, sel.shape[1], D ** -0.5,
                                       q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                      v.stride(0), v.stride(1), sel.stride(0), out.stride(0), out.stride(1),
+                                      v.stride(0), v.stride(1), sel.stride(0), view.stride(0), view.stride(1),
                                       ks.stride(0) if scaled else 0, ks.stride(1) if scaled else 0,
+                                      0 if gate is None else gate.stride(0),
                                       G=G, D=D, D_P2=triton.next_power_of_2(D), BLOCK_S=block_s, SCALED=scaled,
-                                      START_PTR=on_device)
-    return out
+                                      START_PTR=on_device, GATE=gate is not None, QUANT=quantize)
+    return attach(out, Q8X(*x8)) if quantize else out

@@ -235,9 +235,13 @@ def finish(out: torch.Tensor, gate: torch.Tensor, kernels: str = "torch") -> tor
     return rows * torch.sigmoid(gate)
 
 
-def output(o, out: torch.Tensor, gate: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+def output(o, out: torch.Tensor | None, gate: torch.Tensor, kernels: str = "torch",
+           product: torch.Tensor | None = None) -> torch.Tensor:
     """o(finish(out, gate, kernels)): with the Triton kernels the gate in the output
-    projection's launch where its GEMV takes it (QuantLinear.gated)."""
+    projection's launch where its GEMV takes it (QuantLinear.gated). `product`: the gated
+    rows as the attention's launch wrote them (qsa_attention(gate=)), out then unused."""
+    if product is not None:
+        return o.gated(gate, product, silu=False, product=product)
     if kernels == "triton":
         return o.gated(gate, out.transpose(0, 1).reshape(gate.shape).float(), silu=False)
     return o(finish(out, gate, kernels))

@@ -143,15 +143,17 @@ def _pool(m, st: AttentionState, at: _Where) -> None:
                                 st._blocks)
 
 
-def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
-    """QSA for the step's queries: (H, T, D) (see the module)."""
+def _sparse(m, q, idx_q, st: AttentionState, at: _Where, gate=None) -> torch.Tensor:
+    """QSA for the step's queries: (H, T, D) (see the module); with `gate`, which the
+    Triton kernels alone take, the output projection's gated input rows instead
+    (qsa_attention(gate=))."""
     T, keep = q.shape[1], min(m.budget // m.ratio, st._blocks.shape[0])
     _pool(m, st, at)
     qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
     qi = impl("norm_rope", m.kernels)(qi, m.idx_q_norm, m.eps, *at.rope_args(m.kernels))  # (n_idx, T, d)
     blocks = st._blocks                                                          # (NB, d)
     if m.kernels == "triton":
-        return _sparse_kernels(m, q, qi, blocks, keep, st, at)
+        return _sparse_kernels(m, q, qi, blocks, keep, st, at, gate)
     if invariant.enabled():
         scores = invariant.scores(qi, blocks)
     else:
@@ -168,7 +170,7 @@ def _sparse(m, q, idx_q, st: AttentionState, at: _Where) -> torch.Tensor:
     return _rowwise(q, k.transpose(0, 1), v.transpose(0, 1), ok)
 
 
-def _sparse_kernels(m, q, qi, blocks, keep: int, st: AttentionState, at: _Where) -> torch.Tensor:
+def _sparse_kernels(m, q, qi, blocks, keep: int, st: AttentionState, at: _Where, gate=None) -> torch.Tensor:
     """_sparse's scores and attention with the QSA kernels (triton_kernels.qsa), which read
     the first position from the device: the scores (-inf past each query's visible blocks)
     in one launch, and the chosen blocks' and the tail's rows gathered inside the
@@ -178,7 +180,7 @@ def _sparse_kernels(m, q, qi, blocks, keep: int, st: AttentionState, at: _Where)
     scores = impl("qsa_scores", "triton")(qi, blocks, start, m.ratio)          # (T, NB)
     sel = select_sorted(scores, keep)[1]                                         # ties: the lower block
     scales = st.kv_scales()
-    return impl("qsa_attention", "triton")(q, *st.kv_cache(), sel, start, m.ratio,
+    return impl("qsa_attention", "triton")(q, *st.kv_cache(), sel, start, m.ratio, gate=gate,
                                            **({} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}))
 
 
@@ -200,15 +202,20 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
     buffers written in place."""
     q, k, v, idx_q, idx_k, gate = project(m.proj(a).float(), *m.project_args(), *at.rope_args(m.kernels))
     _write_rows(m, st, k, v, idx_k, P)
+    product = None
     if m.qsa and not m.dense_only:
-        out = _sparse(m, q, idx_q, st, at)
+        # a dp4a output projection's input gated in the attention's launch (sigmoid_mul's)
+        if m.kernels == "triton" and m.o.product_apart(q.shape[1]):
+            out = product = _sparse(m, q, idx_q, st, at, gate)
+        else:
+            out = _sparse(m, q, idx_q, st, at)
     else:
         scales = st.kv_scales()
         keys = _rows(st._k, None if scales is None else scales[0])
         vals = _rows(st._v, None if scales is None else scales[1])
         T = q.shape[1]
         out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal)
-    return output(m.o, out, gate, m.kernels)
+    return output(m.o, out, gate, m.kernels, product)
 
 
 def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:

@@ -58,8 +58,10 @@ def tiny_mixed(tmp_path_factory):
     """flash-tiny's first 4 layers (DeltaNet, DeltaNet with the PLE block, DeltaNet, gated
     attention with QSA: every kind of layer, at half the interpreter's time) with unit
     formats where the decode step's int8 kernels take them: the routed experts of layer 1
-    in Q8_0 and of layer 2 in Q4_0 (the MoE dp4a kernels), the output in Q8_0 (the dp4a
-    GEMV); the rest F32 (the float kernels)."""
+    in Q8_0 and of layer 2 in Q4_0 (the MoE dp4a kernels), layer 1's shared expert down
+    and layer 3's attention output in Q8_0 (their gates' products written apart, as int8,
+    for the dp4a GEMV), layer 1's hyper-connection up weights in Q4_0 (decoded inside
+    hc_mix), the output in Q8_0 (the dp4a GEMV); the rest F32 (the float kernels)."""
     src = open_gguf(synth_flash_tiny(quiet=True))
     n = 4
     meta = src.typed_metadata()
@@ -67,7 +69,8 @@ def tiny_mixed(tmp_path_factory):
         v, kind = meta[f"{src.arch}.{key}"]
         meta[f"{src.arch}.{key}"] = (n if key == "block_count" else v[:n], kind)
     assert max(meta[f"{src.arch}.ple.layers"][0]) < n and not all(meta[f"{src.arch}.attention.recurrent_layers"][0])
-    to = {"output.weight": "Q8_0"}
+    to = {"output.weight": "Q8_0", "blk.1.ffn_down_shexp.weight": "Q8_0", "blk.3.attn_output.weight": "Q8_0",
+          "blk.1.hc_attn_up.weight": "Q4_0", "blk.1.hc_ffn_up.weight": "Q4_0"}
     for i, fmt in ((1, "Q8_0"), (2, "Q4_0")):
         for w in ("gate", "up", "down"):
             to[f"blk.{i}.ffn_{w}_exps.weight"] = fmt
@@ -252,6 +255,8 @@ def test_the_graph_step_with_the_triton_kernels_equals_their_eager_step(tiny_mix
     # stream) compile for sm_90 and gfx942 as a GPU would launch them
     graph_ops = {"cache_write", "qsa_pool", "qsa_scores", "qsa_attention", "norm_rope", "norm_rope2", "ple_gather"}
     assert graph_ops <= {c["op"] for c in calls}
+    # the attention's launch gates the Q8_0 output projection's input (no sigmoid_mul)
+    assert "sigmoid_mul" not in {c["op"] for c in calls}
     _compiles([c for c in calls if c["op"] in graph_ops],
               ("_cache_write_kernel", "_qsa_pool_kernel", "_qsa_scores_kernel", "_qsa_attention_kernel",
                "_norm_rope_kernel", "_norm_rope2_kernel"))

@@ -201,6 +201,35 @@ def test_unseen_blocks_count_as_none_and_a_device_start_as_its_value(T, start, r
     assert torch.equal(qsa_attention_torch(q, k, v, unseen, start, ratio), qsa_attention_torch(q, k, v, sel, start, ratio))
 
 
+@settings(max_examples=examples(12), deadline=None)
+@given(heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]), D=st.sampled_from([16, 24, 32, 64]), T=st.integers(1, 4),
+       start=st.integers(0, 40), ratio=st.integers(1, 4), keep=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_the_gated_launch_writes_sigmoid_muls_rows_and_their_int8(heads, D, T, start, ratio, keep, seed):
+    """With `gate` the launch writes the output projection's input, sigmoid_mul(gate, out
+    as rows (T, H*D)), bit for bit, and with D a multiple of 32 the int8 quantize_x would
+    write of it, attached; the torch twin's likewise from its own rows."""
+    from triton_kernels.int8 import quantize_x
+    from triton_kernels.shared_expert import sigmoid_mul, sigmoid_mul_torch
+    g = torch.Generator().manual_seed(seed)
+    H, Hkv = heads
+    N = start + T
+    q, k, v = torch.randn(H, T, D, generator=g), torch.randn(Hkv, N, D, generator=g), torch.randn(Hkv, N, D, generator=g)
+    sel = random_selection(g, T, start, ratio, keep, True)
+    gate = (torch.randn(T, H * D + 3, generator=g) * 4)[:, 3:]  # a column range of a fused projection
+    rows = qsa_attention(q, k, v, sel, start, ratio).transpose(0, 1).reshape(T, H * D)
+    got = qsa_attention(q, k, v, sel, torch.tensor([start]), ratio, gate=gate)
+    assert torch.equal(got, sigmoid_mul(gate, rows))
+    if D % 32 == 0:
+        x8, want = quantize_x(got), quantize_x(got.clone())
+        assert x8.q.data_ptr() != want.q.data_ptr() and all(torch.equal(a, b) for a, b in zip(x8, want))
+    twin = qsa_attention_torch(q, k, v, sel, start, ratio).transpose(0, 1).reshape(T, H * D)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter: the torch twin
+        assert torch.equal(qsa_attention(q, k, v, sel, start, ratio, gate=gate), sigmoid_mul_torch(gate, twin))
+    with pytest.raises(ValueError, match="gate must be float32 rows"):
+        qsa_attention(q, k, v, sel, start, ratio, gate=gate[:, 1:])
+
+
 def test_a_lost_block_is_seen():
     # the property's tolerance is far below what one dropped block moves
     g = torch.Generator().manual_seed(3)
