@@ -313,12 +313,6 @@ def _gemv_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, part_ptr,
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     units = K // UW
-    # rows past N read row N - 1 (in bounds) and are not stored: no masks in the loop
-    p_row = row_start(q_ptr, tl.minimum(rows, N - 1).to(tl.int64)[:, None] * (units // UPB),
-                      BLOCK_HW, BODY)
-    xq = xq_ptr + m * (K // 4)
-    xd = xd_ptr + m * (K // 32)
-    xs = xs_ptr + m * (K // 32)
     if SPLIT == 1:
         lo = 0
         hi = units
@@ -327,17 +321,33 @@ def _gemv_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, part_ptr,
         per = tl.cdiv(tl.cdiv(units, BLOCK_U), SPLIT) * BLOCK_U
         lo = tl.program_id(2) * per
         hi = tl.minimum(lo + per, units)
-    acc = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
-    for v0 in range(lo, hi, BLOCK_U):
-        v = (v0 + tl.arange(0, BLOCK_U))[None, :]
-        acc += dot_units(q_ptr, p_row, v, v < units, xq, xd, xs, tab_ptr, UNIT, UW, UPB,
-                         BLOCK_HW, ZERO, OFFSET, BODY, MASK, ASM)
-    y = tl.sum(acc, axis=1)  # the one cross-lane reduction
+    y = row_sums(xq_ptr + m * (K // 4), xd_ptr + m * (K // 32), xs_ptr + m * (K // 32), q_ptr, tab_ptr, rows,
+                 N, K, lo, hi, UNIT, UW, UPB, BLOCK_HW, ZERO, OFFSET, BODY, BLOCK_N, BLOCK_U, MASK, ASM)
     if SPLIT == 1:
         tl.store(out_ptr + m * stride_om + rows, y, mask=rows < N)
     else:
         _sum_split(y, out_ptr + m * stride_om + rows, rows < N, part_ptr, count_ptr,
                    m * tl.num_programs(0) + pid_n, BLOCK_N, SPLIT)
+
+
+@triton.jit
+def row_sums(xq, xd, xs, q_ptr, tab_ptr, rows, N, K, lo, hi,
+             UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr, BLOCK_HW: tl.constexpr,
+             ZERO: tl.constexpr, OFFSET: tl.constexpr, BODY: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_U: tl.constexpr, MASK: tl.constexpr, ASM: tl.constexpr):
+    """x̂'s row (xq, xd, xs at its first group) times the weight rows `rows` [BLOCK_N] over
+    units lo .. hi: [BLOCK_N] float32, a program of the dp4a GEMV (also the router's,
+    triton_kernels.router_gemv)."""
+    units = K // UW
+    # rows past N read row N - 1 (in bounds) and are not stored: no masks in the loop
+    p_row = row_start(q_ptr, tl.minimum(rows, N - 1).to(tl.int64)[:, None] * (units // UPB),
+                      BLOCK_HW, BODY)
+    acc = tl.zeros((BLOCK_N, BLOCK_U), tl.float32)
+    for v0 in range(lo, hi, BLOCK_U):
+        v = (v0 + tl.arange(0, BLOCK_U))[None, :]
+        acc += dot_units(q_ptr, p_row, v, v < units, xq, xd, xs, tab_ptr, UNIT, UW, UPB,
+                         BLOCK_HW, ZERO, OFFSET, BODY, MASK, ASM)
+    return tl.sum(acc, axis=1)  # the one cross-lane reduction
 
 
 @triton.jit
@@ -385,13 +395,15 @@ def _multiprocessors(device: torch.device) -> int | None:
 _COUNTS: dict = {}
 
 
-def _counts(device: torch.device, n: int) -> torch.Tensor:
-    """Split K's per-tile counts on `device`: zeros, kept (each launch leaves them at 0), one
-    set a stream so that launches on two streams never share one. Made on the device, so a
+def zeroed_counts(device: torch.device, n: int) -> torch.Tensor:
+    """The counts of launches whose last program to finish completes their work (split K's
+    tiles; the router GEMV's routing, triton_kernels.router_gemv) on `device`: zeros, kept
+    (each launch leaves them at 0), one set a stream so that launches on two streams never
+    share one. Made on the device, so a
     graph that captures their making zeroes them again on replay, which is harmless."""
     size = max(1024, 1 << (n - 1).bit_length())
-    if faking():
-        return torch.zeros(size, dtype=torch.int32, device=device)
+    if faking():  # a trace's stand-in: a GPU holds them from its first launch on, and fills nothing a step
+        return torch.empty(size, dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream, size)
     if key not in _COUNTS:
@@ -413,9 +425,6 @@ def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: str | quant.Format, N: int,
     u = unit(fmt)
     if u is None:
         raise ValueError(f"{fmt.name}: no int8 unit decode for this format; use path='gemv'")
-    cfg = configs.pick("gemv", fmt.name, device_name(q.device), backend_name())
-    if tiles is None:
-        tiles = (cfg["block_n"], cfg["block_u"])
     M = x8.q.shape[0]
     K = x8.q.shape[1] * 4
     out = torch.empty((M, N), dtype=torch.float32, device=q.device)
@@ -423,25 +432,36 @@ def gemv_dp4a(x8: Q8X, q: torch.Tensor, fmt: str | quant.Format, N: int,
         return out
     if K == 0:
         return out.zero_()
-    block_n, block_u = tiles
-    units = K // u.weights
+    block_n, block_u, split, warps = gemv_launch(fmt, q.device, N, K, tiles, split)
     tiles_n = triton.cdiv(N, block_n)
-    if split is None:
-        split = cfg.get("split_k", 1)
-        if split == "auto":
-            split = split_for(tiles_n, triton.cdiv(units, block_u), _multiprocessors(q.device))
-    if not (isinstance(split, int) and 1 <= split <= MAX_SPLIT):
-        raise ValueError(f"{fmt.name}: split must be an integer from 1 to {MAX_SPLIT}, got {split!r}")
+    units = K // u.weights
     part, counts = out, out  # unread when K is not split
     if split > 1:
         part = torch.empty(M * tiles_n * split * block_n, dtype=torch.float32, device=q.device)
-        counts = _counts(q.device, M * tiles_n)
+        counts = zeroed_counts(q.device, M * tiles_n)
     _gemv_dp4a_kernel[(tiles_n, M, split)](
         x8.q, x8.d, x8.s, q.reshape(-1).view(torch.uint16), unit_table(fmt, q.device), out,
         part, counts, N, K, out.stride(0), **launch_args(fmt, u), BLOCK_N=block_n,
         BLOCK_U=block_u, MASK=units % block_u != 0, SPLIT=split, ASM=asm_for(q.device),
-        num_warps=cfg.get("num_warps", 4))
+        num_warps=warps)
     return out
+
+
+def gemv_launch(fmt: quant.Format, device, N: int, K: int, tiles: tuple[int, int] | None = None,
+                split: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_U, split, num_warps) of gemv_dp4a's launch for an (N, K) weight on
+    `device` (see gemv_dp4a): the one decision, which a launch that shares the GEMV's
+    programs (triton_kernels.router_gemv) takes too."""
+    cfg = configs.pick("gemv", fmt.name, device_name(device), backend_name())
+    block_n, block_u = tiles if tiles is not None else (cfg["block_n"], cfg["block_u"])
+    if split is None:
+        split = cfg.get("split_k", 1)
+        if split == "auto":
+            split = split_for(triton.cdiv(N, block_n), triton.cdiv(K // unit(fmt).weights, block_u),
+                              _multiprocessors(device))
+    if not (isinstance(split, int) and 1 <= split <= MAX_SPLIT):
+        raise ValueError(f"{fmt.name}: split must be an integer from 1 to {MAX_SPLIT}, got {split!r}")
+    return block_n, block_u, split, cfg.get("num_warps", 4)
 
 
 def gemv_dp4a_torch(x8: Q8X, q: torch.Tensor, fmt: str | quant.Format, N: int) -> torch.Tensor:

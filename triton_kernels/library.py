@@ -37,6 +37,7 @@ from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_pool, qsa_scores
 from .rope import norm_rope, norm_rope2
 from .route_align import route_align
+from .router_gemv import router_gemv
 from .shared_expert import gated_add, sigmoid_mul, silu_mul
 from .stage import cache_lookup, stage_rows
 
@@ -165,6 +166,17 @@ def _route_align(logits: Tensor, top_k: int, norm_topk_prob: bool, block_m: int,
 
 
 OPS["route_align"] = _register("route_align", _route_align, mutates=("hits", "routed", "missed"))
+
+
+def _router_gemv(x: Tensor, q: Tensor, fmt: str, N: int, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
+                 E: int, shared: int, hits: Optional[Tensor], lut: Optional[Tensor], routed: Optional[Tensor],
+                 missed: Optional[Tensor], first: int
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return router_gemv(x, q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared, hits, lut, routed, missed,
+                       first)
+
+
+OPS["router_gemv"] = _register("router_gemv", _router_gemv, mutates=("hits", "routed", "missed"))
 
 
 def _cache_lookup(ids: Tensor, lut: Tensor, routed: Tensor, missed: Tensor, first: int) -> tuple[Tensor, Tensor]:
@@ -335,6 +347,10 @@ _CALLS = {
         OPS["route_align"](logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first,
                            *(swiglu or (None, None))),
     "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
+    "router_gemv": lambda x, q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared=0, hits=None, lut=None,
+                          routed=None, missed=None, first=0:
+        OPS["router_gemv"](x, q, _fmt(fmt), N, top_k, norm_topk_prob, block_m, rows, E, shared, hits, lut, routed,
+                           missed, first),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),

@@ -27,6 +27,7 @@ from .shared_expert import gated_add, gated_add_torch, sigmoid_mul, sigmoid_mul_
 from .gated_gemv import gated_qmatmul, gated_qmatmul_torch
 from .hc_moe_write import hc_write_moe, hc_write_moe_torch
 from .route_align import route_align, route_align_torch
+from .router_gemv import router_gemv, router_gemv_torch
 from .stage import cache_lookup, cache_lookup_torch, stage_rows, stage_rows_torch
 
 OPS = {
@@ -35,6 +36,7 @@ OPS = {
     "dequantize": (dequantize, dequantize_torch),
     "route": (route, route_torch),
     "route_align": (route_align, route_align_torch),
+    "router_gemv": (router_gemv, router_gemv_torch),
     "moe": (moe, moe_torch),
     "ngram_ids": (ngram_ids, ngram_ids_torch),
     "ple_gather": (ple_gather, ple_gather_torch),

@@ -30,6 +30,8 @@ moe_align_block_size_torch, silu_mul_torch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,9 +53,29 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, 
                         NORM: tl.constexpr, COUNT: tl.constexpr, LOOKUP: tl.constexpr, ALIGN: tl.constexpr,
                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SWIGLU: tl.constexpr, QUANT: tl.constexpr,
                         BLOCK_SH: tl.constexpr):
+    route_align_body(logits_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, hits_ptr, lut_ptr, routed_ptr,
+                     missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, g_ptr, u_ptr, act_ptr, q_ptr, d_ptr, s_ptr,
+                     E, first, rows, length, n_blocks, n_shared, TOP_K, K_PAD, E_PAD, N_PAD, NORM, COUNT, LOOKUP,
+                     ALIGN, BLOCK_M, CHUNK, SWIGLU, QUANT, BLOCK_SH, False)
+
+
+@triton.jit
+def route_align_body(logits_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, hits_ptr, lut_ptr, routed_ptr,
+                     missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, g_ptr, u_ptr, act_ptr, q_ptr, d_ptr, s_ptr,
+                     E, first, rows, length, n_blocks, n_shared,
+                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, N_PAD: tl.constexpr,
+                     NORM: tl.constexpr, COUNT: tl.constexpr, LOOKUP: tl.constexpr, ALIGN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SWIGLU: tl.constexpr, QUANT: tl.constexpr,
+                     BLOCK_SH: tl.constexpr, CG: tl.constexpr):
+    """The one program's work (the module's), also the last program of the router's GEMV
+    (triton_kernels.router_gemv), which reads the logits and the shared expert's g and u
+    that the GEMV's other programs stored from L2 (CG: never a stale L1 line)."""
     offs = tl.arange(0, E_PAD)
     live = offs < E
-    logit = tl.load(logits_ptr + offs, mask=live, other=float("-inf")).to(tl.float32)
+    if CG:
+        logit = tl.load(logits_ptr + offs, mask=live, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    else:
+        logit = tl.load(logits_ptr + offs, mask=live, other=float("-inf")).to(tl.float32)
     top_w, top_i = _top_k(logit, offs, live, TOP_K, K_PAD, E_PAD, NORM)
     kk = tl.arange(0, K_PAD)
     on = kk < TOP_K
@@ -82,7 +104,7 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, 
                     N_PAD, BLOCK_M, CHUNK, False)
     if SWIGLU:  # the shared expert's product: silu_mul's programs, one after another
         for c0 in range(0, n_shared, BLOCK_SH):
-            gate_block(g_ptr, u_ptr, act_ptr, q_ptr, d_ptr, s_ptr, 0, c0, n_shared, 0, 0, BLOCK_SH, True, QUANT)
+            gate_block(g_ptr, u_ptr, act_ptr, q_ptr, d_ptr, s_ptr, 0, c0, n_shared, 0, 0, BLOCK_SH, True, QUANT, CG)
 
 
 def _check(logits, top_k, block_m, rows, hits, lut, routed, missed, swiglu):
@@ -109,8 +131,8 @@ def _check(logits, top_k, block_m, rows, hits, lut, routed, missed, swiglu):
 
 def _empty_alignment(dev):
     """No alignment (block_m = 0): empty ids, and a length that nothing reads."""
-    z = torch.empty(0, dtype=torch.int32, device=dev)
-    return z, z, torch.empty(1, dtype=torch.int32, device=dev)
+    return (torch.empty(0, dtype=torch.int32, device=dev), torch.empty(0, dtype=torch.int32, device=dev),
+            torch.empty(1, dtype=torch.int32, device=dev))  # apart: a torch op's outputs alias nothing
 
 
 def route_align(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
@@ -124,12 +146,59 @@ def route_align(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m:
     if not use_triton(logits):
         return route_align_torch(logits, top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed, first,
                                  swiglu)
-    E = logits.shape[1]
-    dev = logits.device
     if not logits.is_cuda and logits.dtype == torch.bfloat16:
         logits = logits.float()  # the interpreter holds bf16 as raw uint16; widening is exact
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    g, u = swiglu if swiglu is not None else (logits, logits)
+    r = shapes(logits, top_k, block_m, rows, g.shape[1] if swiglu is not None else 0)
+    ids = r.ids
+    _route_align_kernel[(1,)](logits, r.weights, ids, r.local, r.slots, ids if hits is None else hits,
+                              ids if lut is None else lut, ids if routed is None else routed,
+                              ids if missed is None else missed, r.sorted_ids, r.expert_ids, r.n_post,
+                              g, u, r.product, *r.x8, logits.shape[1], first, rows, r.length, r.n_blocks, r.n_shared,
+                              **r.constexprs(norm_topk_prob, hits, lut, block_m))
+    return r.outputs()
+
+
+@dataclass
+class Shapes:
+    """route_align's outputs, made for a launch (`shapes`), its sizes and constexprs: the
+    one decision for its own launch and the router GEMV's (triton_kernels.router_gemv)."""
+    E: int
+    top_k: int
+    weights: torch.Tensor
+    ids: torch.Tensor
+    local: torch.Tensor
+    slots: torch.Tensor
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    n_post: torch.Tensor
+    length: int
+    n_blocks: int
+    n_shared: int
+    product: torch.Tensor
+    quantize: bool
+    x8: tuple
+
+    def constexprs(self, norm_topk_prob: bool, hits, lut, block_m: int) -> dict:
+        k = self.top_k
+        return dict(TOP_K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(self.E),
+                    N_PAD=max(16, triton.next_power_of_2(k)), NORM=norm_topk_prob, COUNT=hits is not None,
+                    LOOKUP=lut is not None, ALIGN=block_m > 0, BLOCK_M=max(block_m, 1), CHUNK=ALIGN_CHUNK,
+                    SWIGLU=self.n_shared > 0, QUANT=self.quantize,
+                    BLOCK_SH=min(SWIGLU_BLOCK, triton.next_power_of_2(max(self.n_shared, 32))))
+
+    def outputs(self) -> tuple:
+        product = attach(self.product, Q8X(*self.x8)) if self.quantize else self.product
+        return (self.weights, self.ids, self.local, self.slots, self.sorted_ids, self.expert_ids, self.n_post,
+                product)
+
+
+def shapes(logits: torch.Tensor, top_k: int, block_m: int, rows: int, n_shared: int) -> Shapes:
+    """The outputs of route_align for logits (1, E) and a shared expert of n_shared (0:
+    none), made on logits' device."""
+    dev = logits.device
     weights = torch.empty((1, top_k), dtype=torch.float32, device=dev)
     ids = torch.empty((1, top_k), dtype=torch.int32, device=dev)
     local = torch.empty((1, top_k), dtype=torch.int32, device=dev)
@@ -143,22 +212,11 @@ def route_align(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m:
     else:
         length = n_blocks = 0
         sorted_ids, expert_ids, n_post = _empty_alignment(dev)
-    g, u = swiglu if swiglu is not None else (weights, weights)
-    n_shared = g.shape[1] if swiglu is not None else 0
     product = torch.empty((1, n_shared), dtype=torch.float32, device=dev)
     # with its int8 for the dp4a GEMV (whole groups of 32), which then quantizes nothing
     quantize, x8 = int8_buffers(n_shared > 0, 1, n_shared, n_shared, product)
-    _route_align_kernel[(1,)](logits, weights, ids, local, slots, ids if hits is None else hits,
-                              ids if lut is None else lut, ids if routed is None else routed,
-                              ids if missed is None else missed, sorted_ids, expert_ids, n_post,
-                              g, u, product, *x8, E, first, rows, length, n_blocks, n_shared,
-                              TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
-                              N_PAD=max(16, triton.next_power_of_2(top_k)), NORM=norm_topk_prob,
-                              COUNT=hits is not None, LOOKUP=lut is not None, ALIGN=block_m > 0,
-                              BLOCK_M=max(block_m, 1), CHUNK=ALIGN_CHUNK, SWIGLU=n_shared > 0, QUANT=quantize,
-                              BLOCK_SH=min(SWIGLU_BLOCK, triton.next_power_of_2(max(n_shared, 32))))
-    return weights, ids, local, slots, sorted_ids, expert_ids, n_post, (attach(product, Q8X(*x8)) if quantize
-                                                                        else product)
+    return Shapes(logits.shape[1], top_k, weights, ids, local, slots, sorted_ids, expert_ids, n_post, length,
+                  n_blocks, n_shared, product, quantize, x8)
 
 
 def route_align_torch(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,

@@ -54,20 +54,25 @@ def gated_sum(a_ptr, gate_ptr, b_ptr, t, c, live, K, stride_a, stride_k, stride_
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, stride_g, stride_u,
                      BLOCK_N: tl.constexpr, SILU: tl.constexpr = True, QUANT: tl.constexpr = False):
     gate_block(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, tl.program_id(0).to(tl.int64),
-               tl.program_id(1) * BLOCK_N, N, stride_g, stride_u, BLOCK_N, SILU, QUANT)
+               tl.program_id(1) * BLOCK_N, N, stride_g, stride_u, BLOCK_N, SILU, QUANT, False)
 
 
 @triton.jit
 def gate_block(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, t, c0, N, stride_g, stride_u,
-               BLOCK_N: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr):
+               BLOCK_N: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr, CG: tl.constexpr):
     """Columns c0 .. c0 + BLOCK_N of row t of silu_mul (sigmoid_mul for SILU False), with
     QUANT also as int8.quantize_x writes them (N a multiple of 32, c0 of BLOCK_N): a
     program of _silu_mul_kernel, and the router's launch for the shared expert
-    (triton_kernels.route_align), with the same bits."""
+    (triton_kernels.route_align), with the same bits. CG: g and u read from L2 (another
+    program of the launch stored them: triton_kernels.router_gemv)."""
     c = c0 + tl.arange(0, BLOCK_N)
     live = c < N
-    g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0)
-    u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0)
+    if CG:
+        g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0, cache_modifier=".cg")
+        u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0, cache_modifier=".cg")
+    else:
+        g = tl.load(g_ptr + t * stride_g + c, mask=live, other=0.0)
+        u = tl.load(u_ptr + t * stride_u + c, mask=live, other=0.0)
     v = gate(g, u, SILU)
     tl.store(out_ptr + t * N + c, v, mask=live)
     if QUANT:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from triton_kernels.router_gemv import fits as router_fits
 
 from .linear import QuantLinear
 
@@ -27,6 +28,7 @@ class MoE(torch.nn.Module):
         self.proj, self.experts, self.shared_down = proj, experts, shared_down
         self.route = impl("route", proj.kernels)
         self.route_align = impl("route_align", proj.kernels)
+        self.router_gemv = impl("router_gemv", proj.kernels)
         self.gated_add = impl("gated_add", proj.kernels)
         self.splits = [n_experts, shared_dim, shared_dim, 1]
         self.top_k, self.norm_topk = top_k, norm_topk
@@ -46,20 +48,13 @@ class MoE(torch.nn.Module):
         else their sum (T, H); the shared expert's gate (T, 1); the shared expert (T, H)),
         whose gated_add is `forward`'s result; a hyper-connection's write sums them in its
         launch (HyperConnection.write)."""
-        logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
         kernels = self.proj.kernels == "triton" and self.share is None and not torch.compiler.is_compiling()
         plan = (self.experts.route_plan(x.shape[0], self.top_k) if kernels and hasattr(self.experts, "route_plan")
                 else None)
-        tally = self.experts.route_tally() if kernels and plan is None and hasattr(self.experts, "route_tally") else None
-        if plan is not None:  # routed, counted, looked up and aligned in one launch
-            block_m = plan.pop("block_m")
-            # the shared expert's SwiGLU in that launch too, where its GEMV does not take it
-            swiglu = (g, u) if self.shared_down.product_apart(1) else None
-            weights, ids, local, slot, *aligned, product = self.route_align(
-                logits, self.top_k, self.norm_topk, block_m, **plan, swiglu=swiglu)
-            routed = self.experts(x.float(), weights, ids, slots=True,
-                                  plan=(local, slot, (*aligned, block_m) if block_m else None))
-            return self._finish(routed, None, g, u, gate, product if swiglu else None)
+        if plan is not None:
+            return self._planned(x, plan)
+        logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
+        tally = self.experts.route_tally() if kernels and hasattr(self.experts, "route_tally") else None
         if tally is not None:  # the store's hit counter counted in the router's launch
             weights, ids = self.route(logits, self.top_k, self.norm_topk, hits=tally)
         else:
@@ -71,6 +66,28 @@ class MoE(torch.nn.Module):
         else:  # the shares' sum travels while this rank computes the shared expert
             routed, summed = self.share.reduce_start(self.experts(x.float(), weights, self.share.local(ids)))
         return self._finish(routed, summed, g, u, gate)
+
+    def _planned(self, x: torch.Tensor, plan: dict):
+        """`parts` of a one-token step whose router's launch also counts, looks up and aligns
+        for the store (route_align), that launch the router GEMV's own where router_gemv
+        takes it (the dp4a path), and the shared expert's SwiGLU in it too where its down
+        GEMV does not take it."""
+        block_m = plan.pop("block_m")
+        shared = self.splits[1] if self.shared_down.product_apart(1) else 0
+        p = self.proj
+        if x.dtype == torch.float32 and p.mode == "triton" and router_fits(p.fmt, p.blocks.device, p.out_features,
+                                                                            p.in_features):
+            out, weights, ids, local, slot, *aligned, product = self.router_gemv(
+                x, p.blocks, p.fmt, p.out_features, self.top_k, self.norm_topk, block_m, E=self.splits[0],
+                shared=shared, **plan)
+            logits, g, u, gate = out.split(self.splits, dim=-1)
+        else:
+            logits, g, u, gate = p(x).float().split(self.splits, dim=-1)
+            weights, ids, local, slot, *aligned, product = self.route_align(
+                logits, self.top_k, self.norm_topk, block_m, **plan, swiglu=(g, u) if shared else None)
+        routed = self.experts(x.float(), weights, ids, slots=True, plan=(local, slot, (*aligned, block_m) if block_m
+                                                                         else None))
+        return self._finish(routed, None, g, u, gate, product if shared else None)
 
     def _finish(self, routed, summed, g, u, gate, product=None):
         shared = self.shared_down.gated(g, u, product=product)  # else the SwiGLU in the down GEMV's launch

@@ -116,12 +116,14 @@ def test_a_step_routed_by_route_align_equals_the_resident_tier_and_counts_the_sa
     assert ref.route_plan(1, 2) is None  # resident on the CPU: the store counts on the host
 
 
-def test_the_routers_launch_computes_the_shared_experts_swiglu_with_the_separate_launches_bits(flash_tiny_gguf,
-                                                                                              layer):
-    """On the dp4a path (the shared expert in Q4_0) a one-token step's router launch also
-    computes the shared expert's SwiGLU and its int8 (route_align(swiglu=)), where the
-    step without a plan launches silu_mul: the MoE's parts are the same bits, the launch
-    one fewer."""
+@pytest.mark.parametrize("proj_fmt", ["Q4_0", "F32"])
+def test_the_routers_launch_takes_its_gemv_and_the_shared_experts_swiglu_with_their_bits(flash_tiny_gguf, layer,
+                                                                                         proj_fmt):
+    """A one-token step routes in one launch: with the router's projection in Q4_0 (the
+    dp4a path) its GEMV's own (router_gemv), in F32 route_align's after the float GEMV;
+    with the shared expert's down projection in Q4_0 that launch computes its SwiGLU and
+    int8 too, where the step without a plan launches the GEMV, route, cache_lookup and
+    silu_mul apart: the MoE's parts are the same bits, in fewer launches."""
     import collections
 
     import triton.runtime.interpreter as interpreter
@@ -129,7 +131,6 @@ def test_the_routers_launch_computes_the_shared_experts_swiglu_with_the_separate
     from strata.names import qwen4exp as n
     from strata.nn.linear import QuantLinear
     from strata.nn.moe import MoE
-    f = quant.get("Q4_0")
     run = interpreter.InterpretedFunction.run
 
     def launches(step):  # the step's result and its Triton launches, counted by kernel
@@ -144,21 +145,24 @@ def test_the_routers_launch_computes_the_shared_experts_swiglu_with_the_separate
         finally:
             interpreter.InterpretedFunction.run = run
 
-    def q4(name):
+    def requant(name, fmt):
         t = flash_tiny_gguf.tensor(n.blk(0, n.MOE[name]))
+        f = quant.get(fmt)
         return QTensor(t.name, f, t.shape, f.quantize(t.numpy().reshape(-1, t.shape[-1])))
 
     E, shared = layer[0].shape[0], flash_tiny_gguf.tensor(n.blk(0, n.MOE["shexp_gate"])).shape[0]
     store = ex.ExpertStore(*layer, torch.float32, "cpu", None, "cache:4:host", kernels="triton", top_k=2)
-    proj = QuantLinear([q4("router"), q4("shexp_gate"), q4("shexp_up"), q4("shexp_router")], kernels="triton")
-    moe = MoE(proj, store, E, 2, shared, QuantLinear(q4("shexp_down"), kernels="triton"))
+    proj = QuantLinear([requant(w, proj_fmt) for w in ("router", "shexp_gate", "shexp_up", "shexp_router")],
+                       kernels="triton")
+    moe = MoE(proj, store, E, 2, shared, QuantLinear(requant("shexp_down", "Q4_0"), kernels="triton"))
     assert moe.shared_down.product_apart(1)
     x = torch.randn(1, proj.in_features, generator=torch.Generator().manual_seed(3))
     store.rebalance()
     with_plan, fused = launches(lambda: moe.parts(x))
-    store.route_plan = lambda *a: None  # the separate launches: route, cache_lookup, silu_mul, ...
+    store.route_plan = lambda *a: None  # the separate launches
     without, apart = launches(lambda: moe.parts(x))
-    assert fused["_route_align_kernel"] == 1 and "_silu_mul_kernel" not in fused, fused
+    routing = "_router_gemv_kernel" if proj_fmt == "Q4_0" else "_route_align_kernel"
+    assert fused[routing] == 1 and not {"_silu_mul_kernel", "_route_kernel"} & set(fused), fused
     assert apart["_silu_mul_kernel"] == 1 and sum(fused.values()) < sum(apart.values()), (fused, apart)
     for a, b in zip(with_plan, without):
         assert torch.equal(a, b)

@@ -94,7 +94,7 @@ def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tin
 def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     """One layer at Flash-Next's real shape (strata.convert.flash_shape_memory: quantized
     weights, so the dp4a GEMVs and their int8 activations) on fake CUDA, experts resident:
-    28 launches, 2 of them quantize_x, the PLE block's (48 layers: 819, 17.1 a layer). A
+    27 launches, 2 of them quantize_x, the PLE block's (48 layers: 771, 16.1 a layer). A
     hyper-connection read's launch quantizes the block's input as it writes it, a write's
     launch (or the first read's norm) the streams' norm for the next read, a gate's launch
     its product (the shared expert's: the router's, route_align), DeltaNet's gated norm its
@@ -105,7 +105,8 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     (triton_kernels.moe): before, 43 launches, 12 quantize_x (48 layers: 1,257, 26.2 a
     layer), then 35 and 4 (921, 19.2), then 32 (870: the embedding then took three launches
     and the token check four), then 29 (867: the shared expert's SwiGLU then took its own
-    launch). They only come down."""
+    launch), then 28 (819: the routing then took a launch after the router's GEMV). They
+    only come down."""
     from strata.convert import flash_shape_memory as fsm
     from strata.load import Options, build, decide
     monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")  # the eager step (a graph replays its launches)
@@ -119,7 +120,7 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
         trace(lambda: model(torch.tensor([1]), state))
         t = trace(lambda: model(torch.tensor([4]), state))
     print(f"\nflash-shape:1 on fake CUDA (bf16, Triton, experts device): decode: {t.line(1)}")
-    assert t.launches <= 28 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)
+    assert t.launches <= 27 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)
 
 
 @pytest.mark.slow

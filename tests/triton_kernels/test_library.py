@@ -63,6 +63,8 @@ def cases():
         ("route_align", (torch.randn(1, 16), 4, True, 16, 20, torch.zeros(16, dtype=torch.int64),
                          torch.tensor([-1, 3] * 8), torch.zeros(16, dtype=torch.int64),
                          torch.zeros(16, dtype=torch.int64), 16)),
+        ("router_gemv", (torch.randn(1, 64), blocks("Q8_0", 24, 64, rng), "Q8_0", 24, 2, True, 0, 8, 8, 4,
+                         torch.zeros(8, dtype=torch.int64), None, None, None, 0)),
         ("cache_lookup", (torch.tensor([3, 0, 3], dtype=torch.int32), torch.tensor([-1, 1, -1, 0]),
                           torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), 2)),
         ("deltanet_step", (torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 16), -torch.rand(2),

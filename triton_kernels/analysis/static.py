@@ -184,13 +184,16 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
     # config {"scaled": True}: the int8 cache (strata.nn.kv), codes read in place with one
     # scale a row in `fmt` (BF16); otherwise float keys, and the scale pointers are passed
     # but not read
-    scaled = bool(cfg.get("scaled", False))
+    # config {"gate": True}: the output gated and written as int8 too (qsa_attention(gate=),
+    # a graph's step before a dp4a output projection)
+    scaled, gated = bool(cfg.get("scaled", False)), bool(cfg.get("gate", False))
     codes = "i8" if scaled else kv
     sig, cx = _sig(f"q_ptr:*fp32,k_ptr:*{codes},v_ptr:*{codes},sel_ptr:*i64,out_ptr:*fp32,ks_ptr:*{kv},vs_ptr:*{kv},"
+                   "gate_ptr:*fp32,x8q_ptr:*i32,x8d_ptr:*fp32,x8s_ptr:*fp32,"
                    f"{start},ratio:i32,keep:i32,sm_scale:fp32,stride_qh:i32,stride_qt:i32,stride_kh:i32,"
                    "stride_kn:i32,stride_vh:i32,stride_vn:i32,stride_st:i32,stride_oh:i32,stride_ot:i32,"
-                   "stride_sh:i32,stride_sn:i32",
-                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=scaled, START_PTR=start_ptr)
+                   "stride_sh:i32,stride_sn:i32,stride_gt:i32",
+                   G=2, D=256, D_P2=256, BLOCK_S=bs, SCALED=scaled, START_PTR=start_ptr, GATE=gated, QUANT=gated)
     # K and V elements an iteration; a program a query head
     return Spec(qsa._qsa_attention_kernel, sig, cx, cfg.get("num_warps", 4), 2 * bs * 256, -(-slots // bs), 4)
 
@@ -585,7 +588,7 @@ def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None)
         bpw += 16  # the bf16 values written move through the same memory
     row = Row(op=op, format=fmt.name, target=target, kernel=spec.kernel.__name__,
               config={k_: v for k_, v in spec.constexprs.items()
-                      if k_.startswith("BLOCK") or k_ in ("MASK", "SCALED", "SPLIT", "START_PTR", "QUANT")}
+                      if k_.startswith("BLOCK") or k_ in ("MASK", "SCALED", "SPLIT", "START_PTR", "QUANT", "GATE")}
               | {"num_warps": spec.num_warps},
               regs=res["regs"], spill_bytes=res["spill"], shared_bytes=res["shared"],
               instructions=len(ins), loop_instructions=body, weights_per_iter=per_thread,

@@ -115,7 +115,8 @@ def dequant_and_gather_within_the_h200_budget(fmt, by):
 def test_qsa_kernels_compile_without_spills(target):
     """The QSA kernels (triton_kernels.qsa: scores, attention, a graph's block keys) at
     Flash-Next's shapes, keys in float32, bfloat16 and int8 codes, the first position given
-    or read from the device (a decode graph's), in child processes (about 20 s a target):
+    or read from the device (a decode graph's), the attention's output gated or not, in
+    child processes (about 20 s a target):
     no spills; the attention's loop over the token slots found."""
     rows = static.rows(static.QSA_OPS, ["F32", "BF16"], [target])
     assert [(r.op, r.format) for r in rows] == [(op, f) for op in static.QSA_OPS for f in ("F32", "BF16")]
@@ -124,7 +125,10 @@ def test_qsa_kernels_compile_without_spills(target):
     assert int8[0].config["SCALED"] is True and all(r.config.get("SCALED") is not True for r in rows)
     graph = static.rows(["qsa_scores", "qsa_attention"], ["F32"], [target], {"start_ptr": True})
     assert all(r.config.get("START_PTR") is True for r in graph) and not any(r.config.get("START_PTR") for r in rows)
-    for row in rows + int8 + graph:
+    # a graph's attention before a dp4a output projection: gated, and written as int8 too
+    gated = static.rows(["qsa_attention"], ["F32"], [target], {"start_ptr": True, "gate": True})
+    assert gated[0].config["GATE"] is True and not any(r.config.get("GATE") for r in rows + int8 + graph)
+    for row in rows + int8 + graph + gated:
         assert row.instructions > 0, (row.op, row.format, target)
         assert row.spill_bytes == 0, f"{row.op} {row.format} {target}: {row.spill_bytes} bytes spilled"
         if row.op == "qsa_attention":

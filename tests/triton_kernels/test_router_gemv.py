@@ -1,0 +1,87 @@
+"""The router GEMV with its routing in the last program (triton_kernels/router_gemv.py),
+through the interpreter: the two launches it replaces (qmatmul's dp4a GEMV, then
+route_align on its output) bit for bit, counters and the shared expert's SwiGLU with its
+int8 included, in GGUF order and in the split device layout; its torch twin's product
+within the int8 activations' bound: |x̂ - x| <= d / 2 a value (d its group's scale), so
+|out - out_twin| <= |W| |x̂ - x| plus float32 rounding of two K-term sums, gamma(K) of
+|W| |x| each (u = 2^-24, gamma(n) = n u / (1 - n u))."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import quant
+from tests.tiers import examples
+from triton_kernels import layout
+from triton_kernels.dequant import dequantize_torch
+from triton_kernels.int8 import quantize_x, quantize_x_torch
+from triton_kernels.layout.split import TILE_BLOCKS, has_split
+from triton_kernels.qmatmul import qmatmul
+from triton_kernels.route_align import route_align
+from triton_kernels.router_gemv import fits, router_gemv, router_gemv_torch
+
+U = 2.0 ** -24
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(fmt=st.sampled_from(["Q8_0", "Q4_0", "IQ4_NL", "Q4_K"]), split=st.booleans(), E=st.integers(2, 70),
+       k_frac=st.floats(0, 1), shared=st.sampled_from([0, 32, 64]), extra=st.integers(0, 9),
+       kb=st.integers(1, 3), block_m=st.sampled_from([0, 16]), cache=st.booleans(), count=st.booleans(),
+       norm=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
+def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac, shared, extra, kb, block_m, cache,
+                                                          count, norm, seed):
+    rng = np.random.default_rng(seed)
+    f = quant.get(fmt)
+    K = kb * max(f.block_elems, 64)
+    N = E + 2 * shared + extra  # the router, the shared expert's gate and up, more rows (its gate)
+    split = split and has_split(f) and (N * K // f.block_elems) % TILE_BLOCKS == 0
+    raw = f.quantize(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)).reshape(N, -1)
+    q = torch.from_numpy(layout.pack(raw, f) if split else raw).reshape(-1)
+    qf = layout.split_format(f) if split else f
+    x = torch.from_numpy(rng.standard_normal((1, K)).astype(np.float32) * 3)
+    k = max(1, min(E, round(k_frac * E)))
+    lut = torch.from_numpy(np.where(rng.random(E) < 0.5, rng.integers(0, 9, E), -1)) if cache else None
+    first, rows = 9, (9 + k if cache else E)
+    counters = [torch.from_numpy(rng.integers(0, 5, E)) for _ in range(3)]  # hits, routed, missed
+    assert fits(qf, x.device, N, K)
+
+    def tallies():
+        hits, routed, missed = (c.clone() for c in counters)
+        return (hits if count else None, lut, routed if cache else None, missed if cache else None), (hits, routed,
+                                                                                                     missed)
+
+    (hits, lut_, routed, missed), fused_t = tallies()
+    got = router_gemv(x, q, qf, N, k, norm, block_m, rows, E, shared, hits, lut_, routed, missed, first)
+    (hits, lut_, routed, missed), apart_t = tallies()
+    out = qmatmul(x, q, qf, n=N)
+    swiglu = (out[:, E:E + shared], out[:, E + shared:E + 2 * shared]) if shared else None
+    want = (out, *route_align(out[:, :E], k, norm, block_m, rows, hits, lut_, routed, missed, first, swiglu))
+    assert len(got) == len(want) == 9
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i != 7 or block_m:  # without an alignment its length is never written (nothing reads it)
+            assert torch.equal(a, b), i
+    for a, b in zip(fused_t, apart_t):
+        assert torch.equal(a, b)
+    if shared:  # the product's int8 attached, as route_align's
+        assert all(torch.equal(a, b) for a, b in zip(quantize_x(got[-1]), quantize_x(want[-1].clone())))
+    # the torch twin: the product within the int8 activations' bound (module docstring)
+    twin = router_gemv_torch(x, q, qf, N, k, norm, block_m, rows, E, shared, *tallies()[0], first)
+    w = dequantize_torch(q, qf, torch.float32, compiled=False).reshape(N, K).double().abs()
+    err = (quantize_x_torch(x).dequantize().double() - x.double()).abs()
+    gamma = K * U / (1 - K * U)
+    bound = (err @ w.T) + 2 * gamma * (x.double().abs() @ w.T)
+    assert bool(((twin[0].double() - got[0].double()).abs() <= bound).all())
+
+
+def test_a_projection_the_launch_does_not_take_is_refused():
+    """Formats without int8 units and K splits go to the two launches (`fits` says so)."""
+    f = quant.get("F32")
+    assert not fits(f, torch.device("cpu"), 64, 64)
+    q = torch.zeros(64 * 64 * 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="takes no fused launch"):
+        router_gemv(torch.zeros(1, 64), q, f, 64, 2, True, 0, 8, 8)
+    with pytest.raises(ValueError, match="do not fit N=64"):
+        router_gemv(torch.zeros(1, 64), q, f, 64, 2, True, 0, 8, 8, shared=30)
