@@ -1,12 +1,12 @@
 """A one-token step's router GEMV with its routing in the same launch: the MoE's fused
-input projection (the router's E rows, then the shared expert's gate, up and gate rows)
-as the dp4a GEMV computes it, and route_align's work on its output by the last of the
-GEMV's programs to finish, where the two took a launch each.
+input projection (the router's E rows first, the shared expert's SwiGLU gate and up rows
+last) as the dp4a GEMV computes it, and route_align's work on its output by the last of
+the GEMV's programs to finish, where the two took a launch each.
 
     router_gemv(x (1, K), q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared=0,
                 hits=None, lut=None, routed=None, missed=None, first=0)
         -> (out (1, N) float32, then route_align's outputs for logits = out[:, :E] and,
-            with shared > 0, swiglu = (out[:, E:E+shared], out[:, E+shared:E+2*shared]))
+            with shared > 0, swiglu = its last 2 x shared columns, gate then up)
 
 Each program stores its rows, then counts itself in (an atomic add, acquire and
 release, after a barrier: its rows are visible first); the one that counts last reads
@@ -54,7 +54,8 @@ def _router_gemv_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, count_p
     tl.debug_barrier()  # every lane's rows stored before the count says so
     if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         route_align_body(out_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, hits_ptr, lut_ptr, routed_ptr,
-                         missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, out_ptr + E, out_ptr + E + n_shared,
+                         missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, out_ptr + N - 2 * n_shared,
+                         out_ptr + N - n_shared,
                          act_ptr, aq_ptr, ad_ptr, as_ptr, E, first, rows_e, length, n_blocks, n_shared,
                          TOP_K, K_PAD, E_PAD, N_PAD, NORM, COUNT, LOOKUP, ALIGN, BLOCK_M, CHUNK, SWIGLU, QUANT,
                          BLOCK_SH, True)
@@ -90,7 +91,7 @@ def router_gemv(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int, norm_
     if not fits(fmt, q.device, N, K):
         raise ValueError(f"router_gemv: {fmt.name} {N} x {K} on {q.device} takes no fused launch; ask fits first")
     out = torch.empty((1, N), dtype=torch.float32, device=x.device)
-    swiglu = (out[:, E:E + shared], out[:, E + shared:E + 2 * shared]) if shared else None
+    swiglu = _swiglu(out, shared)
     _check_route(out[:, :E], top_k, block_m, rows, hits, lut, routed, missed, swiglu)
     x8 = quantize_x(x)
     u = unit(fmt)
@@ -113,6 +114,11 @@ def router_gemv_torch(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int,
                       missed: torch.Tensor | None = None, first: int = 0):
     _check(x, N, E, shared)
     out = qmatmul_torch(x, q, quant.get(fmt), n=N).float()
-    swiglu = (out[:, E:E + shared], out[:, E + shared:E + 2 * shared]) if shared else None
     return (out, *route_align_torch(out[:, :E], top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed,
-                                    first, swiglu))
+                                    first, _swiglu(out, shared)))
+
+
+def _swiglu(out: torch.Tensor, shared: int):
+    """The shared expert's gate and up columns of the output: its last 2 x shared."""
+    N = out.shape[1]
+    return (out[:, N - 2 * shared:N - shared], out[:, N - shared:]) if shared else None

@@ -29,10 +29,13 @@ Formats, and why:
 - PLE table IQ4_NL (90 B a row, 26.8 GiB at the real count), the releases' format;
 - token embedding IQ3_S, as llama-quantize's IQ3 mixes write it (a row is 1100 B, read a
   page at a time from the mapping);
-- every other matrix (attention, DeltaNet, routers, shared experts, hyper-connections,
-  PLE projections, MTP projection, lm_head) Q4_0: on the CPU with bf16 compute torch's
-  int4 kernel keeps Q4_0 at 4 bits a weight (strata.nn.linear), so the resident part of
-  the model stays small in RAM and the drive's reads are the experts' and the table's;
+- every other matrix (attention, DeltaNet, shared experts, hyper-connections, PLE
+  projections, MTP projection, lm_head) Q4_0: on the CPU with bf16 compute torch's int4
+  kernel keeps Q4_0 at 4 bits a weight (strata.nn.linear), so the resident part of the
+  model stays small in RAM and the drive's reads are the experts' and the table's;
+- the routers (`ffn_gate_inp`, `ffn_gate_inp_shexp`) and the QSA indexer's projections
+  F32, as llama.cpp's converter and llama-quantize leave them (strata.quantize's
+  _NOT_QUANTIZED): a projection then mixes formats as a released file's does;
 - norms, conv kernels and the DeltaNet's decay constants F32.
 
 Random but valid: quantized blocks are random bytes (every byte pattern of these formats
@@ -184,7 +187,8 @@ def _attention(i: int) -> list[Spec]:
     H, q, kv = c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
     return [_mat(a["q"], 2 * q, H), _mat(a["k"], kv, H), _mat(a["v"], kv, H),  # q rows: [q | gate] a head
             _vec(a["q_norm"], c["head_dim"]), _vec(a["k_norm"], c["head_dim"]),
-            _mat(a["idx_q"], c["idx_heads"] * c["idx_dim"], H), _mat(a["idx_k"], c["idx_dim"], H),
+            _mat(a["idx_q"], c["idx_heads"] * c["idx_dim"], H, FORMATS["vector"]),
+            _mat(a["idx_k"], c["idx_dim"], H, FORMATS["vector"]),
             _vec(a["idx_q_norm"], c["idx_dim"]), _vec(a["idx_k_norm"], c["idx_dim"]), _mat(a["out"], H, q)]
 
 
@@ -192,11 +196,11 @@ def _moe(i: int, experts: int) -> list[Spec]:
     c, m = REAL, {k: n.blk(i, v) for k, v in n.MOE.items()}
     H, I, S = c["hidden"], c["expert_dim"], c["shared_dim"]
     exp = (lambda name, rows, cols, fmt: Spec(name, fmt, (experts, rows, cols), ("normal", 1 / math.sqrt(cols))))
-    return [_mat(m["router"], experts, H),
+    return [_mat(m["router"], experts, H, FORMATS["vector"]),
             exp(m["gate_exps"], I, H, FORMATS["experts"]), exp(m["up_exps"], I, H, FORMATS["experts"]),
             exp(m["down_exps"], H, I, FORMATS["experts_down"]),
             _mat(m["shexp_gate"], S, H), _mat(m["shexp_up"], S, H), _mat(m["shexp_down"], H, S),
-            _mat(m["shexp_router"], 1, H)]
+            _mat(m["shexp_router"], 1, H, FORMATS["vector"])]
 
 
 def _ple(i: int) -> list[Spec]:

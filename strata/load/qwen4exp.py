@@ -97,7 +97,9 @@ class _Loader:
         experts = ExpertStore(f.tensor(m["gate_exps"]), f.tensor(m["up_exps"]), f.tensor(m["down_exps"]),
                               self.dtype, self.device, self.budget, kernels=self.kernels,
                               experts=mine, top_k=c.top_k, **self.plan.experts.store_kwargs())
-        proj = self.lin(f, m["router"], m["shexp_gate"], m["shexp_up"], m["shexp_router"])
+        # the routers first (llama-quantize leaves both unquantized: one matmul), the shared
+        # expert's gate and up after them
+        proj = self.lin(f, m["router"], m["shexp_router"], m["shexp_gate"], m["shexp_up"])
         moe = MoE(proj, experts, c.n_experts, c.top_k, c.shared_dim, self.lin(f, m["shexp_down"]))
         if layout is not None and layout.ep > 1:
             moe.shard(dist.ExpertShare(dist.comm(), mine, f"layer {i}'s experts"))

@@ -142,9 +142,19 @@ class QuantLinear(torch.nn.Module):
             # each on 2 cores); else one matmul per part, joined.
             if kernels == "torch" and self._take_dense(parts, rows, dtype, budget):
                 return
+            # llama-quantize leaves routers and small projections unquantized beside quantized ones:
+            # each run of consecutive parts in one format is one matmul
             self.mode = "parts"
+            runs: list[tuple[list, list]] = []
+            for p, r in zip(parts, rows):
+                if runs and runs[-1][0][0].fmt.name == p.fmt.name:
+                    runs[-1][0].append(p)
+                    runs[-1][1].append(r)
+                else:
+                    runs.append(([p], [r]))
             self.parts = torch.nn.ModuleList(
-                QuantLinear(p, dtype, device, rows=[r], budget=budget, kernels=kernels) for p, r in zip(parts, rows))
+                QuantLinear(ps if len(ps) > 1 else ps[0], dtype, device, rows=rs, budget=budget, kernels=kernels)
+                for ps, rs in runs)
             return
         blocks = np.concatenate([_rows_of(p, r) for p, r in zip(parts, rows)])
         if kernels == "triton":
@@ -193,6 +203,13 @@ class QuantLinear(torch.nn.Module):
             ws.append(dequantize_torch(q, p.fmt, dtype).view(p.shape[0], self.in_features))
         self.weight = torch.cat(ws)
         return True
+
+    def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """self(x) as its weights' outputs, float32, in the order they were given (views):
+        in "parts" mode each run's matmul's, not joined first."""
+        if self.mode == "parts":
+            return [y for p in self.parts for y in p.outputs(x)]
+        return list(self(x).float().split(self.splits, dim=-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

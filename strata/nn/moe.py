@@ -20,9 +20,11 @@ from .linear import QuantLinear
 class MoE(torch.nn.Module):
     def __init__(self, proj: QuantLinear, experts, n_experts: int, top_k: int, shared_dim: int,
                  shared_down: QuantLinear, norm_topk: bool = True):
-        """`proj` is the fused input projection: the router (E rows), the shared expert's
-        gate and up (2 x shared_dim rows) and its gate (1 row). `experts` runs the routed
-        experts: experts(x (T, H) float32, weights (T, k) float32, ids (T, k)) -> (T, H)."""
+        """`proj` is the block's input projection, its weights in this order: the router (E
+        rows), the shared expert's gate (1 row), then its SwiGLU's gate and up (shared_dim
+        rows each); one matmul where their formats agree (QuantLinear.outputs). `experts`
+        runs the routed experts: experts(x (T, H) float32, weights (T, k) float32, ids
+        (T, k)) -> (T, H)."""
         super().__init__()
         from triton_kernels.ops import impl
         self.proj, self.experts, self.shared_down = proj, experts, shared_down
@@ -30,7 +32,7 @@ class MoE(torch.nn.Module):
         self.route_align = impl("route_align", proj.kernels)
         self.router_gemv = impl("router_gemv", proj.kernels)
         self.gated_add = impl("gated_add", proj.kernels)
-        self.splits = [n_experts, shared_dim, shared_dim, 1]
+        self.n_experts, self.shared_dim = n_experts, shared_dim
         self.top_k, self.norm_topk = top_k, norm_topk
         self.share = None  # strata.dist.ExpertShare under --ep: this rank holds some experts
 
@@ -53,7 +55,7 @@ class MoE(torch.nn.Module):
                 else None)
         if plan is not None:
             return self._planned(x, plan)
-        logits, g, u, gate = self.proj(x).float().split(self.splits, dim=-1)
+        logits, gate, g, u = self.proj.outputs(x)
         tally = self.experts.route_tally() if kernels and hasattr(self.experts, "route_tally") else None
         if tally is not None:  # the store's hit counter counted in the router's launch
             weights, ids = self.route(logits, self.top_k, self.norm_topk, hits=tally)
@@ -73,16 +75,16 @@ class MoE(torch.nn.Module):
         takes it (the dp4a path), and the shared expert's SwiGLU in it too where its down
         GEMV does not take it."""
         block_m = plan.pop("block_m")
-        shared = self.splits[1] if self.shared_down.product_apart(1) else 0
+        shared = self.shared_dim if self.shared_down.product_apart(1) else 0
         p = self.proj
         if x.dtype == torch.float32 and p.mode == "triton" and router_fits(p.fmt, p.blocks.device, p.out_features,
                                                                             p.in_features):
             out, weights, ids, local, slot, *aligned, product = self.router_gemv(
-                x, p.blocks, p.fmt, p.out_features, self.top_k, self.norm_topk, block_m, E=self.splits[0],
+                x, p.blocks, p.fmt, p.out_features, self.top_k, self.norm_topk, block_m, E=self.n_experts,
                 shared=shared, **plan)
-            logits, g, u, gate = out.split(self.splits, dim=-1)
+            logits, gate, g, u = out.split(p.splits, dim=-1)
         else:
-            logits, g, u, gate = p(x).float().split(self.splits, dim=-1)
+            logits, gate, g, u = p.outputs(x)
             weights, ids, local, slot, *aligned, product = self.route_align(
                 logits, self.top_k, self.norm_topk, block_m, **plan, swiglu=(g, u) if shared else None)
         routed = self.experts(x.float(), weights, ids, slots=True, plan=(local, slot, (*aligned, block_m) if block_m

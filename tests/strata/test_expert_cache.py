@@ -152,7 +152,7 @@ def test_the_routers_launch_takes_its_gemv_and_the_shared_experts_swiglu_with_th
 
     E, shared = layer[0].shape[0], flash_tiny_gguf.tensor(n.blk(0, n.MOE["shexp_gate"])).shape[0]
     store = ex.ExpertStore(*layer, torch.float32, "cpu", None, "cache:4:host", kernels="triton", top_k=2)
-    proj = QuantLinear([requant(w, proj_fmt) for w in ("router", "shexp_gate", "shexp_up", "shexp_router")],
+    proj = QuantLinear([requant(w, proj_fmt) for w in ("router", "shexp_router", "shexp_gate", "shexp_up")],
                        kernels="triton")
     moe = MoE(proj, store, E, 2, shared, QuantLinear(requant("shexp_down", "Q4_0"), kernels="triton"))
     assert moe.shared_down.product_apart(1)

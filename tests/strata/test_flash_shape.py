@@ -102,7 +102,8 @@ def test_files_have_the_real_widths(written):
     assert shapes["blk.0.attn_qkv.weight"] == ((10240, 2560), "Q4_0")
     assert shapes["blk.0.ple_key.weight"] == ((10240, 2560), "Q4_0")
     assert shapes["blk.1.attn_q.weight"] == ((12288, 2560), "Q4_0")  # the MTP block: full attention
-    assert shapes["blk.1.indexer.q_proj.weight"] == ((512, 2560), "Q4_0")
+    assert shapes["blk.1.indexer.q_proj.weight"] == ((512, 2560), "F32")  # as llama-quantize leaves it
+    assert shapes["blk.0.ffn_gate_inp.weight"] == ((EXPERTS, 2560), "F32")  # the router, likewise
     assert shapes["blk.1.nextn.eh_proj.weight"] == ((2560, 5120), "Q4_0")
     assert shapes[n.TOKEN_EMBD] == ((VOCAB, 2560), "IQ3_S")
     from strata.tokenizer import Tokenizer

@@ -34,6 +34,24 @@ def test_fused_and_mixed_weights_in_f32(fmts):
         assert np.abs(y.double().numpy() - reference(parts, x)).max() <= 1e-5 * (1 + np.abs(reference(parts, x)).max())
 
 
+def test_a_mixed_projection_is_a_matmul_a_run_of_one_format():
+    """The routers beside the shared expert's gate and up (a released file's MoE input
+    projection: llama-quantize leaves the routers F32): each run of consecutive weights in
+    one format is one fused matmul, and `outputs` gives each weight's rows unjoined, the
+    joined forward's values."""
+    parts = [qt("router", "F32", 64, 256, 0), qt("shexp_router", "F32", 1, 256, 1), qt("gate", "Q8_0", 32, 256, 2),
+             qt("up", "Q8_0", 32, 256, 3), qt("last", "F32", 8, 256, 4)]
+    lin = QuantLinear(parts, torch.float32, budget=DenseBudget(mib=0), kernels="torch")
+    assert lin.mode == "parts" and [m.splits if m.mode != "parts" else None for m in lin.parts] == [
+        [64, 1], [32, 32], [8]]
+    x = torch.randn(3, 256)
+    y = lin(x)
+    outs = lin.outputs(x)
+    assert [o.shape[1] for o in outs] == [64, 1, 32, 32, 8]
+    assert torch.equal(torch.cat(outs, dim=-1), y)
+    assert np.abs(y.double().numpy() - reference(parts, x)).max() <= 1e-5 * (1 + np.abs(reference(parts, x)).max())
+
+
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
 def test_int4_packed_bf16_path(fmt):
     part = qt("w", fmt, 64, 256, 7)

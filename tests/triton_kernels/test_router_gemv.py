@@ -36,7 +36,7 @@ def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac,
     rng = np.random.default_rng(seed)
     f = quant.get(fmt)
     K = kb * max(f.block_elems, 64)
-    N = E + 2 * shared + extra  # the router, the shared expert's gate and up, more rows (its gate)
+    N = E + extra + 2 * shared  # the router, more rows (the shared expert's gate), its SwiGLU's gate and up
     split = split and has_split(f) and (N * K // f.block_elems) % TILE_BLOCKS == 0
     raw = f.quantize(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)).reshape(N, -1)
     q = torch.from_numpy(layout.pack(raw, f) if split else raw).reshape(-1)
@@ -57,7 +57,7 @@ def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac,
     got = router_gemv(x, q, qf, N, k, norm, block_m, rows, E, shared, hits, lut_, routed, missed, first)
     (hits, lut_, routed, missed), apart_t = tallies()
     out = qmatmul(x, q, qf, n=N)
-    swiglu = (out[:, E:E + shared], out[:, E + shared:E + 2 * shared]) if shared else None
+    swiglu = (out[:, N - 2 * shared:N - shared], out[:, N - shared:]) if shared else None
     want = (out, *route_align(out[:, :E], k, norm, block_m, rows, hits, lut_, routed, missed, first, swiglu))
     assert len(got) == len(want) == 9
     for i, (a, b) in enumerate(zip(got, want)):
