@@ -170,10 +170,11 @@ OPS["route_align"] = _register("route_align", _route_align, mutates=("hits", "ro
 
 def _router_gemv(x: Tensor, q: Tensor, fmt: str, N: int, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
                  E: int, shared: int, hits: Optional[Tensor], lut: Optional[Tensor], routed: Optional[Tensor],
-                 missed: Optional[Tensor], first: int
+                 missed: Optional[Tensor], first: int, g: Optional[Tensor] = None, u: Optional[Tensor] = None,
+                 dtype: torch.dtype = torch.float32
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return router_gemv(x, q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared, hits, lut, routed, missed,
-                       first)
+                       first, None if g is None else (g, u), dtype)
 
 
 OPS["router_gemv"] = _register("router_gemv", _router_gemv, mutates=("hits", "routed", "missed"))
@@ -348,9 +349,9 @@ _CALLS = {
                            *(swiglu or (None, None))),
     "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
     "router_gemv": lambda x, q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared=0, hits=None, lut=None,
-                          routed=None, missed=None, first=0:
+                          routed=None, missed=None, first=0, swiglu=None, dtype=torch.float32:
         OPS["router_gemv"](x, q, _fmt(fmt), N, top_k, norm_topk_prob, block_m, rows, E, shared, hits, lut, routed,
-                           missed, first),
+                           missed, first, *(swiglu or (None, None)), dtype),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),

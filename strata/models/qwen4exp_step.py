@@ -59,7 +59,7 @@ def _ffn_half(x, hc_norm, hc_down, hc_up, proj, shared_down, w13, w2, streams, r
               top_k, norm_topk):
     """A layer's MoE half for one token: (the streams after it, the routed ids (1, k))."""
     m, w = hyperconn.read(x, hc_norm, _call(hc_down), _call(hc_up), streams, rank, eps, True)
-    logits, g, u, gate = _call(proj)(m).float().split(splits, dim=-1)
+    logits, gate, g, u = _call(proj)(m).float().split(splits, dim=-1)  # MoE's order
     weights, ids = route_torch(logits, top_k, norm_topk)
     shared = _call(shared_down)(F.silu(g) * u).float()
     y = _few_tokens(m.float(), weights, ids, w13, w2) + torch.sigmoid(gate) * shared
@@ -126,7 +126,7 @@ class LayerStep:
                 and moe.proj.pure() is not None and moe.shared_down.pure() is not None):
             f = layer.ffn_hc
             self.ffn = (*hc, moe.proj.pure(), moe.shared_down.pure(), store.w13, store.w2, f.streams,
-                        f.rank, f.eps, moe.splits, moe.top_k, moe.norm_topk)
+                        f.rank, f.eps, [moe.n_experts, 1, moe.shared_dim, moe.shared_dim], moe.top_k, moe.norm_topk)
 
 
 def _step(layer, x: torch.Tensor) -> LayerStep | None:

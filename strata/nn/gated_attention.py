@@ -199,19 +199,21 @@ def _heads_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
-def project(parts: torch.Tensor, splits, q_norm, k_norm, eps: float, n_heads: int, n_kv: int,
+def project(parts: torch.Tensor | list[torch.Tensor], splits, q_norm, k_norm, eps: float, n_heads: int, n_kv: int,
             head_dim: int, rope_dim: int, norm_rope, cos: torch.Tensor, sin: torch.Tensor,
             pos: torch.Tensor | None = None):
-    """The fused projection's rows (T, sum(splits)) as the attention's inputs: q (H, T, D)
+    """The fused projection's rows (T, sum(splits)), or its weights' outputs apart
+    (QuantLinear.outputs, float32), as the attention's inputs: q (H, T, D)
     and k (Hkv, T, D) normed per head and roped by `cos`/`sin` (Rope._rows; with `pos`,
     tables the Triton op reads at those positions itself), v (Hkv, T, D),
     the indexer's queries (T, n_idx*d) and key (T, d) (None without an indexer), and the
     output gate (T, H*D). `norm_rope`: the Triton op that norms and ropes q and k in one
     launch (triton_kernels.rope.norm_rope2), or None for torch's ops. A function of tensors: a
     compiled decode step traces it too (strata.models.qwen4exp_step)."""
-    T = parts.shape[0]
+    if isinstance(parts, torch.Tensor):
+        parts = parts.split(splits, dim=-1)
+    T = parts[0].shape[0]
     H, Hkv, D = n_heads, n_kv, head_dim
-    parts = parts.split(splits, dim=-1)
     qg = parts[0].reshape(T, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
     if norm_rope is not None:
@@ -280,7 +282,7 @@ class GatedAttention(torch.nn.Module):
         where they are not the indices (an image is in it)."""
         pos = self.positions(start, x.shape[0], positions)
         cos, sin = self.rope._rows(pos, x.device)
-        q, k, v, idx_q, idx_k, gate = project(self.proj(x).float(), *self.project_args(), cos, sin)
+        q, k, v, idx_q, idx_k, gate = project(self.proj.outputs(x), *self.project_args(), cos, sin)
         return output(self.o, self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate, self.kernels)
 
     @staticmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_kernels.router_gemv import fits as router_fits
+from triton_kernels.router_gemv import path as router_path
 
 from .linear import QuantLinear
 
@@ -72,17 +72,27 @@ class MoE(torch.nn.Module):
     def _planned(self, x: torch.Tensor, plan: dict):
         """`parts` of a one-token step whose router's launch also counts, looks up and aligns
         for the store (route_align), that launch the router GEMV's own where router_gemv
-        takes it (the dp4a path), and the shared expert's SwiGLU in it too where its down
-        GEMV does not take it."""
+        takes it, and the shared expert's SwiGLU in it too where its down GEMV does not take
+        it (the dp4a path)."""
         block_m = plan.pop("block_m")
         shared = self.shared_dim if self.shared_down.product_apart(1) else 0
-        p = self.proj
-        if x.dtype == torch.float32 and p.mode == "triton" and router_fits(p.fmt, p.blocks.device, p.out_features,
-                                                                            p.in_features):
+        E, p = self.n_experts, self.proj
+        # the routers' matmul: the whole projection, or where formats differ its first run
+        # (a released file's F32 routers), after the shared expert's gate and up
+        router, rest = (p.parts[0], p.parts[1:]) if p.mode == "parts" else (p, [])
+        fused = (x.dtype == torch.float32 and router.mode == "triton"
+                 and router.splits == ([E, 1] if rest else [E, 1, self.shared_dim, self.shared_dim])
+                 and [n for m in rest for n in m.splits] == ([self.shared_dim] * 2 if rest else [])
+                 and router_path(router.fmt, router.blocks.device, router.out_features, router.in_features))
+        if fused:
+            g, u = [y for m in rest for y in m.outputs(x)] if rest else (None, None)
             out, weights, ids, local, slot, *aligned, product = self.router_gemv(
-                x, p.blocks, p.fmt, p.out_features, self.top_k, self.norm_topk, block_m, E=self.n_experts,
-                shared=shared, **plan)
-            logits, gate, g, u = out.split(p.splits, dim=-1)
+                x, router.blocks, router.fmt, router.out_features, self.top_k, self.norm_topk, block_m, E=E,
+                shared=0 if rest else shared, swiglu=(g, u) if rest and shared else None, dtype=router.dtype,
+                **plan)
+            logits, gate, *gu = out.split(router.splits, dim=-1)
+            if not rest:
+                g, u = gu
         else:
             logits, gate, g, u = p.outputs(x)
             weights, ids, local, slot, *aligned, product = self.route_align(

@@ -200,7 +200,7 @@ def _rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor
 def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> torch.Tensor:
     """The gated attention of rows a (T, dim) at device positions P (T,), the state's
     buffers written in place."""
-    q, k, v, idx_q, idx_k, gate = project(m.proj(a).float(), *m.project_args(), *at.rope_args(m.kernels))
+    q, k, v, idx_q, idx_k, gate = project(m.proj.outputs(a), *m.project_args(), *at.rope_args(m.kernels))
     _write_rows(m, st, k, v, idx_k, P)
     product = None
     if m.qsa and not m.dense_only:
@@ -221,7 +221,7 @@ def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Whe
 def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:
     """Only the keys, values and indexer keys of rows a written (the MTP block's, which a
     draft attends to; MTPHead.keys)."""
-    _, k, v, _, idx_k, _ = project(m.proj(a).float(), *m.project_args(), *at.rope_args(m.kernels))
+    _, k, v, _, idx_k, _ = project(m.proj.outputs(a), *m.project_args(), *at.rope_args(m.kernels))
     _write_rows(m, st, k, v, idx_k, P)
 
 

@@ -116,14 +116,15 @@ def test_a_step_routed_by_route_align_equals_the_resident_tier_and_counts_the_sa
     assert ref.route_plan(1, 2) is None  # resident on the CPU: the store counts on the host
 
 
-@pytest.mark.parametrize("proj_fmt", ["Q4_0", "F32"])
+@pytest.mark.parametrize("proj_fmts", [("Q4_0",) * 4, ("F32",) * 4, ("F32", "F32", "Q4_0", "Q4_0")])
 def test_the_routers_launch_takes_its_gemv_and_the_shared_experts_swiglu_with_their_bits(flash_tiny_gguf, layer,
-                                                                                         proj_fmt):
-    """A one-token step routes in one launch: with the router's projection in Q4_0 (the
-    dp4a path) its GEMV's own (router_gemv), in F32 route_align's after the float GEMV;
-    with the shared expert's down projection in Q4_0 that launch computes its SwiGLU and
-    int8 too, where the step without a plan launches the GEMV, route, cache_lookup and
-    silu_mul apart: the MoE's parts are the same bits, in fewer launches."""
+                                                                                         proj_fmts):
+    """A one-token step routes in its router GEMV's launch (router_gemv): the projection's
+    dp4a GEMV (Q4_0), its float GEMV (F32), or a released file's mix, F32 routers after
+    the shared expert's Q4_0 gate and up; with the shared expert's down projection in Q4_0
+    that launch computes its SwiGLU and int8 too, where the step without a plan launches
+    the GEMV, route, cache_lookup and silu_mul apart: the MoE's parts are the same bits, in
+    fewer launches."""
     import collections
 
     import triton.runtime.interpreter as interpreter
@@ -152,7 +153,7 @@ def test_the_routers_launch_takes_its_gemv_and_the_shared_experts_swiglu_with_th
 
     E, shared = layer[0].shape[0], flash_tiny_gguf.tensor(n.blk(0, n.MOE["shexp_gate"])).shape[0]
     store = ex.ExpertStore(*layer, torch.float32, "cpu", None, "cache:4:host", kernels="triton", top_k=2)
-    proj = QuantLinear([requant(w, proj_fmt) for w in ("router", "shexp_router", "shexp_gate", "shexp_up")],
+    proj = QuantLinear([requant(w, f) for w, f in zip(("router", "shexp_router", "shexp_gate", "shexp_up"), proj_fmts)],
                        kernels="triton")
     moe = MoE(proj, store, E, 2, shared, QuantLinear(requant("shexp_down", "Q4_0"), kernels="triton"))
     assert moe.shared_down.product_apart(1)
@@ -161,7 +162,7 @@ def test_the_routers_launch_takes_its_gemv_and_the_shared_experts_swiglu_with_th
     with_plan, fused = launches(lambda: moe.parts(x))
     store.route_plan = lambda *a: None  # the separate launches
     without, apart = launches(lambda: moe.parts(x))
-    routing = "_router_gemv_kernel" if proj_fmt == "Q4_0" else "_route_align_kernel"
+    routing = "_router_gemv_kernel" if proj_fmts[0] == "Q4_0" else "_router_gemv_float_kernel"
     assert fused[routing] == 1 and not {"_silu_mul_kernel", "_route_kernel"} & set(fused), fused
     assert apart["_silu_mul_kernel"] == 1 and sum(fused.values()) < sum(apart.values()), (fused, apart)
     for a, b in zip(with_plan, without):

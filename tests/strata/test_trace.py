@@ -15,12 +15,13 @@ from triton_kernels.backend import to_device
 from triton_kernels.deltanet_fla import fla_installed
 
 # flash-tiny's decode step at bf16 with Triton kernels when these bounds were set (its 8
-# layers): 145 launches with the experts resident, 153 in a cache over host RAM (its
-# lookup and counters in the router's launch with the alignment, its staging one launch:
-# triton_kernels.route_align, stage); a DeltaNet layer's mixing is three (its conv and
-# inputs, the recurrence, the gated norm: triton_kernels.deltanet_inputs); the embedding
-# one, gathered into every stream (Qwen4Exp.embed); they only come down
-LAUNCHES_A_LAYER = {"device": 145 / 8, "cache:16:host": 153 / 8}
+# layers): 137 launches with the experts resident, 145 in a cache over host RAM (the
+# routing, its lookup and counters and the alignment in the router GEMV's last program,
+# the staging one launch: triton_kernels.router_gemv, route_align, stage); a DeltaNet
+# layer's mixing is three (its conv and inputs, the recurrence, the gated norm:
+# triton_kernels.deltanet_inputs); the embedding one, gathered into every stream
+# (Qwen4Exp.embed); they only come down (145 and 153 before the routing joined the GEMV)
+LAUNCHES_A_LAYER = {"device": 137 / 8, "cache:16:host": 145 / 8}
 
 
 def test_a_host_read_of_device_data_raises_naming_the_line():
@@ -94,7 +95,7 @@ def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tin
 def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     """One layer at Flash-Next's real shape (strata.convert.flash_shape_memory: quantized
     weights, so the dp4a GEMVs and their int8 activations) on fake CUDA, experts resident:
-    27 launches, 2 of them quantize_x, the PLE block's (48 layers: 771, 16.1 a layer). A
+    28 launches, 2 of them quantize_x, the PLE block's (48 layers: 831, 17.3 a layer). A
     hyper-connection read's launch quantizes the block's input as it writes it, a write's
     launch (or the first read's norm) the streams' norm for the next read, a gate's launch
     its product (the shared expert's: the router's, route_align), DeltaNet's gated norm its
@@ -105,8 +106,11 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     (triton_kernels.moe): before, 43 launches, 12 quantize_x (48 layers: 1,257, 26.2 a
     layer), then 35 and 4 (921, 19.2), then 32 (870: the embedding then took three launches
     and the token check four), then 29 (867: the shared expert's SwiGLU then took its own
-    launch), then 28 (819: the routing then took a launch after the router's GEMV). They
-    only come down."""
+    launch), then 28 (819: the routing then took a launch after the router's GEMV), then
+    27 (771), and 28 again once the file's routers were F32 as a released file's are: a
+    matmul for them, with the routing in its launch, and one for the shared expert's gate
+    and up (the graph step of 48 layers: 1,083 launches with a matmul a weight and a
+    join, 843 now). They only come down for the same file."""
     from strata.convert import flash_shape_memory as fsm
     from strata.load import Options, build, decide
     monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")  # the eager step (a graph replays its launches)
@@ -120,7 +124,7 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
         trace(lambda: model(torch.tensor([1]), state))
         t = trace(lambda: model(torch.tensor([4]), state))
     print(f"\nflash-shape:1 on fake CUDA (bf16, Triton, experts device): decode: {t.line(1)}")
-    assert t.launches <= 27 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)
+    assert t.launches <= 28 and t.triton["_quantize_x_kernel"] <= 2, (t.line(1), t.triton)
 
 
 @pytest.mark.slow

@@ -1,10 +1,13 @@
 """The router GEMV with its routing in the last program (triton_kernels/router_gemv.py),
-through the interpreter: the two launches it replaces (qmatmul's dp4a GEMV, then
-route_align on its output) bit for bit, counters and the shared expert's SwiGLU with its
-int8 included, in GGUF order and in the split device layout; its torch twin's product
-within the int8 activations' bound: |x̂ - x| <= d / 2 a value (d its group's scale), so
+through the interpreter: the two launches it replaces (qmatmul's one-row GEMV, dp4a or
+float, then route_align on its output) bit for bit, counters and the shared expert's
+SwiGLU with its int8 included (from the output's last rows or an earlier launch's), in
+GGUF order and in the split device layout; its torch twin's product within the bound of
+its activations: on the dp4a path |x̂ - x| <= d / 2 a value (d its group's scale), so
 |out - out_twin| <= |W| |x̂ - x| plus float32 rounding of two K-term sums, gamma(K) of
-|W| |x| each (u = 2^-24, gamma(n) = n u / (1 - n u))."""
+|W| |x| each (u = 2^-24, gamma(n) = n u / (1 - n u)); on the float path the two sums'
+rounding alone, and the output's rounding to `dtype` (half an ulp of it: 2^-9 relative
+for bfloat16, 2^-12 for float16) on both sides."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,20 +24,27 @@ from triton_kernels.int8 import quantize_x, quantize_x_torch
 from triton_kernels.layout.split import TILE_BLOCKS, has_split
 from triton_kernels.qmatmul import qmatmul
 from triton_kernels.route_align import route_align
-from triton_kernels.router_gemv import fits, router_gemv, router_gemv_torch
+from triton_kernels.router_gemv import path, router_gemv, router_gemv_torch
 
 U = 2.0 ** -24
 
 
 @settings(max_examples=examples(12), deadline=None)
-@given(fmt=st.sampled_from(["Q8_0", "Q4_0", "IQ4_NL", "Q4_K"]), split=st.booleans(), E=st.integers(2, 70),
-       k_frac=st.floats(0, 1), shared=st.sampled_from([0, 32, 64]), extra=st.integers(0, 9),
-       kb=st.integers(1, 3), block_m=st.sampled_from([0, 16]), cache=st.booleans(), count=st.booleans(),
-       norm=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
-def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac, shared, extra, kb, block_m, cache,
-                                                          count, norm, seed):
+@given(fmt=st.sampled_from(["Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "F32", "BF16", "F16"]), split=st.booleans(),
+       E=st.integers(2, 70), k_frac=st.floats(0, 1), shared=st.sampled_from([0, 32, 64]), apart=st.booleans(),
+       extra=st.integers(0, 9), kb=st.integers(1, 3), block_m=st.sampled_from([0, 16]), cache=st.booleans(),
+       count=st.booleans(), norm=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac, shared, apart, extra, kb, block_m,
+                                                          cache, count, norm, dtype, seed):
     rng = np.random.default_rng(seed)
     f = quant.get(fmt)
+    dp4a = f.name in ("Q8_0", "Q4_0", "IQ4_NL", "Q4_K")
+    # the shared expert's gate and up: the output's last rows, or (apart) an earlier launch's
+    gu = torch.from_numpy(rng.standard_normal((1, 2 * shared + 5)).astype(np.float32))
+    ext = (gu[:, 5:5 + shared], gu[:, 5 + shared:]) if shared and apart else None
+    if ext is not None:
+        shared = 0
     K = kb * max(f.block_elems, 64)
     N = E + extra + 2 * shared  # the router, more rows (the shared expert's gate), its SwiGLU's gate and up
     split = split and has_split(f) and (N * K // f.block_elems) % TILE_BLOCKS == 0
@@ -46,7 +56,7 @@ def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac,
     lut = torch.from_numpy(np.where(rng.random(E) < 0.5, rng.integers(0, 9, E), -1)) if cache else None
     first, rows = 9, (9 + k if cache else E)
     counters = [torch.from_numpy(rng.integers(0, 5, E)) for _ in range(3)]  # hits, routed, missed
-    assert fits(qf, x.device, N, K)
+    assert path(qf, x.device, N, K) == ("dp4a" if dp4a else "gemv")
 
     def tallies():
         hits, routed, missed = (c.clone() for c in counters)
@@ -54,10 +64,10 @@ def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac,
                                                                                                      missed)
 
     (hits, lut_, routed, missed), fused_t = tallies()
-    got = router_gemv(x, q, qf, N, k, norm, block_m, rows, E, shared, hits, lut_, routed, missed, first)
+    got = router_gemv(x, q, qf, N, k, norm, block_m, rows, E, shared, hits, lut_, routed, missed, first, ext, dtype)
     (hits, lut_, routed, missed), apart_t = tallies()
-    out = qmatmul(x, q, qf, n=N)
-    swiglu = (out[:, N - 2 * shared:N - shared], out[:, N - shared:]) if shared else None
+    out = qmatmul(x if dp4a else x.to(dtype), q, qf, n=N).float()  # as QuantLinear.forward runs it
+    swiglu = (out[:, N - 2 * shared:N - shared], out[:, N - shared:]) if shared else ext
     want = (out, *route_align(out[:, :E], k, norm, block_m, rows, hits, lut_, routed, missed, first, swiglu))
     assert len(got) == len(want) == 9
     for i, (a, b) in enumerate(zip(got, want)):
@@ -65,23 +75,30 @@ def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac,
             assert torch.equal(a, b), i
     for a, b in zip(fused_t, apart_t):
         assert torch.equal(a, b)
-    if shared:  # the product's int8 attached, as route_align's
+    if swiglu is not None:  # the product's int8 attached, as route_align's
         assert all(torch.equal(a, b) for a, b in zip(quantize_x(got[-1]), quantize_x(want[-1].clone())))
     # the torch twin: the product within the int8 activations' bound (module docstring)
-    twin = router_gemv_torch(x, q, qf, N, k, norm, block_m, rows, E, shared, *tallies()[0], first)
+    twin = router_gemv_torch(x, q, qf, N, k, norm, block_m, rows, E, shared, *tallies()[0], first, ext, dtype)
     w = dequantize_torch(q, qf, torch.float32, compiled=False).reshape(N, K).double().abs()
-    err = (quantize_x_torch(x).dequantize().double() - x.double()).abs()
+    xs = x if dp4a else x.to(dtype).float()
+    err = (quantize_x_torch(x).dequantize().double() - x.double()).abs() if dp4a else torch.zeros_like(x).double()
     gamma = K * U / (1 - K * U)
-    bound = (err @ w.T) + 2 * gamma * (x.double().abs() @ w.T)
+    bound = (err @ w.T) + 2 * gamma * (xs.double().abs() @ w.T)
+    if not dp4a and dtype != torch.float32:  # each side rounded to bfloat16 once more
+        bound = bound + 2 ** -8 * (twin[0].double().abs() + got[0].double().abs())
     assert bool(((twin[0].double() - got[0].double()).abs() <= bound).all())
 
 
-def test_a_projection_the_launch_does_not_take_is_refused():
-    """Formats without int8 units and K splits go to the two launches (`fits` says so)."""
+def test_a_projection_the_launch_does_not_take_is_refused(monkeypatch):
+    """qmatmul's GEMM (batch-invariant mode's for float formats) goes to the two launches
+    (`path` says so); wrong shapes are named."""
+    from triton_kernels import invariant
     f = quant.get("F32")
-    assert not fits(f, torch.device("cpu"), 64, 64)
     q = torch.zeros(64 * 64 * 4, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="takes no fused launch"):
-        router_gemv(torch.zeros(1, 64), q, f, 64, 2, True, 0, 8, 8)
+    assert path(f, torch.device("cpu"), 64, 64) == "gemv"
+    with invariant.batch_invariant(True):
+        assert path(f, torch.device("cpu"), 64, 64) is None
+        with pytest.raises(ValueError, match="takes no fused launch"):
+            router_gemv(torch.zeros(1, 64), q, f, 64, 2, True, 0, 8, 8)
     with pytest.raises(ValueError, match="do not fit N=64"):
         router_gemv(torch.zeros(1, 64), q, f, 64, 2, True, 0, 8, 8, shared=30)
