@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from .backend import use_triton
+from .int8 import Q8X, attach, int8_buffers
 from .moe import _check_route, _top_k, route_torch
 from .moe_align import ALIGN_CHUNK, ALIGN_MAX_SLOTS, _length, align_slots, moe_align_block_size_torch
-from .int8 import Q8X, attach, int8_buffers
 from .shared_expert import BLOCK as SWIGLU_BLOCK
 from .shared_expert import _rows, gate_block, silu_mul_torch
 from .stage import cache_lookup_torch

@@ -18,8 +18,10 @@ qmatmul's (the same programs: int8.row_sums for dp4a, qmatmul.gemv_weights and t
 GEMV's sums, rounded to `dtype` as that GEMV's output is) and its routing route_align's
 (route_align_body), bit for bit, so a verify's rows, which take the two launches, route
 as one-token steps do. `path` says where the launch is taken: a one-row GEMV that splits
-no K (a split sums its rows in another order; the real shape's 1,793 x 2,560 dp4a router
-on an H200's 132 multiprocessors is not split, nor is the float GEMV ever).
+no K (a split sums its rows in another order; an all-quantized 1,793 x 2,560 projection of
+the real shape on an H200's 132 multiprocessors is not split, nor is the float GEMV ever).
+The routing is a function of its own (not inlined): beside the float GEMV's registers,
+inlined, it spilled 36 bytes a thread on gfx942.
 `router_gemv_torch` is qmatmul_torch and route_align_torch.
 """
 from __future__ import annotations

@@ -240,7 +240,9 @@ class QuantLinear(torch.nn.Module):
         as an earlier launch wrote it, where `product_apart` says the GEMV takes one."""
         if self.mode == "triton":
             return self._gated(g, u, self.blocks, self.fmt, silu, self.dtype, product).float()
-        return self(product if product is not None else impl("silu_mul" if silu else "sigmoid_mul", self.kernels)(g, u))
+        if product is None:
+            product = impl("silu_mul" if silu else "sigmoid_mul", self.kernels)(g, u)
+        return self(product)
 
     def product_apart(self, rows: int) -> bool:
         """Whether `gated` of `rows` rows launches the gate's product apart from the GEMV
