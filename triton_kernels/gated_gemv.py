@@ -28,7 +28,19 @@ from .decode import decoder, table
 from .qmatmul import GEMV_TILES, _check as _check_q, choose_path, gemv_store, gemv_weights, qmatmul, qmatmul_torch
 from .shared_expert import _rows, gate, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
 
-_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a dtype -> `rounded`'s ROUND
+
+
+@triton.jit
+def rounded(x, ROUND: tl.constexpr):
+    """float32 x rounded to bfloat16 (ROUND 1: nearest even, on the bits, finite values: the
+    same on a GPU and in the interpreter) or float16 (2), held as float32; x for 0."""
+    if ROUND == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif ROUND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -47,13 +59,7 @@ def _gated_gemv_kernel(g_ptr, u_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_gm
             m = tl.minimum(pid_m * BLOCK_M + r, M - 1).to(tl.int64)
             g = tl.load(g_ptr + m * stride_gm + offs_k, mask=k_mask, other=0.0)
             u = tl.load(u_ptr + m * stride_um + offs_k, mask=k_mask, other=0.0)
-            xr = gate(g, u, SILU)  # silu_mul's or sigmoid_mul's own expression
-            if ROUND == 1:  # to bfloat16, nearest even, on the bits (finite values)
-                bits = xr.to(tl.uint32, bitcast=True)
-                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-                xr = bits.to(tl.float32, bitcast=True)
-            elif ROUND == 2:
-                xr = xr.to(tl.float16).to(tl.float32)
+            xr = rounded(gate(g, u, SILU), ROUND)  # silu_mul's or sigmoid_mul's own expression, as the input's dtype
             part = tl.sum(w * xr[None, :], axis=1)
             acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
     gemv_store(out_ptr, acc, pid_m, offs_n, n_mask, M, stride_om, BLOCK_M)
@@ -63,7 +69,7 @@ def _check(g, u, dtype):
     _rows("gated_qmatmul", g, u)
     if g.shape != u.shape:
         raise ValueError(f"gated_qmatmul: g {tuple(g.shape)} and u {tuple(u.shape)} differ")
-    if dtype not in _ROUND:
+    if dtype not in ROUNDING:
         raise ValueError(f"gated_qmatmul: dtype must be float32, bfloat16 or float16, got {dtype}")
 
 
@@ -106,7 +112,7 @@ def gated_qmatmul(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: 
     q = q.contiguous()
     _gated_gemv_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         g, u, q, table(fmt, q.device), out, M, N, K, g.stride(0), u.stride(0), out.stride(0),
-        DECODE=decoder(fmt), QK=fmt.block_elems, SILU=silu, ROUND=_ROUND[dtype],
+        DECODE=decoder(fmt), QK=fmt.block_elems, SILU=silu, ROUND=ROUNDING[dtype],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=configs.num_warps("gemv", fmt.name, g.device))
     return out.to(dtype)
 

@@ -36,12 +36,10 @@ from . import configs
 from .asm import asm_for
 from .backend import use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
+from .gated_gemv import ROUNDING, rounded
 from .int8 import gemv_launch, quantize_x, row_sums, zeroed_counts
 from .qmatmul import GEMV_TILES, choose_path, gemv_weights, qmatmul_torch
 from .route_align import _check as _check_route, route_align_body, route_align_torch, shapes
-
-_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 @triton.jit
 def _router_gemv_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, tab_ptr, out_ptr, count_ptr, N, K,
@@ -84,12 +82,7 @@ def _router_gemv_float_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, count_ptr, N, K,
         w, offs_k, k_mask = gemv_weights(q_ptr, tab_ptr, offs_n, n_mask, k0, K, DECODE, QK, BLOCK_K)
         xr = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         acc += tl.sum(w * xr[None, :], axis=1)
-    if ROUND == 1:  # as the GEMV's bfloat16 output: to nearest even, on the bits (finite values)
-        bits = acc.to(tl.uint32, bitcast=True)
-        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    elif ROUND == 2:
-        acc = acc.to(tl.float16).to(tl.float32)
-    tl.store(out_ptr + offs_n, acc, mask=n_mask)
+    tl.store(out_ptr + offs_n, rounded(acc, ROUND), mask=n_mask)  # as the GEMV's output in its dtype
     _route_last(count_ptr, out_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, hits_ptr, lut_ptr, routed_ptr,
                 missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, g_ptr, u_ptr, act_ptr, aq_ptr, ad_ptr, as_ptr,
                 E, first, rows_e, length, n_blocks, n_shared, TOP_K, K_PAD, E_PAD, N_PAD, NORM, COUNT, LOOKUP,
@@ -151,7 +144,7 @@ def router_gemv(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int, norm_
     kind = path(fmt, q.device, N, K)
     if kind is None:
         raise ValueError(f"router_gemv: {fmt.name} {N} x {K} on {q.device} takes no fused launch; ask path first")
-    if dtype not in _ROUND:
+    if dtype not in ROUNDING:
         raise ValueError(f"router_gemv: dtype must be float32, bfloat16 or float16, got {dtype}")
     out = torch.empty((1, N), dtype=torch.float32, device=x.device)
     swiglu = _swiglu(out, shared) if shared else swiglu
@@ -162,10 +155,7 @@ def router_gemv(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int, norm_
     route = (r.weights, ids, r.local, r.slots, ids if hits is None else hits, ids if lut is None else lut,
              ids if routed is None else routed, ids if missed is None else missed, r.sorted_ids, r.expert_ids,
              r.n_post, g, u, r.product, *r.x8, E, first, rows, r.length, r.n_blocks, r.n_shared)
-    # the SwiGLU a quarter of silu_mul's columns at a time (the same bits: a value's own
-    # expression, whole groups of 32): its registers beside the GEMV's (no spill on gfx942)
-    cx = r.constexprs(norm_topk_prob, hits, lut, block_m) | {"BLOCK_SH": min(256, r.constexprs(
-        norm_topk_prob, hits, lut, block_m)["BLOCK_SH"])}
+    cx = r.constexprs(norm_topk_prob, hits, lut, block_m)
     counts = zeroed_counts(q.device, 1)
     if kind == "dp4a":
         x8 = quantize_x(x)
@@ -182,7 +172,7 @@ def router_gemv(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int, norm_
         _, block_n, block_k = configs.tiles("gemv", GEMV_TILES)
         _router_gemv_float_kernel[(triton.cdiv(N, block_n),)](
             xr, q.contiguous(), table(fmt, q.device), out, counts, N, K, *route, DECODE=decoder(fmt),
-            QK=fmt.block_elems, BLOCK_N=block_n, BLOCK_K=block_k, ROUND=_ROUND[dtype], **cx,
+            QK=fmt.block_elems, BLOCK_N=block_n, BLOCK_K=block_k, ROUND=ROUNDING[dtype], **cx,
             num_warps=configs.num_warps("gemv", fmt.name, q.device))
     return (out, *r.outputs())
 
