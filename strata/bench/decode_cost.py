@@ -65,7 +65,8 @@ def text(launches, io: dict | None, tg_tok_s: float, h2d: float | None) -> str:
                 f"host-to-device copy moves)" if h2d else ""))
         hit = ("expert hit rate " + (f"{io['expert_hit_rate']:.1%}" if io["expert_hit_rate"] is not None
                                      else "n/a (no store fetches: every expert is held where it runs)"))
-        out.append(f"a decoded token (tg, {io['tokens']} tokens): {pcie}; experts {', '.join(io['tiers']) or 'none'}: "
+        out.append(f"a decoded token (over the tg runs' {io['tokens']} steps): {pcie}; "
+                   f"experts {', '.join(io['tiers']) or 'none'}: "
                    f"{hit}, {io['expert_hits_per_token']:.1f} hits and {io['expert_misses_per_token']:.1f} misses "
                    f"a token")
     return "\n".join(out)

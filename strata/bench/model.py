@@ -1,7 +1,8 @@
 """`strata bench model`: llama-bench's tests, pp512 (prefill) and tg128 (decode).
 
-pp: a fresh context takes `-p` tokens in one batch. tg: from an empty context, `-n`
-tokens decoded one at a time. Both report tok/s as mean +- stddev over `--repeats` runs.
+pp: a fresh context takes `-p` tokens in one batch. tg: a fresh context takes one token
+untimed (on CUDA, the step that captures the sequence's decode graph; its time is printed
+apart), then `-n` tokens decoded one at a time. Both report tok/s as mean +- stddev over `--repeats` runs.
 `--peer llama.cpp` runs the same GGUF through llama-cpp-python in the same process, after
 Strata (so Strata's peak RSS is read before the peer loads), and prints the ratio.
 `--device cuda` runs Strata on the GPU (the Triton kernels by default). The decode
@@ -111,8 +112,12 @@ def _load_warm(path, args):
     return model, device, load_s
 
 
-def _pp_tg(model, args, device, vocab: int, pp: bool = True, tg: bool = True) -> tuple[list[float], list[float]]:
-    """pp and tg tok/s, args.repeats runs each (`pp`, `tg`: which)."""
+def _pp_tg(model, args, device, vocab: int, pp: bool = True, tg: bool = True,
+           first: list[float] | None = None) -> tuple[list[float], list[float]]:
+    """pp and tg tok/s, args.repeats runs each (`pp`, `tg`: which). A tg run's context
+    takes one token untimed before the `-n` it times: on CUDA that step captures the
+    sequence's decode graph (tens of ms at Flash-Next's shape, paid once a sequence, which
+    tg128 would otherwise count as decode); its seconds go to `first`."""
     runs, pp, tg = (pp, tg), [], []
     for r in range(args.repeats if runs[0] else 0):
         toks = _tokens(args.n_prompt, vocab, r)
@@ -123,11 +128,16 @@ def _pp_tg(model, args, device, vocab: int, pp: bool = True, tg: bool = True) ->
         _sync(device)
         pp.append(args.n_prompt / (time.perf_counter() - t))
     for r in range(args.repeats if runs[1] else 0):
-        toks = _tokens(args.n_gen, vocab, 100 + r)
-        cache = model.new_cache(args.n_gen)
+        toks = _tokens(args.n_gen + 1, vocab, 100 + r)
+        cache = model.new_cache(args.n_gen + 1)
         _sync(device)
         t = time.perf_counter()
-        for tok in toks:
+        model(toks[:1], cache, last_only=True)
+        _sync(device)
+        if first is not None:
+            first.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for tok in toks[1:]:
             model([tok], cache, last_only=True)
         _sync(device)
         tg.append(args.n_gen / (time.perf_counter() - t))
@@ -148,9 +158,10 @@ def bench_strata(path, args, extra=None) -> dict:
         model([tok], warm)
     with invariant.batch_invariant(False):
         pp, _ = _pp_tg(model, args, device, vocab, tg=False)
+        first: list[float] = []
         before = decode_cost.counters(model)
-        _, tg = _pp_tg(model, args, device, vocab, pp=False)
-        io = decode_cost.tiers(model, before, decode_cost.counters(model), args.repeats * args.n_gen)
+        _, tg = _pp_tg(model, args, device, vocab, pp=False, first=first)
+        io = decode_cost.tiers(model, before, decode_cost.counters(model), args.repeats * (args.n_gen + 1))
     inv = None
     if getattr(args, "batch_invariant", None):
         with invariant.batch_invariant(True):
@@ -178,7 +189,7 @@ def bench_strata(path, args, extra=None) -> dict:
             "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy, "spec": spec,
             "profile": profile, "invariant": inv, "extra": extra(model, args) if extra else None,
             "plan_line": model.plan_line(), "launches": model.step_launches, "tiers": io,
-            "h2d_bytes_per_s": decode_cost.h2d_bandwidth(device)}
+            "h2d_bytes_per_s": decode_cost.h2d_bandwidth(device), "first_step_s": statistics.fmean(first)}
 
 
 def bench_llama_cpp(path, args, vocab: int) -> dict:
@@ -265,13 +276,15 @@ def run(args, path, hf_dir=None) -> int:
         cols.append(("vs_peer", f"x {args.peer}"))
     if inv:
         cols.append(("vs_plain", "x plain strata"))
-    for k in ("device", "kernels", "step_bytes", "copy_bytes_per_s", "step_read_bytes_per_s", "fraction_of_copy"):
+    for k in ("device", "kernels", "step_bytes", "copy_bytes_per_s", "step_read_bytes_per_s", "fraction_of_copy",
+              "first_step_s"):
         result[k] = ours[k]
     table = markdown(rows, cols) + (
         f"\n\nStrata: {ours['dtype']} on {ours['device']} ({ours['kernels']} kernels), load {ours['load_s']:.1f} s, "
         f"peak RSS {ours['peak_rss_mib']:.0f} MiB; a decode step reads {ours['step_bytes'] / 2**20:.1f} MiB of "
         f"weights: {ours['step_read_bytes_per_s'] / 1e9:.1f} GB/s, {ours['fraction_of_copy']:.1%} of the "
-        f"{ours['copy_bytes_per_s'] / 1e9:.0f} GB/s a copy moves on {ours['device']} (read + written)")
+        f"{ours['copy_bytes_per_s'] / 1e9:.0f} GB/s a copy moves on {ours['device']} (read + written); a tg run's "
+        f"first step, untimed there (on CUDA it captures the decode graph), took {ours['first_step_s'] * 1e3:.1f} ms")
     from strata.bench import decode_cost
     launches = ours["launches"]
     result.update(plan_line=ours["plan_line"], launches_per_step=launches.launches, launch_line=launches.line(),
