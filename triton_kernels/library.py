@@ -28,6 +28,7 @@ from .deltanet import deltanet_step
 from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
 from .gated_gemv import gated_qmatmul
+from .gemv_pair import gemv_pair
 from .hc_moe_write import hc_write_moe
 from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
@@ -92,6 +93,10 @@ def _gated_qmatmul(g: Tensor, u: Tensor, q: Tensor, fmt: str, silu: bool, dtype:
     return gated_qmatmul(g, u, q, fmt, silu, dtype)
 
 
+def _gemv_pair(x: Tensor, q: Tensor, fmt: str, N: int, q2: Tensor, fmt2: str, N2: int, dtype: torch.dtype) -> Tensor:
+    return gemv_pair(x, [(q, fmt, N), (q2, fmt2, N2)], dtype)
+
+
 def _dequantize(q: Tensor, fmt: str, dtype: torch.dtype, block: int) -> Tensor:
     return dequantize(q, fmt, dtype, block)
 
@@ -147,7 +152,8 @@ def _qsa_pool(idx: Tensor, idx_scale: Optional[Tensor], pos: Tensor, ratio: int,
 
 
 OPS = {name: _register(name, f) for name, f in (
-    ("qmatmul", _qmatmul), ("gated_qmatmul", _gated_qmatmul), ("dequantize", _dequantize), ("route", _route),
+    ("qmatmul", _qmatmul), ("gated_qmatmul", _gated_qmatmul), ("gemv_pair", _gemv_pair),
+    ("dequantize", _dequantize), ("route", _route),
     ("moe", _moe),
     ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
     ("qsa_attention", _qsa_attention))}
@@ -171,10 +177,10 @@ OPS["route_align"] = _register("route_align", _route_align, mutates=("hits", "ro
 def _router_gemv(x: Tensor, q: Tensor, fmt: str, N: int, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
                  E: int, shared: int, hits: Optional[Tensor], lut: Optional[Tensor], routed: Optional[Tensor],
                  missed: Optional[Tensor], first: int, g: Optional[Tensor] = None, u: Optional[Tensor] = None,
-                 dtype: torch.dtype = torch.float32
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 dtype: torch.dtype = torch.float32, q2: Optional[Tensor] = None, fmt2: Optional[str] = None,
+                 N2: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return router_gemv(x, q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared, hits, lut, routed, missed,
-                       first, None if g is None else (g, u), dtype)
+                       first, None if g is None else (g, u), dtype, None if q2 is None else (q2, fmt2, N2))
 
 
 OPS["router_gemv"] = _register("router_gemv", _router_gemv, mutates=("hits", "routed", "missed"))
@@ -317,6 +323,8 @@ _CALLS = {
     "gated_qmatmul": lambda g, u, q, fmt, silu=True, dtype=torch.float32, product=None:
         OPS["gated_qmatmul"](g, u, q, _fmt(fmt), silu, dtype) if product is None
         else gated_qmatmul(g, u, q, fmt, silu, dtype, product),
+    "gemv_pair": lambda x, parts, dtype=torch.float32:
+        OPS["gemv_pair"](x, *(v for q, f, n in parts for v in (q, _fmt(f), n)), dtype),
     "dequantize": lambda q, fmt, dtype=torch.float32, block=1024:
         OPS["dequantize"](q, _fmt(fmt), dtype, block),
     "route": lambda logits, top_k, norm_topk_prob=True: OPS["route"](logits, top_k, norm_topk_prob),
@@ -349,9 +357,10 @@ _CALLS = {
                            *(swiglu or (None, None))),
     "cache_lookup": lambda ids, lut, routed, missed, first: OPS["cache_lookup"](ids, lut, routed, missed, first),
     "router_gemv": lambda x, q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared=0, hits=None, lut=None,
-                          routed=None, missed=None, first=0, swiglu=None, dtype=torch.float32:
+                          routed=None, missed=None, first=0, swiglu=None, dtype=torch.float32, pair=None:
         OPS["router_gemv"](x, q, _fmt(fmt), N, top_k, norm_topk_prob, block_m, rows, E, shared, hits, lut, routed,
-                           missed, first, *(swiglu or (None, None)), dtype),
+                           missed, first, *(swiglu or (None, None)), dtype,
+                           *((pair[0], _fmt(pair[1]), pair[2]) if pair is not None else (None, None, 0))),
     "deltanet_step": lambda q, k, v, g, beta, state: OPS["deltanet_step"](q, k, v, g, beta, state),
     "deltanet_inputs": lambda mixed, b, a, dt_bias, a_coef, k_heads, dk:
         OPS["deltanet_inputs"](mixed, b, a, dt_bias, a_coef, k_heads, dk),

@@ -15,6 +15,7 @@ from .deltanet import deltanet_step, deltanet_step_torch
 from .deltanet_inputs import (deltanet_conv_inputs, deltanet_conv_inputs_torch, deltanet_gated_norm,
                               deltanet_gated_norm_torch, deltanet_inputs, deltanet_inputs_torch)
 from .dequant import dequantize, dequantize_torch
+from .gemv_pair import gemv_pair, gemv_pair_torch
 from .hyperconn import (hc_combine, hc_combine_torch, hc_gates, hc_gates_torch, hc_mix, hc_mix_torch, hc_norm,
                         hc_norm_torch, hc_write, hc_write_norm, hc_write_norm_torch, hc_write_torch)
 from .moe import moe, moe_torch, route, route_torch
@@ -33,6 +34,7 @@ from .stage import cache_lookup, cache_lookup_torch, stage_rows, stage_rows_torc
 OPS = {
     "qmatmul": (qmatmul, qmatmul_torch),
     "gated_qmatmul": (gated_qmatmul, gated_qmatmul_torch),
+    "gemv_pair": (gemv_pair, gemv_pair_torch),
     "dequantize": (dequantize, dequantize_torch),
     "route": (route, route_torch),
     "route_align": (route_align, route_align_torch),

@@ -6,10 +6,13 @@ two took a launch each.
 
     router_gemv(x (1, K), q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared=0,
                 hits=None, lut=None, routed=None, missed=None, first=0, swiglu=None,
-                dtype=torch.float32)
+                dtype=torch.float32, pair=None)
         -> (out (1, N) float32, then route_align's outputs for logits = out[:, :E] and the
             shared expert's SwiGLU of its gate and up rows: the last 2 x `shared` columns
             of out, or `swiglu` = (g, u) (1, I) that an earlier launch wrote)
+        pair = (q2, fmt2, N2): the float GEMV's launch also runs a second weight's dp4a
+            GEMV (triton_kernels.gemv_pair: a released file's F32 routers beside the shared
+            expert's quantized gate and up), out (1, N + N2)
 
 Each program stores its rows, then counts itself in (an atomic add, acquire and release,
 after a barrier: its rows are visible first); the one that counts last reads the row
@@ -35,10 +38,10 @@ import quant
 from . import configs
 from .asm import asm_for
 from .backend import use_triton
-from .decode import decoder, launch_args, table, unit, unit_table
-from .gated_gemv import ROUNDING, rounded
+from .decode import launch_args, unit, unit_table
+from .gemv_pair import NO_PAIR, dp4a_launch, float_launch, pair_path, pair_rows
 from .int8 import gemv_launch, quantize_x, row_sums, zeroed_counts
-from .qmatmul import GEMV_TILES, choose_path, gemv_weights, qmatmul_torch
+from .qmatmul import choose_path, qmatmul_torch
 from .route_align import _check as _check_route, route_align_body, route_align_torch, shapes
 
 @triton.jit
@@ -68,21 +71,20 @@ def _router_gemv_float_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, count_ptr, N, K,
                               weights_ptr, ids_ptr, local_ptr, slots_ptr, hits_ptr, lut_ptr, routed_ptr, missed_ptr,
                               sorted_ptr, expert_ids_ptr, n_post_ptr, g_ptr, u_ptr, act_ptr, aq_ptr, ad_ptr, as_ptr,
                               E, first, rows_e, length, n_blocks, n_shared,
+                              xq_ptr, xd_ptr, xs_ptr, q2_ptr, tab2_ptr, N2, P1,
                               DECODE: tl.constexpr, QK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               ROUND: tl.constexpr,
                               TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, N_PAD: tl.constexpr,
                               NORM: tl.constexpr, COUNT: tl.constexpr, LOOKUP: tl.constexpr, ALIGN: tl.constexpr,
                               BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SWIGLU: tl.constexpr, QUANT: tl.constexpr,
-                              BLOCK_SH: tl.constexpr):
-    # qmatmul's float GEMV of one row (qmatmul._gemv_kernel at BLOCK_M = 1): the same sums
-    offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w, offs_k, k_mask = gemv_weights(q_ptr, tab_ptr, offs_n, n_mask, k0, K, DECODE, QK, BLOCK_K)
-        xr = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(w * xr[None, :], axis=1)
-    tl.store(out_ptr + offs_n, rounded(acc, ROUND), mask=n_mask)  # as the GEMV's output in its dtype
+                              BLOCK_SH: tl.constexpr, PAIR: tl.constexpr,
+                              UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr, BLOCK_HW: tl.constexpr,
+                              ZERO: tl.constexpr, OFFSET: tl.constexpr, BODY: tl.constexpr, BLOCK_N2: tl.constexpr,
+                              BLOCK_U: tl.constexpr, MASK: tl.constexpr, ASM: tl.constexpr):
+    # with PAIR, the programs from P1 on run the dp4a GEMV of a second weight (gemv_pair)
+    pair_rows(tl.program_id(0), P1, x_ptr, q_ptr, tab_ptr, out_ptr, N, xq_ptr, xd_ptr, xs_ptr, q2_ptr, tab2_ptr,
+              out_ptr + N, N2, K, DECODE, QK, BLOCK_N, BLOCK_K, ROUND, PAIR, UNIT, UW, UPB, BLOCK_HW, ZERO, OFFSET,
+              BODY, BLOCK_N2, BLOCK_U, MASK, ASM)
     _route_last(count_ptr, out_ptr, weights_ptr, ids_ptr, local_ptr, slots_ptr, hits_ptr, lut_ptr, routed_ptr,
                 missed_ptr, sorted_ptr, expert_ids_ptr, n_post_ptr, g_ptr, u_ptr, act_ptr, aq_ptr, ad_ptr, as_ptr,
                 E, first, rows_e, length, n_blocks, n_shared, TOP_K, K_PAD, E_PAD, N_PAD, NORM, COUNT, LOOKUP,
@@ -130,23 +132,31 @@ def _check(x, N, E, shared, swiglu):
 def router_gemv(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int, norm_topk_prob: bool, block_m: int,
                 rows: int, E: int, shared: int = 0, hits: torch.Tensor | None = None, lut: torch.Tensor | None = None,
                 routed: torch.Tensor | None = None, missed: torch.Tensor | None = None, first: int = 0,
-                swiglu: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32):
+                swiglu: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
+                pair: tuple[torch.Tensor, str | quant.Format, int] | None = None):
     """(out, weights, ids, local, slots, sorted_token_ids, expert_ids,
     num_tokens_post_padded, product): see the module. On the dp4a path x's int8 is
     quantize_x's (an attached one where the launch that wrote x wrote it); on the float
-    path x and the output are in `dtype` as QuantLinear's float GEMV holds them."""
+    path x and the output are in `dtype` as QuantLinear's float GEMV holds them. `pair`
+    (q2, fmt2, N2): a second weight of the projection, in a dp4a format, whose rows the
+    float GEMV's launch computes too (where pair_path says so; a released file's F32
+    routers beside the shared expert's quantized gate and up): out is then (1, N + N2),
+    the second's rows after the first's, as its own dp4a GEMV gives them."""
     fmt = quant.get(fmt)
-    _check(x, N, E, shared, swiglu)
+    q2, fmt2, N2 = pair if pair is not None else (None, None, 0)
+    fmt2 = quant.get(fmt2) if fmt2 is not None else None
+    _check(x, N + N2, E, shared, swiglu)
     K = x.shape[1]
     if not use_triton(x):
         return router_gemv_torch(x, q, fmt, N, top_k, norm_topk_prob, block_m, rows, E, shared, hits, lut, routed,
-                                 missed, first, swiglu, dtype)
+                                 missed, first, swiglu, dtype, pair)
     kind = path(fmt, q.device, N, K)
     if kind is None:
         raise ValueError(f"router_gemv: {fmt.name} {N} x {K} on {q.device} takes no fused launch; ask path first")
-    if dtype not in ROUNDING:
-        raise ValueError(f"router_gemv: dtype must be float32, bfloat16 or float16, got {dtype}")
-    out = torch.empty((1, N), dtype=torch.float32, device=x.device)
+    if pair is not None and not pair_path(fmt, q.device, N, K, fmt2, N2):
+        raise ValueError(f"router_gemv: a {fmt2.name} {N2} x {K} weight does not join the launch of a {fmt.name} "
+                         f"{N} x {K} one on {q.device}; ask pair_path first")
+    out = torch.empty((1, N + N2), dtype=torch.float32, device=x.device)
     swiglu = _swiglu(out, shared) if shared else swiglu
     _check_route(out[:, :E], top_k, block_m, rows, hits, lut, routed, missed, swiglu)
     g, u = swiglu if swiglu is not None else (out, out)
@@ -166,13 +176,10 @@ def router_gemv(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int, norm_
             *route, **launch_args(fmt, un), BLOCK_N=block_n, BLOCK_U=block_u, MASK=(K // un.weights) % block_u != 0,
             ASM=asm_for(q.device), **cx, num_warps=warps)
     else:
-        xr = x.to(dtype)  # as QuantLinear's float GEMV takes it
-        if xr.dtype == torch.bfloat16 and not xr.is_cuda:
-            xr = xr.float()  # the interpreter holds bf16 as raw uint16: widened (exact)
-        _, block_n, block_k = configs.tiles("gemv", GEMV_TILES)
-        _router_gemv_float_kernel[(triton.cdiv(N, block_n),)](
-            xr, q.contiguous(), table(fmt, q.device), out, counts, N, K, *route, DECODE=decoder(fmt),
-            QK=fmt.block_elems, BLOCK_N=block_n, BLOCK_K=block_k, ROUND=ROUNDING[dtype], **cx,
+        f_args, p1, f_cx = float_launch(x, q, fmt, N, dtype)
+        d_args, p2, d_cx = dp4a_launch(x, q2, fmt2, N2) if pair is not None else ((out,) * 5, 0, NO_PAIR)
+        _router_gemv_float_kernel[(p1 + p2,)](
+            *f_args, out, counts, N, K, *route, *d_args, N2, p1, **f_cx, **cx, **d_cx,
             num_warps=configs.num_warps("gemv", fmt.name, q.device))
     return (out, *r.outputs())
 
@@ -181,10 +188,14 @@ def router_gemv_torch(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int,
                       block_m: int, rows: int, E: int, shared: int = 0, hits: torch.Tensor | None = None,
                       lut: torch.Tensor | None = None, routed: torch.Tensor | None = None,
                       missed: torch.Tensor | None = None, first: int = 0,
-                      swiglu: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32):
-    _check(x, N, E, shared, swiglu)
+                      swiglu: tuple[torch.Tensor, torch.Tensor] | None = None, dtype: torch.dtype = torch.float32,
+                      pair: tuple[torch.Tensor, str | quant.Format, int] | None = None):
+    _check(x, N + (pair[2] if pair is not None else 0), E, shared, swiglu)
     fmt = quant.get(fmt)
     out = qmatmul_torch(x if unit(fmt) is not None else x.to(dtype), q, fmt, n=N).float()
+    if pair is not None:  # the second weight's rows, as the first's
+        q2, fmt2, N2 = pair
+        out = torch.cat([out, qmatmul_torch(x, q2, quant.get(fmt2), n=N2).float()], dim=1)
     return (out, *route_align_torch(out[:, :E], top_k, norm_topk_prob, block_m, rows, hits, lut, routed, missed,
                                     first, _swiglu(out, shared) if shared else swiglu))
 

@@ -35,6 +35,7 @@ from triton_kernels.cpu.codes import codes_matmul
 from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.dequant import INT8_FORMATS, dequantize_torch, int8_parts
 from triton_kernels.gated_gemv import product_apart
+from triton_kernels.gemv_pair import takes as pair_takes
 from triton_kernels.ops import impl
 from triton_kernels.qmatmul import choose_path
 
@@ -208,14 +209,28 @@ class QuantLinear(torch.nn.Module):
         """self(x) as its weights' outputs, float32, in the order they were given (views):
         in "parts" mode each run's matmul's, not joined first."""
         if self.mode == "parts":
+            y = self._pair(x)
+            if y is not None:
+                return list(y.split(self.splits, dim=-1))
             return [y for p in self.parts for y in p.outputs(x)]
         return list(self(x).float().split(self.splits, dim=-1))
+
+    def _pair(self, x: torch.Tensor) -> torch.Tensor | None:
+        """In "parts" mode, a one-token step's two runs in one launch where they are a float
+        and a dp4a GEMV that triton_kernels.gemv_pair takes (a released file's F32 rows
+        beside quantized ones): (1, out_features) float32, each run's bits; else None."""
+        if (self.kernels != "triton" or len(self.parts) != 2 or x.dim() != 2 or x.shape[0] != 1
+                or x.dtype != torch.float32 or any(p.mode != "triton" for p in self.parts)):
+            return None
+        parts = [(p.blocks, p.fmt, p.out_features) for p in self.parts]
+        return impl("gemv_pair", "triton")(x, parts, self.dtype) if pair_takes(parts, self.in_features) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.mode == "parts":
-            return torch.cat([p(x) for p in self.parts], dim=-1)
+            y = self._pair(x2)
+            return y.reshape(*lead, self.out_features) if y is not None else torch.cat([p(x) for p in self.parts], dim=-1)
         pure = self.pure()
         if pure is not None:  # int4, int8 codes, dense
             f, held = pure

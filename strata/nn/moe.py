@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_kernels.router_gemv import path as router_path
+from triton_kernels.router_gemv import pair_path as router_pair_path, path as router_path
 
 from .linear import QuantLinear
 
@@ -84,7 +84,18 @@ class MoE(torch.nn.Module):
                  and router.splits == ([E, 1] if rest else [E, 1, self.shared_dim, self.shared_dim])
                  and [n for m in rest for n in m.splits] == ([self.shared_dim] * 2 if rest else [])
                  and router_path(router.fmt, router.blocks.device, router.out_features, router.in_features))
-        if fused:
+        # the shared expert's gate and up in the same launch too, where they are one dp4a
+        # run that joins the float routers' GEMV (router_gemv.pair_path)
+        pair = (fused and len(rest) == 1 and rest[0].mode == "triton"
+                and router_pair_path(router.fmt, router.blocks.device, router.out_features, router.in_features,
+                                     rest[0].fmt, rest[0].out_features))
+        if pair:
+            m = rest[0]
+            out, weights, ids, local, slot, *aligned, product = self.router_gemv(
+                x, router.blocks, router.fmt, router.out_features, self.top_k, self.norm_topk, block_m, E=E,
+                shared=shared, dtype=router.dtype, pair=(m.blocks, m.fmt, m.out_features), **plan)
+            logits, gate, g, u = out.split(router.splits + m.splits, dim=-1)
+        elif fused:
             g, u = [y for m in rest for y in m.outputs(x)] if rest else (None, None)
             out, weights, ids, local, slot, *aligned, product = self.router_gemv(
                 x, router.blocks, router.fmt, router.out_features, self.top_k, self.norm_topk, block_m, E=E,

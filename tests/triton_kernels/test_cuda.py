@@ -324,35 +324,45 @@ def test_a_verifys_rows_in_one_recurrence_launch_are_one_token_steps_on_the_gpu(
 
 def test_the_router_gemvs_launch_is_the_gemv_and_route_align_launches_on_the_gpu():
     """triton_kernels.router_gemv on the device, the dp4a GEMV (Q4_0, Q8_0) and the float
-    one (F32, BF16 weights; bfloat16 activations as a bf16 model's): the output, the
-    routing, the counters and the shared expert's SwiGLU with its int8 are the two
-    launches' bits (qmatmul as QuantLinear runs it, then route_align), which a verify's
-    rows take, and the count left at 0 for the next launch (run twice)."""
+    one (F32, BF16 weights; bfloat16 activations as a bf16 model's), the float one with a
+    pair (the shared expert's gate and up in Q4_0 or IQ4_NL, as a released file's): the
+    output, the routing, the counters and the shared expert's SwiGLU with its int8 are the
+    separate launches' bits (qmatmul as QuantLinear runs it, then route_align), which a
+    verify's rows take, and the count left at 0 for the next launch (run twice)."""
     from triton_kernels.route_align import route_align
-    from triton_kernels.router_gemv import path, router_gemv
+    from triton_kernels.router_gemv import pair_path, path, router_gemv
 
     @given(fmt=st.sampled_from(["Q4_0", "Q8_0", "F32", "BF16"]), E=st.sampled_from([64, 512]),
            shared=st.sampled_from([0, 640]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-           seed=st.integers(0, 2 ** 32 - 1))
+           pair=st.sampled_from([None, "Q4_0", "IQ4_NL"]), seed=st.integers(0, 2 ** 32 - 1))
     @settings(max_examples=examples(8), deadline=None)  # each draw may compile a kernel: step 1's time
-    def prop(fmt, E, shared, dtype, seed):
+    def prop(fmt, E, shared, dtype, pair, seed):
         rng = np.random.default_rng(seed)
         f = quant.get(fmt)
-        N, K = E + 1 + 2 * shared, 2560
-        q = torch.from_numpy(f.quantize(rng.standard_normal((N, K)).astype(np.float32) / 50).reshape(-1)).cuda()
+        pair = pair if f.name in ("F32", "BF16") else None  # a pair joins the float GEMV's launch
+        N, N2, K = E + 1 + (0 if pair else 2 * shared), 1280 if pair else 0, 2560
+
+        def weight(fm, n):
+            return torch.from_numpy(fm.quantize(rng.standard_normal((n, K)).astype(np.float32) / 50).reshape(-1)).cuda()
+        q = weight(f, N)
+        q2 = weight(quant.get(pair), N2) if pair else None
         x = torch.from_numpy(rng.standard_normal((1, K)).astype(np.float32)).cuda()
         kind = path(f, q.device, N, K)
-        if kind is None:  # a dp4a GEMV this GPU splits: the two launches stay
-            return
+        if kind is None or (pair and not pair_path(f, q.device, N, K, quant.get(pair), N2)):
+            return  # a dp4a GEMV this GPU splits, or tiles of other warps: the launches stay apart
         for _ in range(2):
             hits, hits2 = torch.zeros(E, dtype=torch.int64).cuda(), torch.zeros(E, dtype=torch.int64).cuda()
-            got = router_gemv(x, q, f, N, 10, True, 0, E, E, shared, hits, dtype=dtype)
+            got = router_gemv(x, q, f, N, 10, True, 0, E, E, shared, hits, dtype=dtype,
+                              pair=(q2, pair, N2) if pair else None)
             out = qmatmul(x if kind == "dp4a" else x.to(dtype), q, f, n=N).float()
-            sw = (out[:, N - 2 * shared:N - shared], out[:, N - shared:]) if shared else None
+            if pair:
+                out = torch.cat([out, qmatmul(x, q2, pair, n=N2).float()], dim=1)
+            n = N + N2
+            sw = (out[:, n - 2 * shared:n - shared], out[:, n - shared:]) if shared else None
             want = (out, *route_align(out[:, :E], 10, True, 0, E, hits2, swiglu=sw))
             for i, (a, b) in enumerate(zip(got, want)):
                 if i != 7:  # the unaligned length nothing reads
-                    assert torch.equal(a, b), (fmt, i)
+                    assert torch.equal(a, b), (fmt, pair, i)
             assert torch.equal(hits, hits2)
             if shared:
                 assert all(torch.equal(a, b) for a, b in zip(quantize_x(got[-1]), quantize_x(want[-1].clone())))

@@ -41,6 +41,8 @@ def cases():
     sel = torch.tensor([[0, 1], [1, -1], [2, 0]])
     return [
         ("qmatmul", (x, q, "Q8_0", None, None, None)),
+        ("gemv_pair", (torch.randn(1, 64), blocks("F32", 8, 64, rng), "F32", 8, blocks("Q4_0", 24, 64, rng), "Q4_0",
+                       24, torch.bfloat16)),
         ("dequantize", (q, "Q8_0", torch.bfloat16, 1024)),
         ("gated_qmatmul", (x, torch.randn(2, 64), torch.from_numpy(quant.get("F16").quantize(np.ones((8, 64), np.float32)).reshape(8, -1)), "F16", True, torch.bfloat16)),
         ("route", (torch.randn(3, 16), 4, True)),

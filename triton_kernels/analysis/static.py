@@ -313,11 +313,15 @@ def _nvidia_bin(tool: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(kernel, sig_items, cx_items, target: str, num_warps: int, opt_items):
+def _compile(kernel, sig_items, cx_items, target: str, num_warps: int, opt_items, aligned: tuple = ()):
+    """`aligned`: the arguments a launch would tell the compiler are multiples of 16 (a
+    pointer 16-byte aligned, an integer divisible by 16: Triton's specialization of the
+    arguments it is given), which lets it prove contiguous runs aligned and widen loads."""
     sig = dict(sig_items)
     names = list(sig)
     cx = {(names.index(k),): v for k, v in cx_items}
-    src = ASTSource(kernel, sig, cx)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in aligned}
+    src = ASTSource(kernel, sig, cx, attrs)
     return triton.compile(src, target=TARGETS[target],
                           options={"num_warps": num_warps, **dict(opt_items)})
 
@@ -561,6 +565,15 @@ def _rows_in_child(ops, formats, targets, config) -> list[Row]:
     return [Row(**r) for r in json.loads(done.stdout)]
 
 
+def _aligned(spec: Spec) -> tuple:
+    """What a launch of the spec's kernel specializes as multiples of 16: every pointer (a
+    torch allocation, or the launchers' aligned views of one) and the shape's N and K
+    where the signature takes them (WHOLE_N, WHOLE_K)."""
+    return tuple(k for k, t in spec.signature.items()
+                 if t.startswith("*") or (k in ("N", "K") and t.startswith("i") and
+                                          {"N": WHOLE_N, "K": WHOLE_K}[k] % 16 == 0))
+
+
 def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None) -> Row:
     fmt = quant.get(fmt)
     amd = TARGETS[target].backend == "hip"
@@ -569,7 +582,7 @@ def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None)
     held = fmt if op in QSA_OPS or op == "ple_gather" else layout.choose(fmt, "cuda", layout.TILE_BLOCKS)
     spec = _spec(op, held, "gcn" if amd else "ptx", config)
     k = _compile(spec.kernel, tuple(spec.signature.items()), tuple(spec.constexprs.items()),
-                 target, spec.num_warps, tuple(spec.options.items()))
+                 target, spec.num_warps, tuple(spec.options.items()), _aligned(spec))
     if amd:
         ins, loop = _parse_gcn(k.asm["amdgcn"])
         res = _gcn_resources(k.asm["amdgcn"])
