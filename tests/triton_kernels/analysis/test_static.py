@@ -73,6 +73,20 @@ def test_the_decode_kernels_compile_within_llama_cpps_counts_for_one_format():
     decode_kernels_within_llama_cpps_counts("Q4_0", {(r.op, r.format): r for r in rows})
 
 
+def test_the_float_gemv_reads_float_weights_in_wide_words():
+    """The float GEMV of F32, F16 and BF16 weights on sm_90 (a released file's routers and
+    QSA indexer rows, F32 beside the quantized ones: 330 MB a token at Flash-Next's shape),
+    compiled as a launch specializes it (16-byte aligned pointers, K a multiple of 16): at
+    least 90% of its main loop's bytes in loads of 8 bytes or more a lane, at most 8
+    instructions a weight. Each weight assembled from byte loads took 31 (F32), 1-byte
+    loads, 167 registers."""
+    rows = static.rows(("gemv",), ["F32", "F16", "BF16"], ["sm_90"])
+    for r in rows:
+        assert r.kernel == "_gemv_kernel" and r.spill_bytes == 0, (r.format, r.kernel, r.spill_bytes)
+        assert r.wide_load_share >= 0.9 and r.bytes_per_load >= 8, (r.format, r.wide_load_share, r.bytes_per_load)
+        assert r.instr_per_weight <= 8, (r.format, r.instr_per_weight, r.mix)
+
+
 def loads_are_read(row):
     """Every kernel reads global memory: at least one load in its main loop (or in all),
     1 to 16 bytes a lane, and at least one issued before the first use."""
