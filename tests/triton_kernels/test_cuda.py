@@ -367,3 +367,26 @@ def test_the_router_gemvs_launch_is_the_gemv_and_route_align_launches_on_the_gpu
             if shared:
                 assert all(torch.equal(a, b) for a, b in zip(quantize_x(got[-1]), quantize_x(want[-1].clone())))
     prop()
+
+
+@pytest.mark.parametrize("ffmt, dfmt, nf, nd", [("F32", "Q4_0", 640, 13312), ("BF16", "IQ4_NL", 513, 1280),
+                                                ("F16", "Q8_0", 64, 2560)])
+def test_the_pairs_launch_gives_each_gemvs_bits_on_the_gpu(ffmt, dfmt, nf, nd):
+    """triton_kernels.gemv_pair on the device at Flash-Next's shapes (an attention's F32
+    indexer rows beside its quantized Q, K, V; the routers beside the shared expert's gate
+    and up): each part's rows are its own GEMV's bits (qmatmul as QuantLinear runs it),
+    in either order, where a GPU's reductions follow the launch's layout."""
+    from triton_kernels.gemv_pair import gemv_pair, takes
+    rng = np.random.default_rng(7)
+    K = 2560
+    ff, fd = quant.get(ffmt), quant.get(dfmt)
+    qf = torch.from_numpy(ff.quantize(rng.standard_normal((nf, K)).astype(np.float32) / 50).reshape(-1)).cuda()
+    qd = torch.from_numpy(fd.quantize(rng.standard_normal((nd, K)).astype(np.float32) / 50).reshape(-1)).cuda()
+    x = torch.from_numpy(rng.standard_normal((1, K)).astype(np.float32)).cuda()
+    for dtype in (torch.float32, torch.bfloat16):
+        for parts in ([(qf, ff, nf), (qd, fd, nd)], [(qd, fd, nd), (qf, ff, nf)]):
+            if not takes(parts, K):  # tiles of other warps on this GPU: the launches stay apart
+                continue
+            got = gemv_pair(x, parts, dtype)
+            want = torch.cat([qmatmul(x if f is fd else x.to(dtype), q, f, n=n).float() for q, f, n in parts], dim=1)
+            assert torch.equal(got, want), (ffmt, dfmt, dtype)
