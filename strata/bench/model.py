@@ -19,7 +19,6 @@ checkpoint the GGUF was converted from (flash-tiny: the checkpoint beside it; el
 from __future__ import annotations
 
 import functools
-
 import resource
 import statistics
 import time
@@ -114,10 +113,8 @@ def _load_warm(path, args):
 
 def _pp_tg(model, args, device, vocab: int, pp: bool = True, tg: bool = True,
            first: list[float] | None = None) -> tuple[list[float], list[float]]:
-    """pp and tg tok/s, args.repeats runs each (`pp`, `tg`: which). A tg run's context
-    takes one token untimed before the `-n` it times: on CUDA that step captures the
-    sequence's decode graph (tens of ms at Flash-Next's shape, paid once a sequence, which
-    tg128 would otherwise count as decode); its seconds go to `first`."""
+    """pp and tg tok/s, args.repeats runs each (`pp`, `tg`: which); a tg run's first step
+    untimed (on CUDA it captures the decode graph), its seconds in `first`."""
     runs, pp, tg = (pp, tg), [], []
     for r in range(args.repeats if runs[0] else 0):
         toks = _tokens(args.n_prompt, vocab, r)
@@ -134,8 +131,7 @@ def _pp_tg(model, args, device, vocab: int, pp: bool = True, tg: bool = True,
         t = time.perf_counter()
         model(toks[:1], cache, last_only=True)
         _sync(device)
-        if first is not None:
-            first.append(time.perf_counter() - t)
+        (first if first is not None else []).append(time.perf_counter() - t)
         t = time.perf_counter()
         for tok in toks[1:]:
             model([tok], cache, last_only=True)

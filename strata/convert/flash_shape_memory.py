@@ -15,7 +15,8 @@ from gguf import GGUFValueType
 from strata.gguf import MemoryGGUF
 from strata.names import qwen4exp as n
 
-from .flash_shape import REAL, SEED, Shape, metadata, tensor_data, tensor_specs
+from .flash_shape import REAL, SEED, Shape, metadata, tensor_specs
+from .flash_shape_blocks import tensor_data
 
 # the end-of-turn id the written files' tokenizer gives (SmolLM2's <|im_end|>): the PLE
 # hash restarts its n-grams after it
