@@ -78,8 +78,11 @@ from .asm import asm_for
 from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
-from .int8 import Q8X, dot_units, int8_buffers, quantize_x, row_start, store_groups
+from .gated_gemv import ROUNDING, rounded
+from .gemv_pair import dp4a_launch
+from .int8 import Q8X, dot_units, gemv_launch, int8_buffers, quantize_x, row_start, row_sums, store_groups
 from .moe_align import aligns_in_one_launch, moe_align_block_size
+from .qmatmul import choose_path as choose_gemv_path, qmatmul_torch
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -330,12 +333,23 @@ def _store_h(h_ptr, hq_ptr, hd_ptr, hs_ptr, slot, pid_n, h, I, stride_h, BLOCK_N
 @triton.jit
 def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, ids_ptr,
                       E, H, I, down_se, down_sr, stride_o,
+                      xq2_ptr, xd2_ptr, xs2_ptr, q2_ptr, tab2_ptr, out2_ptr, N2, K2, n_slots,
                       UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                       BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                       BODY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      MASK: tl.constexpr, ASM: tl.constexpr):
+                      MASK: tl.constexpr, ASM: tl.constexpr, PAIR: tl.constexpr,
+                      UNIT2: tl.constexpr, UW2: tl.constexpr, UPB2: tl.constexpr, HW2: tl.constexpr,
+                      ZERO2: tl.constexpr, OFFSET2: tl.constexpr, BODY2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                      BLOCK_U2: tl.constexpr, MASK2: tl.constexpr, ROUND2: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1).to(tl.int64)
+    if PAIR:
+        if slot >= n_slots:  # the shared expert's down GEMV (`pair`): gemv_dp4a's programs
+            rows2 = ((slot - n_slots) * tl.num_programs(0) + pid_n) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+            y2 = row_sums(xq2_ptr, xd2_ptr, xs2_ptr, q2_ptr, tab2_ptr, rows2, N2, K2, 0, K2 // UW2, UNIT2, UW2, UPB2,
+                          HW2, ZERO2, OFFSET2, BODY2, BLOCK_N2, BLOCK_U2, MASK2, ASM)
+            tl.store(out2_ptr + rows2, rounded(y2, ROUND2), mask=rows2 < N2)  # as QuantLinear.gated's dtype
+            return
     e = tl.load(ids_ptr + slot).to(tl.int64)
     if (e < 0) | (e >= E):  # the slot's output is zero (the buffer is not cleared)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -362,8 +376,22 @@ def _suffixed(args: dict, suffix: str) -> dict:
     return {("HW" if k == "BLOCK_HW" else k) + suffix: v for k, v in args.items()}
 
 
+# the dp4a MoE kernels' warps (their tiles are configs'); a GEMV joins the down launch
+# only at the same count (down_pair_path)
+MOE_DP4A_WARPS = 4
+
+
+def down_pair_path(fmt_down, fmt2, device, N2: int, K2: int) -> bool:
+    """Whether the shared expert's down GEMV, (N2, K2) in fmt2 on the dp4a path, runs in
+    the routed experts' dp4a down launch (moe(pair=)): fmt_down with int8 units, the GEMV
+    splitting no K, and at the down kernel's warps (so that each keeps its own bits)."""
+    fmt2 = quant.get(fmt2)
+    return (unit(quant.get(fmt_down)) is not None and choose_gemv_path(fmt2, 1) == "dp4a" and K2 % 32 == 0
+            and gemv_launch(fmt2, device, N2, K2)[2:] == (1, MOE_DP4A_WARPS))
+
+
 def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids, per_slot,
-              strides, T, H, I, E, k, tiles):
+              strides, T, H, I, E, k, tiles, pair=None):
     (gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr) = strides
     dev = x.device
 
@@ -387,15 +415,30 @@ def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
         unit_table(fmt_gate, dev), unit_table(fmt_up, dev), h, *h8, flat_ids, k, E, I, H,
         gate_se, gate_sr, up_se, up_sr, h.stride(0),
         **_suffixed(launch_args(fmt_gate, ug), "_G"), **_suffixed(launch_args(fmt_up, uu), "_U"),
-        BLOCK_N=block_n, BLOCK_K=block_k, MASK=H % block_k != 0, QUANT=fused, ASM=asm)
+        BLOCK_N=block_n, BLOCK_K=block_k, MASK=H % block_k != 0, QUANT=fused, ASM=asm,
+        num_warps=MOE_DP4A_WARPS)
     h8 = Q8X(*h8) if fused else quantize_x(h)
     block_n, block_k = tiles_for("moe_down", fmt_down)
     rw = weights.reshape(-1).to(torch.float32).contiguous()
-    _down_dp4a_kernel[(triton.cdiv(H, block_n), n_slots)](
+    grid_n = triton.cdiv(H, block_n)
+    two, extra, cx2 = (h8.q,) * 6 + (0, 0), 0, _NO_DOWN_PAIR
+    if pair is not None:  # the shared expert's down GEMV's programs in extra slots
+        product, q2, fmt2, N2, dtype2, out2 = pair
+        (xq2, xd2, xs2, q2u, tab2), p2, d_cx = dp4a_launch(product, q2, quant.get(fmt2), N2)
+        two, extra = (xq2, xd2, xs2, q2u, tab2, out2, N2, product.shape[1]), triton.cdiv(p2, grid_n)
+        cx2 = dict(PAIR=True, ROUND2=ROUNDING[dtype2], **{_TWO.get(k_, k_ + "2"): v for k_, v in d_cx.items()
+                                                           if k_ not in ("PAIR", "ASM")})
+    _down_dp4a_kernel[(grid_n, n_slots + extra)](
         h8.q, h8.d, h8.s, w_down.view(torch.uint16), unit_table(fmt_down, dev), rw,
-        per_slot, flat_ids, E, H, I, down_se, down_sr, per_slot.stride(0),
+        per_slot, flat_ids, E, H, I, down_se, down_sr, per_slot.stride(0), *two, n_slots,
         **launch_args(fmt_down, ud), BLOCK_N=block_n, BLOCK_K=block_k,
-        MASK=I % block_k != 0, ASM=asm)
+        MASK=I % block_k != 0, ASM=asm, **cx2, num_warps=MOE_DP4A_WARPS)
+
+
+# gemv_pair.dp4a_launch's constexprs as the down kernel names its second weight's
+_TWO = {"BLOCK_HW": "HW2", "BLOCK_N2": "BLOCK_N2", "BLOCK_U": "BLOCK_U2"}
+_NO_DOWN_PAIR = dict(PAIR=False, UNIT2=None, UW2=1, UPB2=1, HW2=1, ZERO2=0, OFFSET2=0, BODY2=0, BLOCK_N2=1,
+                     BLOCK_U2=1, MASK2=False, ROUND2=0)
 
 
 def _expert_strides(w: torch.Tensor, fmt: quant.Format, what: str) -> tuple[int, int]:
@@ -489,10 +532,15 @@ def choose_path(fmt_gate, fmt_up, fmt_down, tokens: int) -> str:
 def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
         fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor, *,
         tiles: tuple[int, int, int] | None = None, path: str | None = None,
-        tile_slots: int | None = None, slots: bool = False, aligned: tuple | None = None) -> torch.Tensor:
+        tile_slots: int | None = None, slots: bool = False, aligned: tuple | None = None,
+        pair: tuple | None = None) -> torch.Tensor:
     """Σ_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, H); result (T, H) in x's dtype.
     slots: with the kernels, the weighted slots' rows unsummed instead, (T, k, H) float32
     (a dropped slot's row 0), for a later launch to sum (shared_expert.gated_add).
+    pair: (product (1, K2) float32, q2, fmt2, N2, dtype2, out2 (1, N2) float32), on the
+    dp4a path with `slots` where down_pair_path says so: the shared expert's down GEMV
+    of its SwiGLU product runs in the down launch's extra programs and writes out2, the
+    bits QuantLinear.gated gives (gemv_dp4a's, rounded to dtype2), a launch fewer.
 
     path: "dot" (aligned blocks, tl.dot) or "dp4a" (int8 x, one GEMV a slot); None takes
     dp4a for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8 units.
@@ -504,6 +552,9 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
     fmt_gate, fmt_up, fmt_down = quant.get(fmt_gate), quant.get(fmt_up), quant.get(fmt_down)
     T, H, I, E, k = _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
     if not use_triton(x):
+        if pair is not None:  # the shared expert's down GEMV as QuantLinear.gated's torch form
+            product, q2, fmt2, N2, dtype2, out2 = pair
+            out2.copy_(qmatmul_torch(product, q2, fmt2, n=N2).to(dtype2))
         return moe_torch(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
     n_slots = T * k
     has_units = all(unit(f) is not None for f in (fmt_gate, fmt_up, fmt_down))
@@ -515,6 +566,10 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         names = [f.name for f in (fmt_gate, fmt_up, fmt_down) if unit(f) is None]
         raise ValueError(f"moe: path='dp4a' needs int8 unit decodes; {', '.join(names)} "
                          f"has none (use path='dot')")
+    if pair is not None and (path != "dp4a" or not slots or not down_pair_path(
+            fmt_down, pair[2], x.device, pair[3], pair[0].shape[1])):
+        raise ValueError(f"moe: a shared expert's down GEMV ({quant.get(pair[2]).name}, {pair[3]} rows) joins only "
+                         f"a dp4a call that keeps its slots, where down_pair_path says so (path {path})")
     if path == "dp4a":
         if tiles is not None and (len(tiles) != 2 or tiles[1] < 64
                                   or any(t < 1 or t & (t - 1) for t in tiles)):
@@ -540,7 +595,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         down_se, down_sr = _expert_strides(w_down, fmt_down, "w_down")
         if path == "dp4a":
             _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids, per_slot,
-                      ((gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr)), T, H, I, E, k, tiles)
+                      ((gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr)), T, H, I, E, k, tiles, pair)
             return _slot_sum(per_slot.view(T, k, H), slots, out_dtype)
         block_m, block_n, block_k = tiles
         if x.is_cuda:

@@ -265,12 +265,14 @@ class ExpertStore(torch.nn.Module):
         return {**plan, "rows": rows, "block_m": block_m_for(*self.fmts, tokens, tokens * top_k, rows)}
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                slots: bool = False, counted: bool = False, plan: tuple | None = None) -> torch.Tensor:
+                slots: bool = False, counted: bool = False, plan: tuple | None = None,
+                pair: tuple | None = None) -> torch.Tensor:
         """The routed experts' sum (T, H); `slots`: where one call of the MoE kernels runs
         them all (the resident and streamed tiers, a device cache's decode), their weighted
         rows unsummed (T, k, H) instead, for the MoE's last launch to sum (shared_expert.gated_add);
         `counted`: the router's launch added `ids` to the tally `route_tally` gave; `plan`:
-        (local ids, cache slots, alignment) of route_align's launch for `route_plan`'s keywords."""
+        (local ids, cache slots, alignment) of route_align's launch for `route_plan`'s keywords;
+        `pair`: with a plan, the shared expert's down GEMV for the down launch (moe(pair=))."""
         if plan is not None:
             local, slot, aligned = plan
             if self.hits.device.type != "cpu":
@@ -279,7 +281,9 @@ class ExpertStore(torch.nn.Module):
             else:
                 self._counts["calls"] += 1
                 ws = self.device_cache.stage(ids, slot)
-            return self._moe(x, *ws, weights, local, slots=slots, aligned=aligned)
+            return self._moe(x, *ws, weights, local, slots=slots, aligned=aligned, pair=pair)
+        if pair is not None:
+            raise ValueError("ExpertStore: a shared expert's GEMV joins a planned step's MoE launch only")
         if self.hits.device.type != "cpu":  # a GPU's resident tier: no host read in the step
             if not compiled.warming():
                 self._count_on_device(ids, counted)
@@ -312,7 +316,8 @@ class ExpertStore(torch.nn.Module):
         return out.reshape(ids.shape).to(device=ids.device, dtype=ids.dtype)
 
     def _moe(self, x, wg, wu, wd, weights, ids, n_slots: int | None = None,
-             tokens: int | None = None, slots: bool = False, aligned: tuple | None = None) -> torch.Tensor:
+             tokens: int | None = None, slots: bool = False, aligned: tuple | None = None,
+             pair: tuple | None = None) -> torch.Tensor:
         if self.kernels == "torch":
             return impl("moe", "torch")(x, wg, wu, wd, *self.fmts, weights, ids).float()
         # the path and tiles of the resident call (all E experts, the batch's T tokens and
@@ -322,7 +327,7 @@ class ExpertStore(torch.nn.Module):
         path = choose_path(*self.fmts, x.shape[0] if tokens is None else tokens)
         if slots and not torch.compiler.is_compiling():  # the registered op sums
             return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
-                                         tile_slots=n, slots=True, aligned=aligned)
+                                         tile_slots=n, slots=True, aligned=aligned, pair=pair)
         return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
                                      tile_slots=n).float()
 

@@ -635,3 +635,33 @@ def test_decoding_takes_the_dp4a_path_and_prefill_the_dot_path():
             *fmts[1:], w[:1], ids[:1], path="dp4a")
     with pytest.raises(ValueError, match=r"moe: path must be 'dot', 'dp4a' or None, got 'x'"):
         moe(x[:1], *args, w[:1], ids[:1], path="x")
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(fmts=st.sampled_from([("Q4_0", "Q4_0", "Q8_0"), ("IQ4_NL", "IQ4_NL", "Q4_0")]),
+       fmt2=st.sampled_from(["Q4_0", "Q8_0", "IQ4_NL"]), n2=st.integers(1, 96), kb2=st.integers(1, 2),
+       dtype2=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2 ** 32 - 1))
+def test_the_shared_experts_down_gemv_joins_the_down_launch_with_its_own_bits(fmts, fmt2, n2, kb2, dtype2, seed):
+    """moe(pair=) on the dp4a path: the routed slots' rows are the call's without the pair,
+    and out2 is the shared expert's down GEMV as QuantLinear.gated runs it on its product
+    (qmatmul's dp4a GEMV, rounded to dtype2), from the down launch's extra programs."""
+    from triton_kernels import qmatmul
+    from triton_kernels.int8 import quantize_x
+    from triton_kernels.moe import down_pair_path
+    fmts = tuple(quant.get(f) for f in fmts)
+    x, wg, wu, wd, rng = make(fmts, 3, 64, 64, 1, seed)
+    ids = torch.from_numpy(rng.integers(0, 3, (1, 2)))
+    weights = routing_weights(rng, 1, 2)
+    K2 = 32 * kb2 * 2
+    f2 = quant.get(fmt2)
+    q2 = torch.from_numpy(quantized(f2, (n2, K2), rng).reshape(-1))
+    product = torch.from_numpy(rng.standard_normal((1, K2)).astype(np.float32))
+    quantize_x(product)  # as the router's launch attaches its int8 (the pair reads either)
+    assert down_pair_path(fmts[2], f2, x.device, n2, K2)
+    args = (torch.from_numpy(wg), torch.from_numpy(wu), torch.from_numpy(wd), *fmts, weights, ids)
+    out2 = torch.empty(1, n2)
+    got = moe(x, *args, path="dp4a", slots=True, pair=(product, q2, f2, n2, dtype2, out2))
+    assert torch.equal(got, moe(x, *args, path="dp4a", slots=True))
+    assert torch.equal(out2, qmatmul(product, q2, f2, n=n2).to(dtype2).float())
+    with pytest.raises(ValueError, match="joins only a dp4a call that keeps its slots"):
+        moe(x, *args, path="dp4a", pair=(product, q2, f2, n2, dtype2, out2))
