@@ -390,3 +390,31 @@ def test_the_pairs_launch_gives_each_gemvs_bits_on_the_gpu(ffmt, dfmt, nf, nd):
             got = gemv_pair(x, parts, dtype)
             want = torch.cat([qmatmul(x if f is fd else x.to(dtype), q, f, n=n).float() for q, f, n in parts], dim=1)
             assert torch.equal(got, want), (ffmt, dfmt, dtype)
+
+
+def test_the_shared_experts_down_gemv_in_the_down_launch_gives_its_bits_on_the_gpu():
+    """moe(pair=) on the device at Flash-Next's widths (IQ3_XXS gate/up and IQ4_NL down of
+    640 x 2560 experts, the shared expert's Q4_0 down of 2560 x 640): the routed slots'
+    rows are the call's without the pair, out2 the shared expert's GEMV as QuantLinear.gated
+    runs it (qmatmul's dp4a GEMV, rounded to bfloat16), where a GPU's reductions follow the
+    launch's layout."""
+    from triton_kernels.moe import down_pair_path
+    rng = np.random.default_rng(11)
+    E, H, I = 8, 2560, 640
+    fg, fd, f2 = quant.get("IQ3_XXS"), quant.get("IQ4_NL"), quant.get("Q4_0")
+
+    def w(f, shape):
+        return torch.from_numpy(f.quantize(rng.standard_normal((int(np.prod(shape[:-1])), shape[-1]))
+                                           .astype(np.float32) / 50).reshape(*shape[:-1], -1)).cuda()
+    wg, wu, wd, q2 = w(fg, (E, I, H)), w(fg, (E, I, H)), w(fd, (E, H, I)), w(f2, (H, I)).reshape(-1)
+    x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32)).cuda()
+    product = torch.from_numpy(rng.standard_normal((1, I)).astype(np.float32)).cuda()
+    ids = torch.tensor([[1, 5, 6]]).cuda()
+    weights = torch.tensor([[0.5, 0.3, 0.2]]).cuda()
+    if not down_pair_path(fd, f2, x.device, H, I):  # this GPU's GEMV tiles split or differ in warps
+        return
+    args = (wg, wu, wd, fg, fg, fd, weights, ids)
+    out2 = torch.empty(1, H, device="cuda")
+    got = moe(x, *args, path="dp4a", slots=True, pair=(product, q2, f2, H, torch.bfloat16, out2))
+    assert torch.equal(got, moe(x, *args, path="dp4a", slots=True))
+    assert torch.equal(out2, qmatmul(product, q2, f2, n=H).to(torch.bfloat16).float())
