@@ -113,7 +113,7 @@ def float_launch(x: torch.Tensor, q: torch.Tensor, fmt: quant.Format, N: int, dt
     """(the float part's arguments: x in `dtype`, weight, table; its programs; its
     constexprs) as qmatmul's float GEMV of one row takes them."""
     if dtype not in ROUNDING:
-        raise ValueError(f"gemv_pair: dtype must be float32, bfloat16 or float16, got {dtype}")
+        raise ValueError(f"the float GEMV's dtype must be float32, bfloat16 or float16, got {dtype}")
     xr = x.to(dtype)  # as QuantLinear's float GEMV takes it
     if xr.dtype == torch.bfloat16 and not xr.is_cuda:
         xr = xr.float()  # the interpreter holds bf16 as raw uint16: widened (exact)

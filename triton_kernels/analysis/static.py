@@ -264,8 +264,8 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
                             -(-N // bn))
             sig, cx = _sig("hq_ptr:*i32,hd_ptr:*fp32,hs_ptr:*fp32,wd_ptr:*u16,tab_ptr:*i32,"
                            "rw_ptr:*fp32,out_ptr:*fp32,ids_ptr:*i32,E:i32,H:i32,I:i32,"
-                           "down_se:i32,down_sr:i32,stride_o:i32,xq2_ptr:*i32,xd2_ptr:*i32,xs2_ptr:*i32,"
-                           "q2_ptr:*i32,tab2_ptr:*i32,out2_ptr:*i32,N2:i32,K2:i32,n_slots:i32",
+                           "down_se:i32,down_sr:i32,stride_o:i32,xq2_ptr:*i32,xd2_ptr:*fp32,xs2_ptr:*fp32,"
+                           "q2_ptr:*u16,tab2_ptr:*i32,out2_ptr:*fp32,N2:i32,K2:i32,n_slots:i32",
                            **launch_args(fmt, u), BLOCK_N=bn, BLOCK_K=bk, MASK=False, ASM=asm,
                            **moe._NO_DOWN_PAIR)  # the routed experts alone
             return Spec(moe._down_dp4a_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
