@@ -25,7 +25,7 @@ import quant
 from . import configs
 from .backend import use_triton
 from .decode import decoder, table
-from .qmatmul import GEMV_TILES, _check as _check_q, choose_path, gemv_store, gemv_weights, qmatmul, qmatmul_torch
+from .qmatmul import _check as _check_q, choose_path, gemv_store, gemv_tiles, gemv_weights, qmatmul, qmatmul_torch
 from .shared_expert import _rows, gate, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
 
 ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a dtype -> `rounded`'s ROUND
@@ -105,7 +105,7 @@ def gated_qmatmul(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: 
                          f"{path}); ask product_apart first")
     if path != "gemv" or not M or not N or not K:
         return qmatmul((silu_mul if silu else sigmoid_mul)(g, u).to(dtype), q, fmt)
-    block_m, block_n, block_k = configs.tiles("gemv", GEMV_TILES)
+    block_m, block_n, block_k = gemv_tiles(N, q.device, fmt)
     block_m = min(block_m, triton.next_power_of_2(M))
     # the interpreter holds bf16 as raw uint16: a float32 result, rounded after (exact)
     out = torch.empty((M, N), dtype=dtype if g.is_cuda else torch.float32, device=g.device)

@@ -31,7 +31,7 @@ from .backend import use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .gated_gemv import ROUNDING, rounded
 from .int8 import gemv_launch, quantize_x, row_sums
-from .qmatmul import GEMV_TILES, choose_path, gemv_weights, qmatmul_torch
+from .qmatmul import choose_path, gemv_tiles, gemv_weights, qmatmul_torch
 
 
 @triton.jit
@@ -117,7 +117,7 @@ def float_launch(x: torch.Tensor, q: torch.Tensor, fmt: quant.Format, N: int, dt
     xr = x.to(dtype)  # as QuantLinear's float GEMV takes it
     if xr.dtype == torch.bfloat16 and not xr.is_cuda:
         xr = xr.float()  # the interpreter holds bf16 as raw uint16: widened (exact)
-    _, block_n, block_k = configs.tiles("gemv", GEMV_TILES)
+    _, block_n, block_k = gemv_tiles(N, q.device, fmt)
     return ((xr, q.contiguous(), table(fmt, q.device)), triton.cdiv(N, block_n),
             dict(DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_N=block_n, BLOCK_K=block_k, ROUND=ROUNDING[dtype]))
 

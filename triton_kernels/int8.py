@@ -386,7 +386,8 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _multiprocessors(device: torch.device) -> int | None:
+def multiprocessors(device: torch.device) -> int | None:
+    """The GPU's multiprocessors (SMs, CUs); None off a GPU or under a fake device."""
     if device.type != "cuda" or faking():
         return None
     return _sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -458,7 +459,7 @@ def gemv_launch(fmt: quant.Format, device, N: int, K: int, tiles: tuple[int, int
         split = cfg.get("split_k", 1)
         if split == "auto":
             split = split_for(triton.cdiv(N, block_n), triton.cdiv(K // unit(fmt).weights, block_u),
-                              _multiprocessors(device))
+                              multiprocessors(device))
     if not (isinstance(split, int) and 1 <= split <= MAX_SPLIT):
         raise ValueError(f"{fmt.name}: split must be an integer from 1 to {MAX_SPLIT}, got {split!r}")
     return block_n, block_u, split, cfg.get("num_warps", 4)

@@ -57,7 +57,7 @@ from .asm import asm_for
 from .decode import decoder, launch_args, table, unit, unit_table
 from .decode.split import block_ptr
 from .dequant import _stack, check_blocks, dequantize_torch
-from .int8 import gemv_dp4a, quantize_x
+from .int8 import gemv_dp4a, multiprocessors, quantize_x
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -68,6 +68,23 @@ GEMV_MAX_M = 16
 # and BLOCK_N=16 gives N/16 programs, enough to cover a GPU for N of a few thousand.
 # BLOCK_M caps the rows one program multiplies with a tile (unrolled, so kept small).
 GEMV_TILES = (16, 16, 256)
+
+
+def gemv_tiles(N: int, device, fmt: quant.Format) -> tuple[int, int, int]:
+    """The float GEMV's (BLOCK_M, BLOCK_N, BLOCK_K) for N rows in `fmt` on `device`:
+    GEMV_TILES, or for float weights (F32, F16, BF16: a released file's routers, 513 rows,
+    33 programs at 16 rows on 132 multiprocessors) where N / 16 programs would leave a
+    GPU's multiprocessors idle, fewer rows a program and as many more weights along K (the
+    same 4096 a tile), down to 4 rows (F32 on sm_90: 7.8 instructions a weight and 89% of
+    the bytes in wide loads at 4 x 1024, against 6.7 and 97% at 16 x 256; at 2 x 2048 9.3
+    and 80%; a decoded format's tiles grow its count 2-4x, so they keep 16 rows). Every
+    float GEMV of a weight (qmatmul's, the gated, the router's and gemv_pair's) asks here,
+    so they agree."""
+    bm, bn, bk = configs.tiles("gemv", GEMV_TILES)
+    sms = multiprocessors(torch.device(device)) if fmt.block_elems == 1 else None
+    while sms and bn > 4 and triton.cdiv(N, bn) < sms:
+        bn, bk = bn // 2, bk * 2
+    return bm, bn, bk
 # GEMM: 64x64 outputs, K in steps of 32 (one 32-weight block, an eighth of a 256-weight
 # one) at 8 warps (triton_kernels/configs): a step of 64 or 4 warps spills registers on
 # sm_90 in every format (strata bench kernels --static); each decoded weight tile serves
@@ -277,7 +294,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
     explicit = tiles
     if tiles is None:
-        tiles = configs.tiles(path, GEMV_TILES if path == "gemv" else GEMM_TILES)
+        tiles = gemv_tiles(N, q.device, fmt) if path == "gemv" else configs.tiles(path, GEMM_TILES)
     block_m, block_n, block_k = tiles
     for t in (block_m, block_n, block_k):
         if t < 1 or t & (t - 1) or (path == "gemm" and t < 16):

@@ -118,3 +118,32 @@ def test_a_two_run_projection_takes_one_launch_for_a_token(fmts):
     assert set(counts) <= {"_gemv_pair_kernel", "_quantize_x_kernel"} and counts["_gemv_pair_kernel"] == 2, counts
     x3 = torch.from_numpy(rng.standard_normal((3, 256)).astype(np.float32))
     assert torch.equal(lin(x3), torch.cat([p(x3) for p in lin.parts], dim=-1))
+
+
+def test_few_rows_take_more_programs_and_every_float_gemv_the_same_tiles(monkeypatch):
+    """qmatmul.gemv_tiles on a GPU of 132 multiprocessors: 4096 rows keep 16 a program;
+    513 float rows (a released file's F32 routers) take 4 a program and 1024 weights along
+    K, 129 programs where 16 a program made 33; a decoded format keeps its tiles. Every
+    float GEMV asks it with the weight's rows:
+    the pair's float rows, the router's launch and qmatmul's GEMV agree bit for bit with
+    those tiles (here through the interpreter with the GPU's count)."""
+    import importlib
+
+    from triton_kernels.route_align import route_align
+    from triton_kernels.router_gemv import router_gemv
+    qm = importlib.import_module("triton_kernels.qmatmul")  # the package's qmatmul is the function
+    monkeypatch.setattr(qm, "multiprocessors", lambda device: 132)
+    f32, q5k = quant.get("F32"), quant.get("Q5_K")
+    assert qm.gemv_tiles(4096, "cpu", f32) == (16, 16, 256) and qm.gemv_tiles(513, "cpu", f32) == (16, 4, 1024)
+    assert qm.gemv_tiles(2000, "cpu", f32) == (16, 8, 512) and qm.gemv_tiles(513, "cpu", q5k) == (16, 16, 256)
+    rng = np.random.default_rng(5)
+    K = 512
+    (qf, ff), (qd, fd) = _weight(rng, "F32", 40, K, False), _weight(rng, "Q4_0", 24, K, False)
+    x = torch.from_numpy(rng.standard_normal((1, K)).astype(np.float32))
+    for dtype in (torch.float32, torch.bfloat16):
+        yf = qmatmul(x.to(dtype), qf, ff, n=40).float()
+        got = gemv_pair(x, [(qf, ff, 40), (qd, fd, 24)], dtype)
+        assert torch.equal(got, torch.cat([yf, qmatmul(x, qd, fd, n=24).float()], dim=1))
+        out, *routing = router_gemv(x, qf, ff, 40, 4, True, 0, 32, 32, dtype=dtype)
+        assert torch.equal(out, yf)
+        assert all(torch.equal(a, b) for a, b in zip(routing[:2], route_align(yf[:, :32], 4, True, 0, 32)[:2]))
