@@ -60,7 +60,10 @@ def tiny_mixed(tmp_path_factory):
     formats where the decode step's int8 kernels take them: the routed experts of layer 1
     in Q8_0 and of layer 2 in Q4_0 (the MoE dp4a kernels), layer 1's shared expert down
     and layer 3's attention output in Q8_0 (their gates' products written apart, as int8,
-    for the dp4a GEMV), layer 1's hyper-connection up weights in Q4_0 (decoded inside
+    for the dp4a GEMV; layer 1's down GEMV in the routed experts' down launch), layer 1's
+    shared expert gate and up in Q8_0 beside the F32 routers and layer 3's Q, K and V in
+    Q8_0 beside the F32 indexer rows (a released file's mix: a float and a dp4a GEMV in
+    one launch, gemv_pair), layer 1's hyper-connection up weights in Q4_0 (decoded inside
     hc_mix), the output in Q8_0 (the dp4a GEMV); the rest F32 (the float kernels)."""
     src = open_gguf(synth_flash_tiny(quiet=True))
     n = 4
@@ -70,7 +73,9 @@ def tiny_mixed(tmp_path_factory):
         meta[f"{src.arch}.{key}"] = (n if key == "block_count" else v[:n], kind)
     assert max(meta[f"{src.arch}.ple.layers"][0]) < n and not all(meta[f"{src.arch}.attention.recurrent_layers"][0])
     to = {"output.weight": "Q8_0", "blk.1.ffn_down_shexp.weight": "Q8_0", "blk.3.attn_output.weight": "Q8_0",
-          "blk.1.hc_attn_up.weight": "Q4_0", "blk.1.hc_ffn_up.weight": "Q4_0"}
+          "blk.1.hc_attn_up.weight": "Q4_0", "blk.1.hc_ffn_up.weight": "Q4_0",
+          **{f"blk.1.ffn_{w}_shexp.weight": "Q8_0" for w in ("gate", "up")},
+          **{f"blk.3.attn_{w}.weight": "Q8_0" for w in ("q", "k", "v")}}
     for i, fmt in ((1, "Q8_0"), (2, "Q4_0")):
         for w in ("gate", "up", "down"):
             to[f"blk.{i}.ffn_{w}_exps.weight"] = fmt
@@ -253,13 +258,18 @@ def test_the_graph_step_with_the_triton_kernels_equals_their_eager_step(tiny_mix
     # the graph's own launches (the cache's rows, the block keys, the scores and attention
     # at a device position, RoPE's rows read there, the embedding gathered into every
     # stream) compile for sm_90 and gfx942 as a GPU would launch them
-    graph_ops = {"cache_write", "qsa_pool", "qsa_scores", "qsa_attention", "norm_rope", "norm_rope2", "ple_gather"}
+    graph_ops = {"cache_write", "qsa_pool", "qsa_scores", "qsa_attention", "norm_rope", "norm_rope2", "ple_gather",
+                 "gemv_pair"}
     assert graph_ops <= {c["op"] for c in calls}
-    # the attention's launch gates the Q8_0 output projection's input (no sigmoid_mul)
+    # the attention's launch gates the Q8_0 output projection's input (no sigmoid_mul);
+    # layer 3's Q8_0 Q, K, V and F32 indexer rows take one launch (gemv_pair), and so do
+    # layer 1's F32 routers and Q8_0 shared gate and up (the store counts on the host here,
+    # so the routing takes no launch of its own: test_expert_cache.py has the router's)
     assert "sigmoid_mul" not in {c["op"] for c in calls}
+    assert sum(c["op"] == "gemv_pair" for c in calls) == 2
     _compiles([c for c in calls if c["op"] in graph_ops],
               ("_cache_write_kernel", "_qsa_pool_kernel", "_qsa_scores_kernel", "_qsa_attention_kernel",
-               "_norm_rope_kernel", "_norm_rope2_kernel"))
+               "_norm_rope_kernel", "_norm_rope2_kernel", "_gemv_pair_kernel"))
 
 
 @pytest.mark.slow
