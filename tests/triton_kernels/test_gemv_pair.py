@@ -29,7 +29,8 @@ U = 2.0 ** -24
 FLOATS, DP4A = ["F32", "F16", "BF16"], ["Q8_0", "Q4_0", "IQ4_NL", "Q4_K"]
 
 
-def _weight(rng, fmt, N, K, split):
+def weight(rng, fmt, N, K, split):
+    """(N, K) random weights in fmt as uint8 blocks, in the split layout where asked and held."""
     f = quant.get(fmt)
     split = split and has_split(f) and (N * K // f.block_elems) % TILE_BLOCKS == 0
     raw = f.quantize(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)).reshape(N, -1)
@@ -43,7 +44,7 @@ def _weight(rng, fmt, N, K, split):
 def test_the_pair_is_each_gemvs_bits(ffmt, dfmt, float_first, split, nf, nd, kb, dtype, seed):
     rng = np.random.default_rng(seed)
     K = kb * 256
-    (qf, ff), (qd, fd) = _weight(rng, ffmt, nf, K, False), _weight(rng, dfmt, nd, K, split)
+    (qf, ff), (qd, fd) = weight(rng, ffmt, nf, K, False), weight(rng, dfmt, nd, K, split)
     x = torch.from_numpy(rng.standard_normal((1, K)).astype(np.float32) * 3)
     parts = [(qf, ff, nf), (qd, fd, nd)] if float_first else [(qd, fd, nd), (qf, ff, nf)]
     assert takes(parts, K)
@@ -72,7 +73,7 @@ def test_the_pair_is_each_gemvs_bits(ffmt, dfmt, float_first, split, nf, nd, kb,
 def test_a_pair_the_launch_does_not_take_is_refused():
     """Two float weights, two dp4a ones, or three weights: no shared launch, said so."""
     rng = np.random.default_rng(1)
-    (qf, ff), (qd, fd) = _weight(rng, "F32", 8, 256, False), _weight(rng, "Q8_0", 8, 256, False)
+    (qf, ff), (qd, fd) = weight(rng, "F32", 8, 256, False), weight(rng, "Q8_0", 8, 256, False)
     x = torch.zeros(1, 256)
     for parts in ([(qf, ff, 8), (qf, ff, 8)], [(qd, fd, 8), (qd, fd, 8)]):
         assert not takes(parts, 256)
@@ -138,7 +139,7 @@ def test_few_rows_take_more_programs_and_every_float_gemv_the_same_tiles(monkeyp
     assert qm.gemv_tiles(2000, "cpu", f32) == (16, 8, 512) and qm.gemv_tiles(513, "cpu", q5k) == (16, 16, 256)
     rng = np.random.default_rng(5)
     K = 512
-    (qf, ff), (qd, fd) = _weight(rng, "F32", 40, K, False), _weight(rng, "Q4_0", 24, K, False)
+    (qf, ff), (qd, fd) = weight(rng, "F32", 40, K, False), weight(rng, "Q4_0", 24, K, False)
     x = torch.from_numpy(rng.standard_normal((1, K)).astype(np.float32))
     for dtype in (torch.float32, torch.bfloat16):
         yf = qmatmul(x.to(dtype), qf, ff, n=40).float()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import quant
 from tests.tiers import examples
+from tests.triton_kernels.test_gemv_pair import weight
 from triton_kernels import layout
 from triton_kernels.dequant import dequantize_torch
 from triton_kernels.int8 import quantize_x, quantize_x_torch
@@ -91,13 +92,6 @@ def test_router_gemv_is_the_gemv_and_route_align_launches(fmt, split, E, k_frac,
     assert bool(((twin[0].double() - got[0].double()).abs() <= bound).all())
 
 
-def _weight(rng, fmt, N, K, split):
-    f = quant.get(fmt)
-    split = split and has_split(f) and (N * K // f.block_elems) % TILE_BLOCKS == 0
-    raw = f.quantize(rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)).reshape(N, -1)
-    return torch.from_numpy(layout.pack(raw, f) if split else raw).reshape(-1), layout.split_format(f) if split else f
-
-
 @settings(max_examples=examples(8), deadline=None)
 @given(fmt=st.sampled_from(["F32", "BF16", "F16"]), fmt2=st.sampled_from(["Q8_0", "Q4_0", "IQ4_NL", "Q4_K"]),
        split=st.booleans(), E=st.integers(2, 40), extra=st.integers(0, 3), shared=st.sampled_from([0, 32]),
@@ -112,8 +106,8 @@ def test_a_pairs_rows_join_the_float_launch_with_their_own_gemvs_bits(fmt, fmt2,
     rng = np.random.default_rng(seed)
     K = kb * 256
     N, N2 = E + extra, 2 * shared if shared else n2
-    q, qf = _weight(rng, fmt, N, K, False)
-    q2, qf2 = _weight(rng, fmt2, N2, K, split)
+    q, qf = weight(rng, fmt, N, K, False)
+    q2, qf2 = weight(rng, fmt2, N2, K, split)
     x = torch.from_numpy(rng.standard_normal((1, K)).astype(np.float32) * 3)
     assert pair_path(qf, x.device, N, K, qf2, N2)
     k = max(1, E // 3)
