@@ -1,6 +1,6 @@
 """Per-format `@triton.jit` decode functions, of two kinds.
 
-Int8 units (`UNITS`, decode/common.py; Q8_0, Q4_0, IQ4_NL, Q4_K, IQ3_XXS, IQ3_S): a whole
+Int8 units (`UNITS`, decode/common.py; Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, IQ3_XXS, IQ3_S): a whole
 unit of 32 or 64 weights as int8 words plus per-group scales, decoded once a thread; the
 dp4a GEMV and MoE kernels, dequant and the PLE gather run on them.
 
@@ -34,7 +34,7 @@ from .iq2 import decode_iq2_s, decode_iq2_xs, decode_iq2_xxs
 from .iq3 import decode_iq3_s, decode_iq3_xxs, unit_iq3_s, unit_iq3_xxs
 from .iq4 import decode_iq4_nl, decode_iq4_xs, unit_iq4_nl
 from .kquants import decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k, unit_q4_k
-from .legacy import decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0, unit_q4_0, unit_q8_0
+from .legacy import decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0, unit_q4_0, unit_q4_1, unit_q8_0
 from .split import (decode_iq3_s_split, decode_iq3_xxs_split, decode_iq4_nl_split, decode_q4_0_split,
                     decode_q8_0_split, unit_iq3_s_split, unit_iq3_xxs_split, unit_iq4_nl_split,
                     unit_q4_0_split, unit_q8_0_split)
@@ -105,6 +105,7 @@ class Unit:
 UNITS = {
     "Q8_0": Unit(unit_q8_0, 32),
     "Q4_0": Unit(unit_q4_0, 32, zero=8),
+    "Q4_1": Unit(unit_q4_1, 32, offset=True),
     "IQ4_NL": Unit(unit_iq4_nl, 32),
     "Q4_K": Unit(unit_q4_k, 64, offset=True),
     "IQ3_XXS": Unit(unit_iq3_xxs, 32),

@@ -97,6 +97,20 @@ def nibble_words(p, off, ASM: tl.constexpr):
 
 
 @triton.jit
+def unit_q4_1(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q4_1: d | m | 16 nibble bytes; weight = d * q + m, OFFSET with b = -m (d * q - (-m)
+    is d * q + m to the bit). A block is 20 bytes: its nibbles lie 4-byte aligned at
+    halfword 2 in GGUF order, read as four int32 words (no device layout needed)."""
+    d = f16_at(p, 0)
+    m = f16_at(p, 1)
+    w = (p + 2).to(tl.pointer_type(tl.int32))
+    r = (tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3))
+    return ((lo_nibbles(r[0]), lo_nibbles(r[1]), lo_nibbles(r[2]), lo_nibbles(r[3]),
+             hi_nibbles(r[0]), hi_nibbles(r[1]), hi_nibbles(r[2]), hi_nibbles(r[3])),
+            (d,), (-m,))
+
+
+@triton.jit
 def unit_q4_0(p, u, tab_ptr, ASM: tl.constexpr):
     """Q4_0: d | 16 nibble bytes; weight = d * (q - 8), ZERO = 8."""
     d = f16_at(p, 0)
