@@ -78,30 +78,38 @@ def _gemv_pair_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, N, xq_ptr, xd_ptr, xs_ptr,
               BODY, BLOCK_N2, BLOCK_U, MASK, ASM)
 
 
-def _float_path(fmt: quant.Format) -> bool:
-    # qmatmul's float GEMV of one row (never split; batch-invariant mode takes its GEMM)
-    return choose_path(fmt, 1) == "gemv"
-
-
-def _dp4a_path(fmt: quant.Format, device, N: int, K: int) -> bool:
-    # qmatmul's dp4a GEMV of one row, where it splits no K
-    return choose_path(fmt, 1) == "dp4a" and K % 32 == 0 and gemv_launch(fmt, device, N, K)[2] == 1
+def one_row_path(fmt: quant.Format, device, N: int, K: int) -> str | None:
+    """Which of qmatmul's one-row GEMVs an (N, K) weight in fmt runs on `device` whose
+    programs a shared launch can take: "dp4a" where it splits no K, "gemv" (the float
+    one, never split), or None (a dp4a GEMV that splits K; batch-invariant mode's GEMM
+    for float formats). The one decision of router_gemv, gemv_pair and moe(pair=)."""
+    p = choose_path(fmt, 1)
+    if p == "dp4a":
+        return p if K % 32 == 0 and gemv_launch(fmt, device, N, K)[2] == 1 else None
+    return p if p == "gemv" else None
 
 
 def pair_path(fmt: quant.Format, device, N: int, K: int, fmt2: quant.Format, N2: int) -> bool:
     """Whether an (N, K) weight in fmt, run by the float GEMV, and an (N2, K) one in fmt2,
     by the dp4a GEMV, share one launch with each GEMV's bits (see the module)."""
-    if not (_float_path(fmt) and _dp4a_path(fmt2, device, N2, K)):
+    if one_row_path(fmt, device, N, K) != "gemv" or one_row_path(fmt2, device, N2, K) != "dp4a":
         return False
     return gemv_launch(fmt2, device, N2, K)[3] == configs.num_warps("gemv", fmt.name, device)
 
 
+def _kinds(parts: list, K: int):
+    """(the float part, the dp4a part, whether the dp4a part comes first) of two (q, fmt, N)
+    weights that share a launch, or None."""
+    for i in (0, 1):
+        (qf, ff, nf), (_, fd, nd) = parts[i], parts[1 - i]
+        if pair_path(ff, qf.device, nf, K, fd, nd):
+            return parts[i], parts[1 - i], i == 1
+    return None
+
+
 def takes(parts: list, K: int) -> bool:
     """Whether gemv_pair takes these two (q, fmt, N) weights of K columns, in either order."""
-    if len(parts) != 2:
-        return False
-    (qa, fa, na), (qb, fb, nb) = ((q, quant.get(f), n) for q, f, n in parts)
-    return pair_path(fa, qa.device, na, K, fb, nb) or pair_path(fb, qb.device, nb, K, fa, na)
+    return len(parts) == 2 and _kinds([(q, quant.get(f), n) for q, f, n in parts], K) is not None
 
 
 # the dp4a part's constexprs where a launch has none (never traced)
@@ -148,11 +156,11 @@ def gemv_pair(x: torch.Tensor, parts: list, dtype: torch.dtype = torch.float32) 
     if not use_triton(x):
         return gemv_pair_torch(x, parts, dtype)
     K = x.shape[1]
-    if not takes(parts, K):
+    kinds = _kinds(parts, K)
+    if kinds is None:
         raise ValueError(f"gemv_pair: a {parts[0][1].name} {parts[0][2]} x {K} weight and a {parts[1][1].name} "
                          f"{parts[1][2]} x {K} one on {parts[0][0].device} take no shared launch; ask `takes` first")
-    dp4a_first = _dp4a_path(parts[0][1], parts[0][0].device, parts[0][2], K)
-    (qf, ff, nf), (qd, fd, nd) = parts[::-1] if dp4a_first else parts
+    (qf, ff, nf), (qd, fd, nd), dp4a_first = kinds
     out = torch.empty((1, nf + nd), dtype=torch.float32, device=x.device)
     fo, do = (out[:, nd:], out) if dp4a_first else (out, out[:, nf:])  # each part's columns
     f_args, p1, f_cx = float_launch(x, qf, ff, nf, dtype)

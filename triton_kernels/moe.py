@@ -79,10 +79,10 @@ from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
 from .gated_gemv import ROUNDING, rounded
-from .gemv_pair import dp4a_launch
+from .gemv_pair import dp4a_launch, one_row_path
 from .int8 import Q8X, dot_units, gemv_launch, int8_buffers, quantize_x, row_start, row_sums, store_groups
 from .moe_align import aligns_in_one_launch, moe_align_block_size
-from .qmatmul import choose_path as choose_gemv_path, qmatmul_torch
+from .qmatmul import qmatmul_torch
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -386,8 +386,8 @@ def down_pair_path(fmt_down, fmt2, device, N2: int, K2: int) -> bool:
     the routed experts' dp4a down launch (moe(pair=)): fmt_down with int8 units, the GEMV
     splitting no K, and at the down kernel's warps (so that each keeps its own bits)."""
     fmt2 = quant.get(fmt2)
-    return (unit(quant.get(fmt_down)) is not None and choose_gemv_path(fmt2, 1) == "dp4a" and K2 % 32 == 0
-            and gemv_launch(fmt2, device, N2, K2)[2:] == (1, MOE_DP4A_WARPS))
+    return (unit(quant.get(fmt_down)) is not None and one_row_path(fmt2, device, N2, K2) == "dp4a"
+            and gemv_launch(fmt2, device, N2, K2)[3] == MOE_DP4A_WARPS)
 
 
 def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids, per_slot,

@@ -39,9 +39,9 @@ from . import configs
 from .asm import asm_for
 from .backend import use_triton
 from .decode import launch_args, unit, unit_table
-from .gemv_pair import NO_PAIR, dp4a_launch, float_launch, pair_path, pair_rows
+from .gemv_pair import NO_PAIR, dp4a_launch, float_launch, one_row_path, pair_path, pair_rows
 from .int8 import gemv_launch, quantize_x, row_sums, zeroed_counts
-from .qmatmul import choose_path, qmatmul_torch
+from .qmatmul import qmatmul_torch
 from .route_align import _check as _check_route, route_align_body, route_align_torch, shapes
 
 @triton.jit
@@ -113,10 +113,7 @@ def path(fmt: quant.Format, device, N: int, K: int) -> str | None:
     """Which GEMV router_gemv runs for this (N, K) projection's one-token step on `device`
     ("dp4a" or "gemv", qmatmul's for one row), or None where it takes no fused launch (a
     dp4a GEMV that splits K, or qmatmul's GEMM: batch-invariant mode's for float formats)."""
-    p = choose_path(fmt, 1)
-    if p == "dp4a":
-        return p if K % 32 == 0 and gemv_launch(fmt, device, N, K)[2] == 1 else None
-    return p if p == "gemv" else None
+    return one_row_path(fmt, device, N, K)
 
 
 def _check(x, N, E, shared, swiglu):

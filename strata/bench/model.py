@@ -131,7 +131,8 @@ def _pp_tg(model, args, device, vocab: int, pp: bool = True, tg: bool = True,
         t = time.perf_counter()
         model(toks[:1], cache, last_only=True)
         _sync(device)
-        (first if first is not None else []).append(time.perf_counter() - t)
+        if first is not None:
+            first.append(time.perf_counter() - t)
         t = time.perf_counter()
         for tok in toks[1:]:
             model([tok], cache, last_only=True)
