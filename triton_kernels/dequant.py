@@ -4,10 +4,11 @@
 
 `q` is a uint8 tensor of whole blocks along its last axis (1-D, or row-major 2-D with one
 tensor row per row); the result has the same leading axes and `k * block_elems` values
-per row. Formats with an int8 unit decode (triton_kernels.decode.UNITS: Q8_0, Q4_0,
-IQ4_NL, Q4_K, IQ3_XXS, IQ3_S) run `_dequant_units_kernel`: each thread decodes whole
-units (32 or 64 weights) from whole-word loads and scales each code once. The others run
-`_dequant_kernel`, one weight a lane through the format's per-weight decode function.
+per row. Formats with an int8 unit decode (triton_kernels.decode.UNITS: the legacy
+formats, the K-quants, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S) run `_dequant_units_kernel`: each
+thread decodes whole units (32, 64 or 128 weights) from whole-word loads and scales each
+code once. The others (IQ2_*, IQ1_*, FP8, the float formats) run `_dequant_kernel`, one
+weight a lane through the format's per-weight decode function.
 `dequantize_torch` is the same computation in vectorised torch, the CPU fast path, with
 torch.compile's one-pass loops for Q8_0, Q4_0 and IQ4_NL on request (cpu/dequant_compiled.py).
 `int8_parts` gives a weight of the int8-code formats as codes and group scales from the same
@@ -28,7 +29,7 @@ from . import backend
 from .asm import asm_for, cvt_pairs
 from .backend import use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
-from .decode.common import round_to_bf16_bits
+from .decode.common import round_to_bf16_bits, scale_of
 from .decode.split import block_ptr
 from .layout import gguf_bytes
 from .cpu.dequant_compiled import dequantize_fused, has_fused
@@ -66,9 +67,9 @@ def _stack(parts, N: tl.constexpr):
         return tl.reshape(tl.join(tl.join(tl.join(parts[0], parts[4]), tl.join(parts[2], parts[6])),
                                   tl.join(tl.join(parts[1], parts[5]), tl.join(parts[3], parts[7]))),
                           (parts[0].shape[0], 8))
-    else:
-        return tl.join(_stack(parts[:8], 8), _stack(parts[8:], 8)).permute(0, 2, 1).reshape(
-            (parts[0].shape[0], 16))
+    else:  # 4, 16, 32: two halves, side by side
+        return tl.join(_stack(parts[:N // 2], N // 2), _stack(parts[N // 2:], N // 2)).permute(0, 2, 1).reshape(
+            (parts[0].shape[0], N))
 
 
 @triton.jit
@@ -85,10 +86,10 @@ def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.conste
         i = tl.arange(0, 4)
         w = _stack(words, UW // 4)                                     # [lanes, UW / 4]
         code = ((w[:, :, None] << (24 - 8 * i)[None, None, :]) >> 24) - ZERO
-        code = tl.reshape(code, (code.shape[0], UW // 32, 32))
-        val = _stack(a, UW // 32)[:, :, None] * code.to(tl.float32)    # [lanes, groups, 32]
+        code = tl.reshape(code, (code.shape[0], len(a), UW // len(a)))
+        val = _stack(a, len(a))[:, :, None] * code.to(tl.float32)      # [lanes, scales, 32 or 16]
         if OFFSET:
-            val = val - _stack(b, UW // 32)[:, :, None]
+            val = val - _stack(b, len(b))[:, :, None]
         if HAS_SCALE:
             val = val * scale
         val = tl.reshape(val, (val.shape[0], UW))
@@ -102,7 +103,7 @@ def store_units(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.conste
     else:
         for w in tl.static_range(UW // 4):
             for i in tl.static_range(4):
-                val = _unit_value(words[w], i, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
+                val = _unit_value(words[w], i, scale_of(a, w, UW), scale_of(b, w, UW), scale, ZERO, OFFSET, HAS_SCALE)
                 if OUT == "bf16":  # the device's own round-to-nearest-even
                     tl.store(dst + (4 * w + i), val.to(tl.bfloat16).to(tl.int16, bitcast=True),
                              mask=live)
@@ -119,10 +120,12 @@ def store_packed(dst, words, a, b, live, scale, UW: tl.constexpr, ZERO: tl.const
     a word costs 2 conversions and a store where it cost 4 conversions, 4 byte moves and 4
     stores). dst must be 8-byte aligned, as a fresh tensor is."""
     for w in tl.static_range(UW // 4):
-        v0 = _unit_value(words[w], 0, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
-        v1 = _unit_value(words[w], 1, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
-        v2 = _unit_value(words[w], 2, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
-        v3 = _unit_value(words[w], 3, a[w // 8], b[w // 8], scale, ZERO, OFFSET, HAS_SCALE)
+        sa = scale_of(a, w, UW)
+        sb = scale_of(b, w, UW)
+        v0 = _unit_value(words[w], 0, sa, sb, scale, ZERO, OFFSET, HAS_SCALE)
+        v1 = _unit_value(words[w], 1, sa, sb, scale, ZERO, OFFSET, HAS_SCALE)
+        v2 = _unit_value(words[w], 2, sa, sb, scale, ZERO, OFFSET, HAS_SCALE)
+        v3 = _unit_value(words[w], 3, sa, sb, scale, ZERO, OFFSET, HAS_SCALE)
         at = (dst + 4 * w).to(tl.pointer_type(tl.int64))
         if dst.dtype.element_ty == tl.float32:
             tl.store(at, _word64(v0.to(tl.int32, bitcast=True), v1.to(tl.int32, bitcast=True)), mask=live)

@@ -113,7 +113,7 @@ def gated_qmatmul(g: torch.Tensor, u: torch.Tensor, q: torch.Tensor, fmt, silu: 
     _gated_gemv_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
         g, u, q, table(fmt, q.device), out, M, N, K, g.stride(0), u.stride(0), out.stride(0),
         DECODE=decoder(fmt), QK=fmt.block_elems, SILU=silu, ROUND=ROUNDING[dtype],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=configs.num_warps("gemv", fmt.name, g.device))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=configs.float_gemv_warps(fmt.name, g.device))
     return out.to(dtype)
 
 

@@ -94,7 +94,7 @@ def pair_path(fmt: quant.Format, device, N: int, K: int, fmt2: quant.Format, N2:
     by the dp4a GEMV, share one launch with each GEMV's bits (see the module)."""
     if one_row_path(fmt, device, N, K) != "gemv" or one_row_path(fmt2, device, N2, K) != "dp4a":
         return False
-    return gemv_launch(fmt2, device, N2, K)[3] == configs.num_warps("gemv", fmt.name, device)
+    return gemv_launch(fmt2, device, N2, K)[3] == configs.float_gemv_warps(fmt.name, device)
 
 
 def _kinds(parts: list, K: int):
@@ -166,7 +166,7 @@ def gemv_pair(x: torch.Tensor, parts: list, dtype: torch.dtype = torch.float32) 
     f_args, p1, f_cx = float_launch(x, qf, ff, nf, dtype)
     d_args, p2, d_cx = dp4a_launch(x, qd, fd, nd)
     _gemv_pair_kernel[(p1 + p2,)](*f_args, fo, nf, *d_args, do, nd, K, p1, **f_cx, **d_cx,
-                                  num_warps=configs.num_warps("gemv", ff.name, qf.device))
+                                  num_warps=configs.float_gemv_warps(ff.name, qf.device))
     return out
 
 

@@ -16,8 +16,9 @@ beyond float32 rounding is x's rounding to int8; tests/triton_kernels/test_int8.
 both bounds.
 
 Work per thread: a program owns BLOCK_N rows and walks K in steps of BLOCK_U units; each
-thread decodes whole units (32 or 64 weights), sums their dp4a results in int32 and
-scales them once a group; the accumulator [BLOCK_N, BLOCK_U] is reduced across lanes once,
+thread decodes whole units (32, 64 or 128 weights), sums their dp4a results in int32 and
+scales them once a group (of 32, or of 16 for Q2_K, Q3_K and Q6_K, whose ZERO and
+offsets then take x's sums of each 16 by dp4a as well); the accumulator [BLOCK_N, BLOCK_U] is reduced across lanes once,
 after the loop. Rows past N are clamped (read, never stored), so the main loop carries no
 masks; K that is no whole number of steps takes masked loads (MASK). Where a GEMV's tiles
 are fewer than the GPU's multiprocessors (N of 512 to 1,024 at BLOCK_N 8: an attention
@@ -273,33 +274,61 @@ def dot_units(q_ptr, p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
     x64 = xq_ptr.to(tl.pointer_type(tl.int64))
     for g in tl.static_range(UW // 32):
         gi = v * (UW // 32) + g
-        s = tl.zeros_like(words[0])
-        for w in tl.static_range(4):
-            if MASK:
-                xw = tl.load(x64 + gi * 4 + w, mask=vmask, other=0)
-            else:
-                xw = tl.load(x64 + gi * 4 + w)
-            lo, hi = halves(xw)
-            s = dp4a(words[g * 8 + 2 * w], lo, s, ASM)
-            s = dp4a(words[g * 8 + 2 * w + 1], hi, s, ASM)
-        if MASK:
-            xd = tl.load(xd_ptr + gi, mask=vmask, other=0.0)
-        else:
-            xd = tl.load(xd_ptr + gi)
-        term = s.to(tl.float32) * (a[g] * xd)
-        if ZERO != 0 or OFFSET:
-            if MASK:
-                xs = tl.load(xs_ptr + gi, mask=vmask, other=0.0)
-            else:
-                xs = tl.load(xs_ptr + gi)
-            if ZERO != 0:
-                term -= (a[g] * ZERO) * xs
-            if OFFSET:
-                term -= b[g] * xs
+        if len(a) == UW // 32:  # a scale a group of 32
+            s = tl.zeros_like(words[0])
+            for w in tl.static_range(4):
+                lo, hi = halves(_x_word(x64, gi * 4 + w, vmask, MASK))
+                s = dp4a(words[g * 8 + 2 * w], lo, s, ASM)
+                s = dp4a(words[g * 8 + 2 * w + 1], hi, s, ASM)
+            term = s.to(tl.float32) * (a[g] * _x_scale(xd_ptr, gi, vmask, MASK))
+            if ZERO != 0 or OFFSET:
+                if MASK:
+                    xs = tl.load(xs_ptr + gi, mask=vmask, other=0.0)
+                else:
+                    xs = tl.load(xs_ptr + gi)
+                if ZERO != 0:
+                    term -= (a[g] * ZERO) * xs
+                if OFFSET:
+                    term -= b[g] * xs
+        else:  # a scale (and offset) each 16 (Q2_K, Q3_K, Q6_K): x's sums a half by dp4a
+            term = tl.zeros_like(part)
+            ones = tl.zeros_like(words[0]) + 0x01010101  # dp4a(ones, x) sums x's four codes
+            for h in tl.static_range(2):
+                s = tl.zeros_like(words[0])
+                n = tl.zeros_like(words[0])
+                for w in tl.static_range(2):
+                    lo, hi = halves(_x_word(x64, gi * 4 + 2 * h + w, vmask, MASK))
+                    s = dp4a(words[g * 8 + 4 * h + 2 * w], lo, s, ASM)
+                    s = dp4a(words[g * 8 + 4 * h + 2 * w + 1], hi, s, ASM)
+                    if ZERO != 0 or OFFSET:
+                        n = dp4a(ones, lo, n, ASM)
+                        n = dp4a(ones, hi, n, ASM)
+                if ZERO != 0:
+                    s -= ZERO * n  # exact in int32: |s| <= 16 * 255 * 127
+                term += s.to(tl.float32) * a[2 * g + h]
+                if OFFSET:
+                    term -= n.to(tl.float32) * b[2 * g + h]
+            term = term * _x_scale(xd_ptr, gi, vmask, MASK)
         if MASK:
             term = tl.where(vmask, term, 0.0)  # a clamped unit's scale may be Inf or NaN
         part += term
     return part
+
+
+@triton.jit
+def _x_scale(xd_ptr, gi, vmask, MASK: tl.constexpr):
+    """x̂'s scale of group gi: 0 past K when MASK."""
+    if MASK:
+        return tl.load(xd_ptr + gi, mask=vmask, other=0.0)
+    return tl.load(xd_ptr + gi)
+
+
+@triton.jit
+def _x_word(x64, i, vmask, MASK: tl.constexpr):
+    """x̂'s int64 word i (eight codes): masked to 0 past K when MASK."""
+    if MASK:
+        return tl.load(x64 + i, mask=vmask, other=0)
+    return tl.load(x64 + i)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ GGUF file: uint8, (N, K // block_elems * block_bytes), or the same bytes flat (1
 Three Triton kernels:
 
 - dp4a GEMV ("dp4a", the default for M <= GEMV_MAX_M rows, i.e. token-by-token decoding,
-  in every format with an int8 unit decode: Q8_0, Q4_0, IQ4_NL, Q4_K, IQ3_XXS, IQ3_S):
+  in every format with an int8 unit decode, triton_kernels.decode.UNITS):
   x is rounded to int8 per 32 values, as llama.cpp's q8_1, and each weight is read once
   as whole int8 words and multiplied four at a time (triton_kernels/int8.py). Its result
   is x̂ @ W.T, x̂ the rounded x: within float32 rounding of that, not of x @ W.T.
@@ -90,10 +90,10 @@ def gemv_tiles(N: int, device, fmt: quant.Format) -> tuple[int, int, int]:
 # sm_90 in every format (strata bench kernels --static); each decoded weight tile serves
 # 64 rows.
 GEMM_TILES = (64, 64, 32)
-# The GEMM of the formats with an int8 unit decode: 64 x 128 outputs (64 x 64 for Q4_K's
-# 64-weight units), K a unit a step, 4 warps: 12-21 instructions a weight on sm_90 where
-# the per-weight decode costs 31-82, 200-235 registers, no spills (strata bench kernels
-# --static).
+# The GEMM of the formats with an int8 unit decode: 64 x 128 outputs (64 x 64 for the
+# 64-weight units of Q4_K and Q5_K, 64 x 32 for the 128-weight ones of Q2_K, Q3_K, Q6_K),
+# K a unit a step, 4 warps: 12-37 instructions a weight on sm_90 where the per-weight
+# decode costs 31-82, 200-250 registers, no spills (strata bench kernels --static).
 GEMM_UNIT_TILES = (64, 128)
 GEMM_UNIT_WARPS = 4
 
@@ -207,9 +207,9 @@ def _gemm_units_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, strid
                     mask=m_mask[:, None], other=0.0)
         words, sa, sb = UNIT(block_ptr(q_ptr, first + v // UPB, BLOCK_HW, BODY), v % UPB, tab_ptr, ASM)
         code = ((_stack(words, UW // 4)[:, :, None] << shift[None, None, :]) >> 24) - ZERO
-        w = _stack(sa, UW // 32)[:, :, None] * tl.reshape(code, (BLOCK_N, UW // 32, 32)).to(tl.float32)
+        w = _stack(sa, len(sa))[:, :, None] * tl.reshape(code, (BLOCK_N, len(sa), UW // len(sa))).to(tl.float32)
         if OFFSET:
-            w = w - _stack(sb, UW // 32)[:, :, None]
+            w = w - _stack(sb, len(sb))[:, :, None]
         acc = tl.dot(a.to(DOT_DTYPE), tl.trans(tl.reshape(w, (BLOCK_N, UW)).to(DOT_DTYPE)), acc,
                      input_precision=INPUT_PRECISION)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + rows[None, :]
@@ -316,7 +316,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                 grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
                 _gemv_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,
                                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   num_warps=configs.num_warps("gemv", fmt.name, x2.device))
+                                   num_warps=configs.float_gemv_warps(fmt.name, x2.device))
             else:
                 if x2.is_cuda:
                     dot_dtype = _CUDA_DOT_DTYPES[x2.dtype]

@@ -177,7 +177,7 @@ def router_gemv(x: torch.Tensor, q: torch.Tensor, fmt, N: int, top_k: int, norm_
         d_args, p2, d_cx = dp4a_launch(x, q2, fmt2, N2) if pair is not None else ((out,) * 5, 0, NO_PAIR)
         _router_gemv_float_kernel[(p1 + p2,)](
             *f_args, out, counts, N, K, *route, *d_args, N2, p1, **f_cx, **cx, **d_cx,
-            num_warps=configs.num_warps("gemv", fmt.name, q.device))
+            num_warps=configs.float_gemv_warps(fmt.name, q.device))
     return (out, *r.outputs())
 
 

@@ -164,7 +164,7 @@ def test_the_gpu_kernels_take_one_path_and_tile_for_any_rows():
 
     import quant
     qmatmul, moe = (importlib.import_module(f"triton_kernels.{m}") for m in ("qmatmul", "moe"))  # the modules
-    f, g = quant.get("Q4_0"), quant.get("Q5_0")  # with int8 units, without
+    f, g = quant.get("Q4_0"), quant.get("FP8_E4M3")  # with int8 units, without
     assert [qmatmul.choose_path(f, m) for m in (1, 64)] == ["dp4a", "gemm"]  # plain: by M
     assert [moe.choose_path(f, f, f, t) for t in (1, 64)] == ["dp4a", "dot"]
     assert moe._default_tiles(1, 8) != moe._default_tiles(512, 8)

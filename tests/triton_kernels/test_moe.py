@@ -61,7 +61,10 @@ U = 2.0 ** -24
 # test_qmatmul's scale bounds give |w| <= 64; 1024 times smaller gives |w| <= 1/16
 SCALE_BOUND = {"Q4_K": 2.0 ** -4, "Q5_K": 2.0 ** -5, "Q6_K": 2.0 ** -6, "IQ4_XS": 2.0 ** -6}
 # gate, up, down: the real model's mix is in test_edge_cases_with_the_real_models_formats
-MIXES = [("IQ3_S", "IQ3_XXS", "Q4_K"), ("Q4_0", "Q8_0", "IQ4_NL"), ("Q8_0", "IQ4_NL", "IQ3_S")]
+# the last: a scale a 16 with Q6_K's ZERO and Q2_K's minimums (x's sums a 16 by dp4a), and
+# Q5_0's ZERO a 32
+MIXES = [("IQ3_S", "IQ3_XXS", "Q4_K"), ("Q4_0", "Q8_0", "IQ4_NL"), ("Q8_0", "IQ4_NL", "IQ3_S"),
+         ("Q6_K", "Q2_K", "Q5_0")]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -629,9 +632,9 @@ def test_decoding_takes_the_dp4a_path_and_prefill_the_dot_path():
     assert torch.equal(one, moe(x[:1], *args, w[:1], ids[:1], path="dp4a"))
     assert not torch.equal(one, moe(x[:1], *args, w[:1], ids[:1], path="dot"))
     assert torch.equal(moe(x, *args, w, ids), moe(x, *args, w, ids, path="dot"))
-    with pytest.raises(ValueError, match=r"moe: path='dp4a' needs int8 unit decodes; Q5_0 has none"):
-        q5 = quant.get("Q5_0")
-        moe(x[:1], torch.from_numpy(quantized(q5, (4, 64, 64), rng)), args[1], args[2], q5,
+    with pytest.raises(ValueError, match=r"moe: path='dp4a' needs int8 unit decodes; FP8_E4M3 has none"):
+        f8 = quant.get("FP8_E4M3")
+        moe(x[:1], torch.from_numpy(quantized(f8, (4, 64, 64), rng)), args[1], args[2], f8,
             *fmts[1:], w[:1], ids[:1], path="dp4a")
     with pytest.raises(ValueError, match=r"moe: path must be 'dot', 'dp4a' or None, got 'x'"):
         moe(x[:1], *args, w[:1], ids[:1], path="x")

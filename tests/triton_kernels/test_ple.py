@@ -239,6 +239,23 @@ def test_gather_equals_reference(fmt):
     prop()
 
 
+@pytest.mark.parametrize("fmt", [quant.get(n) for n in ("Q5_0", "IQ4_XS", "Q2_K", "Q6_K")], ids=lambda f: f.name)
+def test_gather_of_the_other_unit_formats_equals_reference(fmt):
+    """Tables in the other formats with int8 units (a ZERO a 32, a table look-up, a scale
+    and minimum a 16, a scale a 16 with ZERO), rows of 256 values, out in bf16 too: the
+    numpy codec's bits."""
+    @given(gather_case(fmt, dims=(256,)), st.booleans())
+    @settings(max_examples=examples(10))
+    def prop(case, bf16):
+        raw, ids, scale = case
+        want = reference(raw, ids, fmt, scale)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        want = torch.from_numpy(want).to(dtype).float().numpy()
+        out = ple_gather(torch.from_numpy(raw), ids, fmt, scale=scale, out_dtype=dtype)
+        assert out.dtype == dtype and same_bits(out.float().numpy(), want)
+    prop()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", PLE_FORMATS, ids=lambda f: f.name)
 def test_half_outputs_round_the_float32_result(fmt, dtype):

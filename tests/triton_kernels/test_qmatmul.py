@@ -145,7 +145,7 @@ def _case(fmt_name="Q4_0", m=3, n=5, nb=2, seed=0):
 
 @pytest.mark.parametrize("fmt_name,m,path", [
     ("Q4_0", 1, "dp4a"), ("Q4_0", GEMV_MAX_M, "dp4a"), ("Q4_0", GEMV_MAX_M + 1, "gemm"),
-    ("Q5_0", 1, "gemv"), ("Q5_0", GEMV_MAX_M, "gemv"), ("Q5_0", GEMV_MAX_M + 1, "gemm")])
+    ("IQ2_XXS", 1, "gemv"), ("IQ2_XXS", GEMV_MAX_M, "gemv"), ("IQ2_XXS", GEMV_MAX_M + 1, "gemm")])
 def test_default_path_is_a_gemv_for_few_rows_and_gemm_after(fmt_name, m, path):
     # dp4a where the format has int8 units (test_int8.py checks its bound), the float GEMV
     # elsewhere
@@ -237,8 +237,8 @@ def test_bad_path_and_tiles():
         qmatmul(x, qt, fmt, path="dot")
     with pytest.raises(ValueError, match=r"Q4_0: dp4a tiles must be \(BLOCK_N, BLOCK_U\), powers of two, got \(16, 16, 16\)"):
         qmatmul(x, qt, fmt, path="dp4a", tiles=(16, 16, 16))
-    with pytest.raises(ValueError, match=r"Q5_0: no int8 unit decode for this format; use path='gemv'"):
-        qmatmul(x, torch.from_numpy(quant.get("Q5_0").quantize(x.numpy()[:2])), "Q5_0", path="dp4a")
+    with pytest.raises(ValueError, match=r"FP8_E4M3: no int8 unit decode for this format; use path='gemv'"):
+        qmatmul(x, torch.from_numpy(quant.get("FP8_E4M3").quantize(x.numpy()[:2])), "FP8_E4M3", path="dp4a")
     with pytest.raises(ValueError, match=r"Q4_0: tiles must be powers of two >= 16 for gemm, got \(16, 8, 16\)"):
         qmatmul(x, qt, fmt, path="gemm", tiles=(16, 8, 16))
     with pytest.raises(ValueError, match=r"Q4_0: tiles must be powers of two, got \(3, 16, 16\)"):

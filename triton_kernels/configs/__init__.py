@@ -8,7 +8,8 @@ the lanes a program, so twice the rows for the same work a lane); `<device>.json
 slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kernels
 --tune` on that device, overrides it. Later entries win: op defaults, then the op's
 format entry, then the device file's op defaults and format entry. The MoE ops' tiles and
-num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels'. The
+num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels', and
+"gemv"'s `float_num_warps` the float GEMV's (float_gemv_warps). The
 dp4a GEMV's `split_k` is an integer or "auto" (triton_kernels.int8.split_for).
 
 Under "interpreter", larger tiles for a whole model run by the Triton interpreter
@@ -80,6 +81,15 @@ def num_warps(op: str, fmt: str, device, key: str = "num_warps") -> int:
     """The warps a launch on `device` (a torch.device) takes: `key` of pick(), else 4."""
     from ..backend import backend_name, device_name
     return pick(op, fmt, device_name(device), backend_name()).get(key, 4)
+
+
+def float_gemv_warps(fmt: str, device) -> int:
+    """The float GEMV's warps (the per-weight decode: qmatmul's "gemv" path and the launches
+    that run its programs): the "gemv" entry's `float_num_warps` where a format's float
+    GEMV needs other warps than its dp4a GEMV, else its num_warps."""
+    from ..backend import backend_name, device_name
+    cfg = pick("gemv", fmt, device_name(device), backend_name())
+    return cfg.get("float_num_warps", cfg.get("num_warps", 4))
 
 
 def write(device_name: str, table: dict) -> pathlib.Path:

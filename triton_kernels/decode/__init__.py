@@ -1,8 +1,9 @@
 """Per-format `@triton.jit` decode functions, of two kinds.
 
-Int8 units (`UNITS`, decode/common.py; Q8_0, Q4_0, Q4_1, IQ4_NL, Q4_K, IQ3_XXS, IQ3_S): a whole
-unit of 32 or 64 weights as int8 words plus per-group scales, decoded once a thread; the
-dp4a GEMV and MoE kernels, dequant and the PLE gather run on them.
+Int8 units (`UNITS`, decode/common.py; the legacy formats, the K-quants, IQ4_NL, IQ4_XS,
+IQ3_XXS, IQ3_S): a whole unit of 32, 64 or 128 weights as int8 words plus a scale per 32
+or 16 weights, decoded once a thread; the dp4a GEMV and MoE kernels, dequant, the unit
+GEMM and the PLE gather run on them.
 
 Per weight (`DECODERS`, every format; the GEMM, the float GEMV and the other formats'
 dequant): a decode function turns weights of quantized blocks into float32 values:
@@ -32,9 +33,11 @@ from .fp8 import decode_fp8_e4m3
 from .iq1 import decode_iq1_m, decode_iq1_s
 from .iq2 import decode_iq2_s, decode_iq2_xs, decode_iq2_xxs
 from .iq3 import decode_iq3_s, decode_iq3_xxs, unit_iq3_s, unit_iq3_xxs
-from .iq4 import decode_iq4_nl, decode_iq4_xs, unit_iq4_nl
-from .kquants import decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k, unit_q4_k
-from .legacy import decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0, unit_q4_0, unit_q4_1, unit_q8_0
+from .iq4 import decode_iq4_nl, decode_iq4_xs, unit_iq4_nl, unit_iq4_xs
+from .kquants import (decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k, unit_q2_k, unit_q3_k,
+                      unit_q4_k, unit_q5_k, unit_q6_k)
+from .legacy import (decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0, unit_q4_0, unit_q4_1,
+                     unit_q5_0, unit_q5_1, unit_q8_0)
 from .split import (decode_iq3_s_split, decode_iq3_xxs_split, decode_iq4_nl_split, decode_q4_0_split,
                     decode_q8_0_split, unit_iq3_s_split, unit_iq3_xxs_split, unit_iq4_nl_split,
                     unit_q4_0_split, unit_q8_0_split)
@@ -97,7 +100,7 @@ class Unit:
     the int8 words, scales a and offsets b of unit u of each block; weight = a * (code -
     zero), minus b when `offset`."""
     fn: object
-    weights: int          # weights a unit: 32 or 64 (two 32-weight groups)
+    weights: int          # weights a unit: 32, 64 or 128 (groups of 32)
     zero: int = 0         # subtracted from each code before scaling (Q4_0: 8)
     offset: bool = False  # weight = a * code - b (the K-quants' minimum)
 
@@ -106,8 +109,15 @@ UNITS = {
     "Q8_0": Unit(unit_q8_0, 32),
     "Q4_0": Unit(unit_q4_0, 32, zero=8),
     "Q4_1": Unit(unit_q4_1, 32, offset=True),
+    "Q5_0": Unit(unit_q5_0, 32, zero=16),
+    "Q5_1": Unit(unit_q5_1, 32, offset=True),
     "IQ4_NL": Unit(unit_iq4_nl, 32),
+    "IQ4_XS": Unit(unit_iq4_xs, 32),
+    "Q2_K": Unit(unit_q2_k, 128, offset=True),    # scales and offsets per 16 weights
+    "Q3_K": Unit(unit_q3_k, 128),                 # scales per 16 weights
     "Q4_K": Unit(unit_q4_k, 64, offset=True),
+    "Q5_K": Unit(unit_q5_k, 64, offset=True),
+    "Q6_K": Unit(unit_q6_k, 128, zero=32),        # scales per 16 weights
     "IQ3_XXS": Unit(unit_iq3_xxs, 32),
     "IQ3_S": Unit(unit_iq3_s, 32),
 }
@@ -148,7 +158,7 @@ def _unit_table_words(fmt: quant.Format) -> np.ndarray:
     if fmt.name == "IQ3_S":
         grid = fmt.tables["grid"].astype(np.uint8).reshape(-1, 4).copy().view("<i4").reshape(-1)
         return np.concatenate([grid, _sign_words(np.arange(256)).reshape(-1)])
-    if fmt.name == "IQ4_NL":
+    if fmt.name in ("IQ4_NL", "IQ4_XS"):
         kv = fmt.tables["kvalues"].astype(np.int8)
         return np.concatenate([kv.copy().view("<i4"), kv.astype(np.int32)])
     return np.zeros(1, dtype=np.int32)

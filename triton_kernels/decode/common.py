@@ -55,12 +55,20 @@ def round_to_bf16_bits(v):
 
 
 # --- int8 units (the dp4a kernels' decode) -------------------------------------------------
-# A unit decode reads one unit (32 or 64 weights) of every block that a pointer tensor `p`
-# (uint16: blocks are 2-byte aligned, so two 16-bit loads and one PRMT make a word) points
-# at, and returns (words, a, b): a tuple of int32 words, each four signed 8-bit codes of
-# consecutive weights, and per 32-weight group the float32 scale a and offset b, such that
+# A unit decode reads one unit (32, 64 or 128 weights) of every block that a pointer tensor
+# `p` (uint16: blocks are 2-byte aligned, so two 16-bit loads and one PRMT make a word)
+# points at, and returns (words, a, b): a tuple of int32 words, each four signed 8-bit codes
+# of consecutive weights, and per 32-weight group (or per 16, for the formats that scale
+# each 16: Q2_K, Q3_K, Q6_K) the float32 scale a and offset b, such that
 #     weight = a * (code - ZERO) - b          (the format's ZERO and OFFSET, decode.UNITS)
-# with the float operations in the numpy codec's order, so dequant stays bit-exact.
+# with the float operations in the numpy codec's order, so dequant stays bit-exact. The
+# kernels tell the two apart by the count: len(a) is UW // 32 or UW // 16.
+
+
+@triton.jit
+def scale_of(a, w: tl.constexpr, UW: tl.constexpr):
+    """The scale (or offset) in `a` of a UW-weight unit's word w."""
+    return a[w // (UW // 4 // len(a))]
 
 @triton.jit
 def hw(p, off):

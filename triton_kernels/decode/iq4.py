@@ -3,8 +3,8 @@ per 32); layouts in quant/iq4.py. Table: the 16 int8 values."""
 import triton
 import triton.language as tl
 
-from ..asm import prmt
-from .common import f16_at, load_f16, load_u16
+from ..asm import pack16, prmt
+from .common import f16_at, halves, hw, load_f16, load_u16
 from .legacy import nibble, nibble_words
 
 
@@ -85,3 +85,33 @@ def unit_iq4_nl(p, u, tab_ptr, ASM: tl.constexpr):
         l2, h2 = _lut16(r[2], t0, t1, t2, t3, ASM)
         l3, h3 = _lut16(r[3], t0, t1, t2, t3, ASM)
     return (l0, l1, l2, l3, h0, h1, h2, h3), (d,), (d,)
+
+
+@triton.jit
+def unit_iq4_xs(p, u, tab_ptr, ASM: tl.constexpr):
+    """IQ4_XS group u (0..7): d | scales_h (u16) | scales_l (4 bytes) | 8 x 16 nibble bytes;
+    weight = (d * (ls - 32)) * KVALUES[q], ls = 4 bits of scales_l at 4u, 2 of scales_h at
+    2u. A block is 136 bytes: the group's nibbles load as two int64 words."""
+    d = f16_at(p, 0)
+    sh = hw(p, 1).to(tl.int32)
+    sl = pack16(hw(p, 2), hw(p, 3), ASM)
+    ls = ((sl >> (4 * u)) & 0x0F) | (((sh >> (2 * u)) & 3) << 4)
+    dl = d * (ls - 32).to(tl.float32)
+    q = p.to(tl.pointer_type(tl.int64)) + (1 + 2 * u)
+    r0, r1 = halves(tl.load(q))
+    r2, r3 = halves(tl.load(q + 1))
+    if ASM == "":
+        l0, h0 = _lut16_loads(r0, tab_ptr)
+        l1, h1 = _lut16_loads(r1, tab_ptr)
+        l2, h2 = _lut16_loads(r2, tab_ptr)
+        l3, h3 = _lut16_loads(r3, tab_ptr)
+    else:
+        t0 = tl.load(tab_ptr)
+        t1 = tl.load(tab_ptr + 1)
+        t2 = tl.load(tab_ptr + 2)
+        t3 = tl.load(tab_ptr + 3)
+        l0, h0 = _lut16(r0, t0, t1, t2, t3, ASM)
+        l1, h1 = _lut16(r1, t0, t1, t2, t3, ASM)
+        l2, h2 = _lut16(r2, t0, t1, t2, t3, ASM)
+        l3, h3 = _lut16(r3, t0, t1, t2, t3, ASM)
+    return (l0, l1, l2, l3, h0, h1, h2, h3), (dl,), (dl,)

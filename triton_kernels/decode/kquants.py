@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .common import f16_at, halves, hi_nibbles, hw, lo_nibbles, load_f16
+from .common import f16_at, halves, hi_nibbles, hw, lo_nibbles, load_f16, word_at
 
 
 @triton.jit
@@ -135,3 +135,139 @@ def unit_q4_k(p, u, tab_ptr, ASM: tl.constexpr):
              hi_nibbles(r4), hi_nibbles(r5), hi_nibbles(r6), hi_nibbles(r7)),
             (d * sc0.to(tl.float32), d * sc1.to(tl.float32)),
             (dmin * m0.to(tl.float32), dmin * m1.to(tl.float32)))
+
+
+@triton.jit
+def unit_q5_k(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q5_K unit u (0..3): Q4_K's 64 weights with their fifth bits, bits 2u and 2u + 1 of
+    the 32 qh bytes (16-byte aligned at byte 16: a block is 176 bytes); OFFSET."""
+    d = f16_at(p, 0)
+    dmin = f16_at(p, 1)
+    ha = hw(p, 2 + u % 2).to(tl.int32)
+    hb = hw(p, 4 + u % 2).to(tl.int32)
+    hc = hw(p, 6 + u % 2).to(tl.int32)
+    low = u < 2
+    sc0, m0 = _k_scale_min(ha, hb, hc, 0, low)
+    sc1, m1 = _k_scale_min(ha, hb, hc, 1, low)
+    w = p.to(tl.pointer_type(tl.int64))
+    h0, h1 = halves(tl.load(w + 2))
+    h2, h3 = halves(tl.load(w + 3))
+    h4, h5 = halves(tl.load(w + 4))
+    h6, h7 = halves(tl.load(w + 5))
+    q = w + (6 + 4 * u)
+    r0, r1 = halves(tl.load(q))
+    r2, r3 = halves(tl.load(q + 1))
+    r4, r5 = halves(tl.load(q + 2))
+    r6, r7 = halves(tl.load(q + 3))
+    s = 2 * u
+    return ((lo_nibbles(r0) | _fifth(h0, s), lo_nibbles(r1) | _fifth(h1, s),
+             lo_nibbles(r2) | _fifth(h2, s), lo_nibbles(r3) | _fifth(h3, s),
+             lo_nibbles(r4) | _fifth(h4, s), lo_nibbles(r5) | _fifth(h5, s),
+             lo_nibbles(r6) | _fifth(h6, s), lo_nibbles(r7) | _fifth(h7, s),
+             hi_nibbles(r0) | _fifth(h0, s + 1), hi_nibbles(r1) | _fifth(h1, s + 1),
+             hi_nibbles(r2) | _fifth(h2, s + 1), hi_nibbles(r3) | _fifth(h3, s + 1),
+             hi_nibbles(r4) | _fifth(h4, s + 1), hi_nibbles(r5) | _fifth(h5, s + 1),
+             hi_nibbles(r6) | _fifth(h6, s + 1), hi_nibbles(r7) | _fifth(h7, s + 1)),
+            (d * sc0.to(tl.float32), d * sc1.to(tl.float32)),
+            (dmin * m0.to(tl.float32), dmin * m1.to(tl.float32)))
+
+
+@triton.jit
+def _fifth(h, bit):
+    """Bit `bit` of each byte of h, moved to bit 4 (a fifth bit onto four nibbles)."""
+    return ((h >> bit) & 0x01010101) << 4
+
+
+# The 16-weight-scale formats' units (Q2_K, Q3_K, Q6_K) are half a block, 128 weights:
+# a 32-weight group's codes lie in the same bytes as three others' (bit fields 2 or 4
+# apart), so half a block is the smallest run that reads each byte once. They return one
+# scale (and offset) per 16 weights; the kernels find that from the count (decode/common.py).
+
+@triton.jit
+def unit_q6_k(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q6_K half u (0, 1): ql (64 bytes at 64u), qh (32 bytes at 128 + 32u), 8 int8
+    scales at 192 + 8u, d at 208; weight = (d * sc) * (q - 32), ZERO 32. Group g of 32
+    takes ql bytes 32 (g % 2).. (low nibbles for g < 2) and qh bits 2g, 2g + 1. A block
+    is 210 bytes, so words come from halfword pairs."""
+    d = f16_at(p, 104)
+    ql = p + 32 * u
+    qh = p + 64 + 16 * u
+    sc = p + 96 + 4 * u
+    s01 = word_at(sc, 0, ASM)
+    s23 = word_at(sc, 2, ASM)
+    low = ()    # ql's 16 words: low nibbles groups 0 (words 0-7) and 1, high 2 and 3
+    for i in tl.static_range(16):
+        low = low + (word_at(ql, 2 * i, ASM),)
+    high = ()
+    for i in tl.static_range(8):
+        high = high + (word_at(qh, 2 * i, ASM),)
+    words = ()
+    for g in tl.static_range(4):
+        for i in tl.static_range(8):
+            lo = (low[8 * (g % 2) + i] >> (4 * (g // 2))) & 0x0F0F0F0F
+            words = words + (lo | (((high[i] >> (2 * g)) & 0x03030303) << 4),)
+    scales = (d * _sbyte_f(s01, 0), d * _sbyte_f(s01, 1), d * _sbyte_f(s01, 2), d * _sbyte_f(s01, 3),
+              d * _sbyte_f(s23, 0), d * _sbyte_f(s23, 1), d * _sbyte_f(s23, 2), d * _sbyte_f(s23, 3))
+    return words, scales, scales
+
+
+@triton.jit
+def _sbyte_f(w, k: tl.constexpr):
+    """Signed byte k of int32 w as float32."""
+    return ((w << (24 - 8 * k)) >> 24).to(tl.float32)
+
+
+@triton.jit
+def unit_q3_k(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q3_K half u (0, 1): hmask (32 bytes at 0), qs (32 bytes at 32 + 32u), 12 scale
+    bytes at 96, d at 108; weight = (d * (sc - 32)) * q, q = crumb - 4 where the hmask bit
+    is clear: signed codes, ZERO 0. Group g takes qs bits 2g, 2g + 1 and hmask bit 4u + g.
+    A block is 110 bytes: words from halfword pairs."""
+    d = f16_at(p, 54)
+    qs = p + 16 + 16 * u
+    lo0 = word_at(p, 48, ASM)  # scale bytes 0-3: low nibbles scales 0-3, high 8-11
+    lo1 = word_at(p, 50, ASM)  # bytes 4-7: scales 4-7 and 12-15
+    hi = word_at(p, 52, ASM)   # bytes 8-11: bits 4-5 of scale k at bit 8 (k % 4) + 2 (k // 4)
+    crumbs = ()
+    marks = ()
+    for i in tl.static_range(8):
+        crumbs = crumbs + (word_at(qs, 2 * i, ASM),)
+        marks = marks + (~word_at(p, 2 * i, ASM) >> (4 * u),)
+    words = ()
+    for g in tl.static_range(4):
+        for i in tl.static_range(8):
+            clear = (marks[i] >> g) & 0x01010101
+            words = words + (((crumbs[i] >> (2 * g)) & 0x03030303) | (clear * 0xFC),)  # crumb - 4, signed
+    scales = ()
+    for k in tl.static_range(8):
+        lo = ((lo0 if k < 4 else lo1) >> (8 * (k % 4) + 4 * u)) & 0x0F
+        top = (hi >> (8 * (k % 4) + 2 * (2 * u + k // 4))) & 0x03
+        scales = scales + (d * ((lo | (top << 4)) - 32).to(tl.float32),)
+    return words, scales, scales
+
+
+@triton.jit
+def unit_q2_k(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q2_K half u (0, 1): 16 scale bytes at 0 (scale in the low nibble, min in the high),
+    qs (32 bytes at 16 + 32u), d at 80, dmin at 82; weight = (d * sc) * q - dmin * m,
+    OFFSET. Group g takes qs bits 2g, 2g + 1. A block is 84 bytes: int32 loads."""
+    d = f16_at(p, 40)
+    dmin = f16_at(p, 41)
+    w = p.to(tl.pointer_type(tl.int32))
+    s0 = tl.load(w + 2 * u)
+    s1 = tl.load(w + 2 * u + 1)
+    q = w + (4 + 8 * u)
+    crumbs = ()
+    for i in tl.static_range(8):
+        crumbs = crumbs + (tl.load(q + i),)
+    words = ()
+    for g in tl.static_range(4):
+        for i in tl.static_range(8):
+            words = words + ((crumbs[i] >> (2 * g)) & 0x03030303,)
+    a = ()
+    b = ()
+    for k in tl.static_range(8):
+        s = ((s0 if k < 4 else s1) >> (8 * (k % 4))) & 0xFF
+        a = a + (d * (s & 0x0F).to(tl.float32),)
+        b = b + (dmin * (s >> 4).to(tl.float32),)
+    return words, a, b

@@ -118,3 +118,37 @@ def unit_q4_0(p, u, tab_ptr, ASM: tl.constexpr):
     return ((lo_nibbles(r[0]), lo_nibbles(r[1]), lo_nibbles(r[2]), lo_nibbles(r[3]),
              hi_nibbles(r[0]), hi_nibbles(r[1]), hi_nibbles(r[2]), hi_nibbles(r[3])),
             (d,), (d,))
+
+
+@triton.jit
+def _fifths(h):
+    """The low 4 bits of h spread one a byte, to bit 4: the fifth bits of four weights."""
+    return ((h & 0xF) * 0x00204081 & 0x01010101) << 4
+
+
+@triton.jit
+def q5_words(r, qh):
+    """32 five-bit codes from nibble_words' r and the u32 of fifth bits (bit i: weight i)."""
+    return (lo_nibbles(r[0]) | _fifths(qh), lo_nibbles(r[1]) | _fifths(qh >> 4),
+            lo_nibbles(r[2]) | _fifths(qh >> 8), lo_nibbles(r[3]) | _fifths(qh >> 12),
+            hi_nibbles(r[0]) | _fifths(qh >> 16), hi_nibbles(r[1]) | _fifths(qh >> 20),
+            hi_nibbles(r[2]) | _fifths(qh >> 24), hi_nibbles(r[3]) | _fifths(qh >> 28))
+
+
+@triton.jit
+def unit_q5_0(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q5_0: d | qh (u32) | 16 nibble bytes; weight = d * (q - 16), ZERO 16. A block is 22
+    bytes: words from halfword pairs."""
+    d = f16_at(p, 0)
+    return q5_words(nibble_words(p, 3, ASM), word_at(p, 1, ASM)), (d,), (d,)
+
+
+@triton.jit
+def unit_q5_1(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q5_1: d | m | qh (u32) | 16 nibble bytes; weight = d * q + m, OFFSET with b = -m (as
+    Q4_1). A block is 24 bytes, so its qh and nibbles load as int32 words."""
+    d = f16_at(p, 0)
+    m = f16_at(p, 1)
+    w = (p + 2).to(tl.pointer_type(tl.int32))
+    r = (tl.load(w + 1), tl.load(w + 2), tl.load(w + 3), tl.load(w + 4))
+    return q5_words(r, tl.load(w)), (d,), (-m,)

@@ -13,6 +13,7 @@ import pytest
 
 import quant
 from triton_kernels.analysis import static
+from triton_kernels.decode import UNITS
 
 LOOP_BOUND = {"Q8_0": 3.66, "Q4_0": 2.72, "IQ4_NL": 4.75, "IQ3_S": 5.84, "IQ3_XXS": 5.66, "Q4_K": 5.0}
 # main-loop instructions a weight of the decode kernels on GGUF bytes with 16-bit loads,
@@ -28,7 +29,17 @@ WIDE_SHARE = {"IQ3_S": 0.25, "IQ3_XXS": 0.25}
 BEFORE_LAYOUT_STORES = {"Q8_0": (5.81, 6.41), "Q4_0": (7.91, 8.47), "Q4_K": (8.31, 8.41),
                         "IQ4_NL": (7.44, 7.97), "IQ3_S": (9.16, 9.28), "IQ3_XXS": (8.22, 8.34)}
 WHOLE_BOUND = {"Q8_0": 4.8, "Q4_0": 3.6, "IQ4_NL": 5.5, "IQ3_S": 6.7, "IQ3_XXS": 6.5, "Q4_K": 5.0}
+# the other formats with int8 units, in GGUF order (Q4_1, Q5_0, Q5_1, IQ4_XS, Q2_K, Q3_K,
+# Q5_K, Q6_K): main-loop instructions a weight of each decode kernel, where their
+# per-weight decode took 19.7 (Q5_K's GEMV) to 73.9 (Q5_K's MoE down)
+OTHER_UNIT_BOUND = 4.0
+# their dequant and PLE gather (bf16 out) with the per-weight decode, which the units must
+# not cost more than (Q4_1's took units first)
+PER_WEIGHT_STORES = {"Q5_0": (44.0, 45.5), "Q5_1": (51.25, 49.25), "IQ4_XS": (78.75, 27.75),
+                     "Q2_K": (53.62, 21.25), "Q3_K": (85.5, 35.84), "Q5_K": (85.5, 28.69),
+                     "Q6_K": (69.38, 36.31)}
 FORMATS = [f.name for f in quant.FORMATS.values()]
+OTHER_UNITS = [f for f in UNITS if f not in LOOP_BOUND]
 
 
 # each a child process (importing torch and triton costs seconds), so that the suite's
@@ -63,7 +74,12 @@ def test_every_kernel_compiles_without_spills(target, ops):
             if "gemv" in ops:
                 decode_kernels_within_llama_cpps_counts(fmt, by)
             if "dequant" in ops:
-                dequant_and_gather_within_the_h200_budget(fmt, by)
+                dequant_and_gather_within_the_h200_budget(fmt, by, BEFORE_LAYOUT_STORES[fmt])
+        for fmt in OTHER_UNITS:
+            if "gemv" in ops:
+                decode_kernels_on_units(fmt, by)
+            if "dequant" in ops:
+                dequant_and_gather_within_the_h200_budget(fmt, by, PER_WEIGHT_STORES.get(fmt, (99, 99)))
 
 
 def test_the_decode_kernels_compile_within_llama_cpps_counts_for_one_format():
@@ -71,6 +87,21 @@ def test_the_decode_kernels_compile_within_llama_cpps_counts_for_one_format():
     rows = static.rows(("gemv", "moe_gate_up", "moe_down"), ["Q4_0"], ["sm_90"])
     assert all(r.spill_bytes == 0 and r.loop_instructions > 0 for r in rows)
     decode_kernels_within_llama_cpps_counts("Q4_0", {(r.op, r.format): r for r in rows})
+
+
+def test_the_k_quants_decode_kernels_run_on_int8_units():
+    """The quick tier's share for the formats with 16-weight scales: Q6_K's decode kernels
+    on sm_90 (a 128-weight unit a lane, the x sums of each 16 by dp4a)."""
+    rows = static.rows(("gemv", "moe_gate_up", "moe_down"), ["Q6_K"], ["sm_90"])
+    assert all(r.spill_bytes == 0 and r.loop_instructions > 0 for r in rows)
+    decode_kernels_on_units("Q6_K", {(r.op, r.format): r for r in rows})
+
+
+def decode_kernels_on_units(fmt, by):
+    for op in ("gemv", "moe_gate_up", "moe_down"):
+        row = by[op, fmt]
+        assert row.kernel.endswith("_dp4a_kernel"), (op, fmt, row.kernel)
+        assert row.instr_per_weight <= OTHER_UNIT_BOUND, (op, fmt, row.instr_per_weight, row.mix)
 
 
 def test_the_float_gemv_reads_float_weights_in_wide_words():
@@ -112,10 +143,10 @@ def decode_kernels_within_llama_cpps_counts(fmt, by):
         assert row.wide_load_share >= WIDE_SHARE.get(fmt, 0.5), (op, fmt, row.wide_load_share)
 
 
-def dequant_and_gather_within_the_h200_budget(fmt, by):
+def dequant_and_gather_within_the_h200_budget(fmt, by, befores):
     f = quant.get(fmt)
     h200 = next(g for g in static.GPUS if g.name == "H200")
-    for op, before in zip(("dequant", "ple_gather"), BEFORE_LAYOUT_STORES[fmt]):
+    for op, before in zip(("dequant", "ple_gather"), befores):
         row = by[op, fmt]
         # input bits plus the 16 bits of each bf16 value written
         assert row.instr_per_weight <= static.budget(h200, f.block_bytes * 8 / f.block_elems + 16), (op, fmt)
@@ -291,6 +322,7 @@ def test_dequant_without_the_paired_cvt_compiles():
     code = """
 import quant
 from triton_kernels.analysis import static
+from triton_kernels.decode import UNITS
 for op in ("dequant", "ple_gather"):
     spec = static._spec(op, quant.get("Q4_K"), "ptx")
     cx = {**spec.constexprs, "CVT": False}
