@@ -38,9 +38,10 @@ from .kquants import (decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode
                       unit_q4_k, unit_q5_k, unit_q6_k)
 from .legacy import (decode_q4_0, decode_q4_1, decode_q5_0, decode_q5_1, decode_q8_0, unit_q4_0, unit_q4_1,
                      unit_q5_0, unit_q5_1, unit_q8_0)
-from .split import (decode_iq3_s_split, decode_iq3_xxs_split, decode_iq4_nl_split, decode_q4_0_split,
-                    decode_q8_0_split, unit_iq3_s_split, unit_iq3_xxs_split, unit_iq4_nl_split,
-                    unit_q4_0_split, unit_q8_0_split)
+from .split import (decode_iq3_s_split, decode_iq3_xxs_split, decode_iq4_nl_split, decode_q3_k_split,
+                    decode_q4_0_split, decode_q5_0_split, decode_q6_k_split, decode_q8_0_split,
+                    unit_iq3_s_split, unit_iq3_xxs_split, unit_iq4_nl_split, unit_q3_k_split,
+                    unit_q4_0_split, unit_q5_0_split, unit_q6_k_split, unit_q8_0_split)
 
 DECODERS = {
     "F32": decode_f32, "F16": decode_f16, "BF16": decode_bf16,
@@ -54,8 +55,9 @@ DECODERS = {
 }
 # the same formats in the split device layout (triton_kernels.layout)
 SPLIT_DECODERS = {
-    "Q8_0": decode_q8_0_split, "Q4_0": decode_q4_0_split, "IQ4_NL": decode_iq4_nl_split,
-    "IQ3_XXS": decode_iq3_xxs_split, "IQ3_S": decode_iq3_s_split,
+    "Q8_0": decode_q8_0_split, "Q4_0": decode_q4_0_split, "Q5_0": decode_q5_0_split,
+    "IQ4_NL": decode_iq4_nl_split, "IQ3_XXS": decode_iq3_xxs_split, "IQ3_S": decode_iq3_s_split,
+    "Q3_K": decode_q3_k_split, "Q6_K": decode_q6_k_split,
 }
 
 
@@ -124,9 +126,12 @@ UNITS = {
 SPLIT_UNITS = {
     "Q8_0": Unit(unit_q8_0_split, 32),
     "Q4_0": Unit(unit_q4_0_split, 32, zero=8),
+    "Q5_0": Unit(unit_q5_0_split, 32, zero=16),
     "IQ4_NL": Unit(unit_iq4_nl_split, 32),
     "IQ3_XXS": Unit(unit_iq3_xxs_split, 32),
     "IQ3_S": Unit(unit_iq3_s_split, 32),
+    "Q3_K": Unit(unit_q3_k_split, 128),
+    "Q6_K": Unit(unit_q6_k_split, 128, zero=32),
 }
 
 

@@ -43,16 +43,25 @@ def decode_q2_k(q_ptr, tab_ptr, blk, j, mask):
     return dl * q - ml  # exact only without FMA contraction (enable_fp_fusion=False)
 
 
+# `*_at(q_ptr, tab_ptr, head, body, j, mask)`: weight j of the block whose scales start at
+# byte `head` and quants at byte `body`: GGUF order or the split layout's (decode/split.py)
+
+@triton.jit
+def q3_k_at(q_ptr, tab_ptr, head, body, j, mask):
+    """head: the 12 scale bytes, then d; body: hmask (32 bytes), then qs (64)."""
+    d = load_f16(q_ptr, head + 12, mask)
+    i = j // 16
+    lo = (_byte(q_ptr, head + i % 8, mask) >> (4 * (i // 8))) & 0x0F
+    hi = (_byte(q_ptr, head + 8 + i % 4, mask) >> (2 * (i // 4))) & 0x03
+    dl = d * ((lo | (hi << 4)) - 32).to(tl.float32)
+    q = _crumb(q_ptr, body + 32, j, mask) - ((_bit(q_ptr, body, j, mask) ^ 1) << 2)
+    return dl * q.to(tl.float32)
+
+
 @triton.jit
 def decode_q3_k(q_ptr, tab_ptr, blk, j, mask):
     base = blk * 110
-    d = load_f16(q_ptr, base + 108, mask)
-    i = j // 16
-    lo = (_byte(q_ptr, base + 96 + i % 8, mask) >> (4 * (i // 8))) & 0x0F
-    hi = (_byte(q_ptr, base + 104 + i % 4, mask) >> (2 * (i // 4))) & 0x03
-    dl = d * ((lo | (hi << 4)) - 32).to(tl.float32)
-    q = _crumb(q_ptr, base + 32, j, mask) - ((_bit(q_ptr, base, j, mask) ^ 1) << 2)
-    return dl * q.to(tl.float32)
+    return q3_k_at(q_ptr, tab_ptr, base + 96, base, j, mask)
 
 
 @triton.jit
@@ -87,13 +96,19 @@ def decode_q5_k(q_ptr, tab_ptr, blk, j, mask):
 
 
 @triton.jit
+def q6_k_at(q_ptr, tab_ptr, head, body, j, mask):
+    """head: the 16 int8 scales, then d; body: ql (128 bytes), then qh (64)."""
+    d = load_f16(q_ptr, head + 16, mask)
+    sc = tl.load(q_ptr + head + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
+    dl = d * sc.to(tl.float32)
+    q = (_nibble(q_ptr, body, j, mask, 64) | (_crumb(q_ptr, body + 128, j, mask) << 4)) - 32
+    return dl * q.to(tl.float32)
+
+
+@triton.jit
 def decode_q6_k(q_ptr, tab_ptr, blk, j, mask):
     base = blk * 210
-    d = load_f16(q_ptr, base + 208, mask)
-    sc = tl.load(q_ptr + base + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
-    dl = d * sc.to(tl.float32)
-    q = (_nibble(q_ptr, base, j, mask, 64) | (_crumb(q_ptr, base + 128, j, mask) << 4)) - 32
-    return dl * q.to(tl.float32)
+    return q6_k_at(q_ptr, tab_ptr, base + 192, base, j, mask)
 
 
 # --- int8 units (decode/common.py) ---------------------------------------------------------
@@ -186,28 +201,31 @@ def _fifth(h, bit):
 @triton.jit
 def unit_q6_k(p, u, tab_ptr, ASM: tl.constexpr):
     """Q6_K half u (0, 1): ql (64 bytes at 64u), qh (32 bytes at 128 + 32u), 8 int8
-    scales at 192 + 8u, d at 208; weight = (d * sc) * (q - 32), ZERO 32. Group g of 32
-    takes ql bytes 32 (g % 2).. (low nibbles for g < 2) and qh bits 2g, 2g + 1. A block
-    is 210 bytes, so words come from halfword pairs."""
-    d = f16_at(p, 104)
+    scales at 192 + 8u, d at 208; weight = (d * sc) * (q - 32), ZERO 32. A block is 210
+    bytes, so words come from halfword pairs (the split layout's from int64 words)."""
     ql = p + 32 * u
     qh = p + 64 + 16 * u
-    sc = p + 96 + 4 * u
-    s01 = word_at(sc, 0, ASM)
-    s23 = word_at(sc, 2, ASM)
-    low = ()    # ql's 16 words: low nibbles groups 0 (words 0-7) and 1, high 2 and 3
+    low = ()
     for i in tl.static_range(16):
         low = low + (word_at(ql, 2 * i, ASM),)
     high = ()
     for i in tl.static_range(8):
         high = high + (word_at(qh, 2 * i, ASM),)
+    sc = p + 96 + 4 * u
+    return q6_k_unit(low, high, word_at(sc, 0, ASM), word_at(sc, 2, ASM), f16_at(p, 104))
+
+
+@triton.jit
+def q6_k_unit(low, high, s03, s47, d):
+    """A Q6_K half from its words: ql's 16 (group g of 32 takes words 8 (g % 2).., low
+    nibbles for g < 2), qh's 8 (group g takes bits 2g, 2g + 1), its 8 scale bytes."""
     words = ()
     for g in tl.static_range(4):
         for i in tl.static_range(8):
             lo = (low[8 * (g % 2) + i] >> (4 * (g // 2))) & 0x0F0F0F0F
             words = words + (lo | (((high[i] >> (2 * g)) & 0x03030303) << 4),)
-    scales = (d * _sbyte_f(s01, 0), d * _sbyte_f(s01, 1), d * _sbyte_f(s01, 2), d * _sbyte_f(s01, 3),
-              d * _sbyte_f(s23, 0), d * _sbyte_f(s23, 1), d * _sbyte_f(s23, 2), d * _sbyte_f(s23, 3))
+    scales = (d * _sbyte_f(s03, 0), d * _sbyte_f(s03, 1), d * _sbyte_f(s03, 2), d * _sbyte_f(s03, 3),
+              d * _sbyte_f(s47, 0), d * _sbyte_f(s47, 1), d * _sbyte_f(s47, 2), d * _sbyte_f(s47, 3))
     return words, scales, scales
 
 
@@ -220,23 +238,28 @@ def _sbyte_f(w, k: tl.constexpr):
 @triton.jit
 def unit_q3_k(p, u, tab_ptr, ASM: tl.constexpr):
     """Q3_K half u (0, 1): hmask (32 bytes at 0), qs (32 bytes at 32 + 32u), 12 scale
-    bytes at 96, d at 108; weight = (d * (sc - 32)) * q, q = crumb - 4 where the hmask bit
-    is clear: signed codes, ZERO 0. Group g takes qs bits 2g, 2g + 1 and hmask bit 4u + g.
-    A block is 110 bytes: words from halfword pairs."""
-    d = f16_at(p, 54)
+    bytes at 96, d at 108; weight = (d * (sc - 32)) * q. A block is 110 bytes: words from
+    halfword pairs (the split layout's from int64 words)."""
     qs = p + 16 + 16 * u
-    lo0 = word_at(p, 48, ASM)  # scale bytes 0-3: low nibbles scales 0-3, high 8-11
-    lo1 = word_at(p, 50, ASM)  # bytes 4-7: scales 4-7 and 12-15
-    hi = word_at(p, 52, ASM)   # bytes 8-11: bits 4-5 of scale k at bit 8 (k % 4) + 2 (k // 4)
     crumbs = ()
     marks = ()
     for i in tl.static_range(8):
         crumbs = crumbs + (word_at(qs, 2 * i, ASM),)
-        marks = marks + (~word_at(p, 2 * i, ASM) >> (4 * u),)
+        marks = marks + (word_at(p, 2 * i, ASM),)
+    return q3_k_unit(crumbs, marks, word_at(p, 48, ASM), word_at(p, 50, ASM), word_at(p, 52, ASM),
+                     f16_at(p, 54), u)
+
+
+@triton.jit
+def q3_k_unit(crumbs, marks, lo0, lo1, hi, d, u):
+    """A Q3_K half u from its words: qs's 8 (group g of 32 takes bits 2g, 2g + 1), hmask's
+    8 (group g takes bit 4u + g), the scale bytes 0-3 (lo0: low nibbles scales 0-3, high
+    8-11), 4-7 (lo1) and 8-11 (hi: bits 4-5 of scale k at bit 8 (k % 4) + 2 (k // 4)).
+    q = crumb - 4 where the hmask bit is clear: signed codes, ZERO 0."""
     words = ()
     for g in tl.static_range(4):
         for i in tl.static_range(8):
-            clear = (marks[i] >> g) & 0x01010101
+            clear = (~marks[i] >> (4 * u + g)) & 0x01010101
             words = words + (((crumbs[i] >> (2 * g)) & 0x03030303) | (clear * 0xFC),)  # crumb - 4, signed
     scales = ()
     for k in tl.static_range(8):

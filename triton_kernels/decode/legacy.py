@@ -2,7 +2,7 @@
 import triton
 import triton.language as tl
 
-from .common import f16_at, hi_nibbles, lo_nibbles, load_f16, word_at
+from .common import f16_at, halves, hi_nibbles, lo_nibbles, load_f16, word_at
 
 
 @triton.jit
@@ -52,18 +52,24 @@ def decode_q4_1(q_ptr, tab_ptr, blk, j, mask):
 
 
 @triton.jit
-def _q5(q_ptr, off, j, mask):
-    """Weight j's 5-bit code: the fifth bit from the u32 at `off`, the nibble after it."""
-    hb = (tl.load(q_ptr + off + j // 8, mask=mask, other=0).to(tl.int32) >> (j % 8)) & 1
-    return nibble(q_ptr, off + 4, j, mask).to(tl.int32) | (hb << 4)
+def _q5(q_ptr, qh, qs, j, mask):
+    """Weight j's 5-bit code: the fifth bit from the u32 at `qh`, the nibble from `qs`."""
+    hb = (tl.load(q_ptr + qh + j // 8, mask=mask, other=0).to(tl.int32) >> (j % 8)) & 1
+    return nibble(q_ptr, qs, j, mask).to(tl.int32) | (hb << 4)
+
+
+@triton.jit
+def q5_0_at(q_ptr, tab_ptr, head, body, j, mask):
+    """head: d, then qh; body: the 16 nibble bytes."""
+    d = load_f16(q_ptr, head, mask)
+    q = _q5(q_ptr, head + 2, body, j, mask) - 16
+    return d * q.to(tl.float32)
 
 
 @triton.jit
 def decode_q5_0(q_ptr, tab_ptr, blk, j, mask):
     base = blk * 22
-    d = load_f16(q_ptr, base, mask)
-    q = _q5(q_ptr, base + 2, j, mask) - 16
-    return d * q.to(tl.float32)
+    return q5_0_at(q_ptr, tab_ptr, base, base + 6, j, mask)
 
 
 @triton.jit
@@ -71,7 +77,7 @@ def decode_q5_1(q_ptr, tab_ptr, blk, j, mask):
     base = blk * 24
     d = load_f16(q_ptr, base, mask)
     m = load_f16(q_ptr, base + 2, mask)
-    q = _q5(q_ptr, base + 4, j, mask).to(tl.float32)
+    q = _q5(q_ptr, base + 4, base + 8, j, mask).to(tl.float32)
     return d * q + m  # exact only without FMA contraction (enable_fp_fusion=False)
 
 
@@ -146,9 +152,12 @@ def unit_q5_0(p, u, tab_ptr, ASM: tl.constexpr):
 @triton.jit
 def unit_q5_1(p, u, tab_ptr, ASM: tl.constexpr):
     """Q5_1: d | m | qh (u32) | 16 nibble bytes; weight = d * q + m, OFFSET with b = -m (as
-    Q4_1). A block is 24 bytes, so its qh and nibbles load as int32 words."""
+    Q4_1). A block is 24 bytes, so its qh loads as an int32 word and its nibbles, 8-byte
+    aligned at byte 8, as two int64 words."""
     d = f16_at(p, 0)
     m = f16_at(p, 1)
-    w = (p + 2).to(tl.pointer_type(tl.int32))
-    r = (tl.load(w + 1), tl.load(w + 2), tl.load(w + 3), tl.load(w + 4))
-    return q5_words(r, tl.load(w)), (d,), (-m,)
+    qh = tl.load((p + 2).to(tl.pointer_type(tl.int32)))
+    q = (p + 4).to(tl.pointer_type(tl.int64))
+    r0, r1 = halves(tl.load(q))
+    r2, r3 = halves(tl.load(q + 1))
+    return q5_words((r0, r1, r2, r3), qh), (d,), (-m,)

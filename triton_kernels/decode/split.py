@@ -10,11 +10,12 @@ pointer at its head, returning what the GGUF unit decode returns (decode/common.
 import triton
 import triton.language as tl
 
-from ..asm import prmt
+from ..asm import pack16, prmt
 from .common import f16_at, halves, hi_nibbles, hw, lo_nibbles
 from .iq3 import _chunk, _s_chunk, iq3_s_at, iq3_xxs_at
 from .iq4 import _lut16, _lut16_loads, iq4_nl_at
-from .legacy import q4_0_at, q8_0_at
+from .kquants import q3_k_at, q3_k_unit, q6_k_at, q6_k_unit
+from .legacy import q4_0_at, q5_0_at, q5_words, q8_0_at
 
 TILE_BLOCKS = tl.constexpr(4)  # layout/split.py's tile
 
@@ -72,6 +73,24 @@ def decode_q8_0_split(q_ptr, tab_ptr, blk, j, mask):
 def decode_q4_0_split(q_ptr, tab_ptr, blk, j, mask):
     head, body = split_at(blk, 18, 16)
     return q4_0_at(q_ptr, tab_ptr, head, body, j, mask)
+
+
+@triton.jit
+def decode_q5_0_split(q_ptr, tab_ptr, blk, j, mask):
+    head, body = split_at(blk, 22, 16)
+    return q5_0_at(q_ptr, tab_ptr, head, body, j, mask)
+
+
+@triton.jit
+def decode_q3_k_split(q_ptr, tab_ptr, blk, j, mask):
+    head, body = split_at(blk, 110, 96)
+    return q3_k_at(q_ptr, tab_ptr, head, body, j, mask)
+
+
+@triton.jit
+def decode_q6_k_split(q_ptr, tab_ptr, blk, j, mask):
+    head, body = split_at(blk, 210, 192)
+    return q6_k_at(q_ptr, tab_ptr, head, body, j, mask)
 
 
 @triton.jit
@@ -176,3 +195,39 @@ def unit_iq3_s_split(p, u, tab_ptr, ASM: tl.constexpr):
     w4, w5 = _s_chunk(tab_ptr, hi & 0xFFFF, qh, 4, (sw >> 16) & 0xFF)
     w6, w7 = _s_chunk(tab_ptr, (hi >> 16) & 0xFFFF, qh, 6, (sw >> 24) & 0xFF)
     return (w0, w1, w2, w3, w4, w5, w6, w7), (a,), (a,)
+
+
+@triton.jit
+def _words(b, i: tl.constexpr, n: tl.constexpr):
+    """The 2n int32 words of the n int64 words from b + i."""
+    out = ()
+    for k in tl.static_range(n):
+        lo, hi = halves(tl.load(b + i + k))
+        out = out + (lo, hi)
+    return out
+
+
+@triton.jit
+def unit_q5_0_split(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q5_0: 16 nibble bytes in two int64 words; the head holds d and qh; ZERO = 16."""
+    b, h = p
+    d = f16_at(h, 0)
+    return q5_words(_words(b, 0, 2), pack16(hw(h, 1), hw(h, 2), ASM)), (d,), (d,)
+
+
+@triton.jit
+def unit_q3_k_split(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q3_K half u: hmask is int64 words 0-3 of the body, qs's half u words 4 + 4u..; the
+    head holds the 12 scale bytes and d (decode/kquants.py: q3_k_unit)."""
+    b, h = p
+    return q3_k_unit(_words(b + 4 * u, 4, 4), _words(b, 0, 4), pack16(hw(h, 0), hw(h, 1), ASM),
+                     pack16(hw(h, 2), hw(h, 3), ASM), pack16(hw(h, 4), hw(h, 5), ASM), f16_at(h, 6), u)
+
+
+@triton.jit
+def unit_q6_k_split(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q6_K half u: ql's half u is int64 words 8u.. of the body, qh's 16 + 4u..; the head
+    holds the 16 scale bytes and d (decode/kquants.py: q6_k_unit)."""
+    b, h = p
+    return q6_k_unit(_words(b + 8 * u, 0, 8), _words(b + 4 * u, 16, 4), pack16(hw(h, 4 * u), hw(h, 4 * u + 1), ASM),
+                     pack16(hw(h, 4 * u + 2), hw(h, 4 * u + 3), ASM), f16_at(h, 8))

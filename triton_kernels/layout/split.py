@@ -1,9 +1,10 @@
 """The split layout: GGUF blocks regrouped in fours so that a lane loads quants 8 bytes at a time.
 
-GGUF blocks are only 2-byte aligned (Q8_0 34 bytes, Q4_0 and IQ4_NL 18, IQ3_XXS 98,
-IQ3_S 110), so a kernel reading them in place loads 2 bytes a lane at a time. The split
-layout takes every four consecutive blocks (a tile) and writes their bodies, the quant
-bytes, first and their heads, the fp16 scale (and IQ3_S's scale nibbles), after:
+GGUF blocks are only 2-byte aligned (Q8_0 34 bytes, Q4_0 and IQ4_NL 18, Q5_0 22, IQ3_XXS 98,
+IQ3_S and Q3_K 110, Q6_K 210), so a kernel reading them in place loads 2 bytes a lane at a
+time. The split layout takes every four consecutive blocks (a tile) and writes their
+bodies, the quant bytes, first and their heads, the fp16 scale (and IQ3_S's scale nibbles,
+Q5_0's fifth bits, the K-quants' sub-block scales), after:
 
     GGUF    | d0 q0 | d1 q1 | d2 q2 | d3 q3 |
     split   | q0 | q1 | q2 | q3 | d0 | d1 | d2 | d3 |
@@ -17,9 +18,9 @@ length is a multiple of 8 and 4 x block_bytes is too, so a tile and each body in
 (TILE = 4 * block_bytes, HEAD = block_bytes - BODY): a kernel finds any block from its
 flat index alone, whatever the rows and expert strides (decode/split.py). Tiles run over
 the flat block index, so a tensor must hold whole tiles and start at one: a view of rows
-or experts is one when it starts at a multiple of four blocks, which for these five sizes
-is exactly when its first byte is 8-byte aligned (34k, 18k, 98k and 110k are multiples of
-8 only for k a multiple of 4).
+or experts is one when it starts at a multiple of four blocks, which for these sizes is
+exactly when its first byte is 8-byte aligned (34k, 18k, 22k, 98k, 110k and 210k are
+multiples of 8 only for k a multiple of 4).
 
 Q4_K (144 bytes, quants from byte 16) is 16-byte aligned as GGUF stores it: its kernels
 read it in place with 8-byte loads and it has no split layout.
@@ -41,12 +42,16 @@ NAME = "split"
 TILE_BLOCKS = 4
 
 # a block's head: its byte ranges in GGUF order; the body is every other byte, in order
+# (one run of them)
 HEADS: dict[str, tuple[tuple[int, int], ...]] = {
     "Q8_0": ((0, 2),),
     "Q4_0": ((0, 2),),
+    "Q5_0": ((0, 6),),               # d and the fifth bits (qh); the nibbles are the body
     "IQ4_NL": ((0, 2),),
     "IQ3_XXS": ((0, 2),),
     "IQ3_S": ((0, 2), (106, 110)),   # d, then the four scale bytes after the signs
+    "Q3_K": ((96, 110),),            # the scales and d after hmask and qs
+    "Q6_K": ((192, 210),),           # the scales and d after ql and qh
 }
 
 
@@ -59,6 +64,13 @@ def body_bytes(fmt: quant.Format) -> int:
     return fmt.block_bytes - sum(b - a for a, b in HEADS[fmt.name])
 
 
+def _body_start(fmt: quant.Format) -> int:
+    """Where a block's body starts in GGUF order: after the first head where one leads the
+    block, else at byte 0."""
+    first = HEADS[fmt.name][0]
+    return first[1] if first[0] == 0 else 0
+
+
 def _ranges(fmt: quant.Format) -> list[tuple[int, int, int]]:
     """The layout as byte ranges: (GGUF offset in the tile, split offset, length)."""
     heads = HEADS[fmt.name]
@@ -66,7 +78,7 @@ def _ranges(fmt: quant.Format) -> list[tuple[int, int, int]]:
     out = []
     for i in range(TILE_BLOCKS):
         src = i * fmt.block_bytes
-        out.append((src + heads[0][1], i * body, body))  # the body: every byte between the heads
+        out.append((src + _body_start(fmt), i * body, body))  # the body: every byte between the heads
         at = TILE_BLOCKS * body + i * head
         for a, b in heads:
             out.append((src + a, at, b - a))
@@ -109,7 +121,7 @@ def _permute(data, fmt: quant.Format, inverse: bool):
     blocks = gguf.reshape(n, TILE_BLOCKS, fmt.block_bytes // 2)
     bodies = split[:, :TILE_BLOCKS * body].reshape(n, TILE_BLOCKS, body)
     heads = split[:, TILE_BLOCKS * body:].reshape(n, TILE_BLOCKS, head)
-    pairs = [(bodies, blocks[:, :, HEADS[fmt.name][0][1] // 2:][:, :, :body])]
+    pairs = [(bodies, blocks[:, :, _body_start(fmt) // 2:][:, :, :body])]
     at = 0
     for a, b in HEADS[fmt.name]:
         pairs.append((heads[:, :, at:at + (b - a) // 2], blocks[:, :, a // 2:b // 2]))

@@ -14,6 +14,7 @@ import pytest
 import quant
 from triton_kernels.analysis import static
 from triton_kernels.decode import UNITS
+from triton_kernels.layout.split import has_split
 
 LOOP_BOUND = {"Q8_0": 3.66, "Q4_0": 2.72, "IQ4_NL": 4.75, "IQ3_S": 5.84, "IQ3_XXS": 5.66, "Q4_K": 5.0}
 # main-loop instructions a weight of the decode kernels on GGUF bytes with 16-bit loads,
@@ -29,9 +30,11 @@ WIDE_SHARE = {"IQ3_S": 0.25, "IQ3_XXS": 0.25}
 BEFORE_LAYOUT_STORES = {"Q8_0": (5.81, 6.41), "Q4_0": (7.91, 8.47), "Q4_K": (8.31, 8.41),
                         "IQ4_NL": (7.44, 7.97), "IQ3_S": (9.16, 9.28), "IQ3_XXS": (8.22, 8.34)}
 WHOLE_BOUND = {"Q8_0": 4.8, "Q4_0": 3.6, "IQ4_NL": 5.5, "IQ3_S": 6.7, "IQ3_XXS": 6.5, "Q4_K": 5.0}
-# the other formats with int8 units, in GGUF order (Q4_1, Q5_0, Q5_1, IQ4_XS, Q2_K, Q3_K,
-# Q5_K, Q6_K): main-loop instructions a weight of each decode kernel, where their
-# per-weight decode took 19.7 (Q5_K's GEMV) to 73.9 (Q5_K's MoE down)
+# the other formats with int8 units (Q4_1, Q5_0, Q5_1, IQ4_XS, Q2_K, Q3_K, Q5_K, Q6_K; Q5_0,
+# Q3_K and Q6_K in the split layout): main-loop instructions a weight of each decode
+# kernel, where their per-weight decode took 19.7 (Q5_K's GEMV) to 73.9 (Q5_K's MoE down),
+# and at least half their bytes in 8-byte loads but for Q4_1 (20-byte blocks: its nibbles
+# are 4-byte aligned, int32 words)
 OTHER_UNIT_BOUND = 4.0
 # their dequant and PLE gather (bf16 out) with the per-weight decode, which the units must
 # not cost more than (Q4_1's took units first)
@@ -101,7 +104,10 @@ def decode_kernels_on_units(fmt, by):
     for op in ("gemv", "moe_gate_up", "moe_down"):
         row = by[op, fmt]
         assert row.kernel.endswith("_dp4a_kernel"), (op, fmt, row.kernel)
+        assert row.layout == ("split" if has_split(quant.get(fmt)) else "gguf"), (op, fmt, row.layout)
         assert row.instr_per_weight <= OTHER_UNIT_BOUND, (op, fmt, row.instr_per_weight, row.mix)
+        if fmt != "Q4_1":
+            assert row.wide_load_share >= 0.5, (op, fmt, row.wide_load_share)
 
 
 def test_the_float_gemv_reads_float_weights_in_wide_words():
@@ -323,6 +329,7 @@ def test_dequant_without_the_paired_cvt_compiles():
 import quant
 from triton_kernels.analysis import static
 from triton_kernels.decode import UNITS
+from triton_kernels.layout.split import has_split
 for op in ("dequant", "ple_gather"):
     spec = static._spec(op, quant.get("Q4_K"), "ptx")
     cx = {**spec.constexprs, "CVT": False}
