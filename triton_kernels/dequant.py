@@ -4,11 +4,11 @@
 
 `q` is a uint8 tensor of whole blocks along its last axis (1-D, or row-major 2-D with one
 tensor row per row); the result has the same leading axes and `k * block_elems` values
-per row. Formats with an int8 unit decode (triton_kernels.decode.UNITS: the legacy
-formats, the K-quants, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S) run `_dequant_units_kernel`: each
-thread decodes whole units (32, 64 or 128 weights) from whole-word loads and scales each
-code once. The others (IQ2_*, IQ1_*, FP8, the float formats) run `_dequant_kernel`, one
-weight a lane through the format's per-weight decode function.
+per row. Formats with an int8 unit decode (triton_kernels.decode.UNITS: every quantized
+GGUF format) run `_dequant_units_kernel`: each thread decodes whole units (32, 64 or 128
+weights) from whole-word loads and scales each code once. The others (FP8, the float
+formats) run `_dequant_kernel`, one weight a lane through the format's per-weight decode
+function.
 `dequantize_torch` is the same computation in vectorised torch, the CPU fast path, with
 torch.compile's one-pass loops for Q8_0, Q4_0 and IQ4_NL on request (cpu/dequant_compiled.py).
 `int8_parts` gives a weight of the int8-code formats as codes and group scales from the same

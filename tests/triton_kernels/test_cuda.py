@@ -114,12 +114,12 @@ def test_moe_dp4a_on_the_gpu(fmts):
     prop()
 
 
-@pytest.mark.parametrize("fmt", [quant.get(n) for n in ("Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "IQ3_XXS", "Q6_K", "IQ2_XXS")],
+@pytest.mark.parametrize("fmt", [quant.get(n) for n in ("Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "IQ3_XXS", "Q6_K", "FP8_E4M3")],
                          ids=lambda f: f.name)
 def test_batch_invariant_rows_on_the_gpu(fmt):
     """The batch-invariant GPU path (triton_kernels.invariant): a row's result is the same
     bits alone, among m rows and at any offset, on the device: the dp4a GEMV where the
-    format has int8 units, the one-tile GEMM otherwise (IQ2_XXS); the MoE likewise a token
+    format has int8 units, the one-tile GEMM otherwise (FP8_E4M3); the MoE likewise a token
     alone and among T. The interpreter checks the dp4a rows (test_invariant.py); this is
     the device's own arithmetic."""
     from tests.triton_kernels.test_moe import make, routing_weights

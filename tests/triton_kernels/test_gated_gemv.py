@@ -30,7 +30,7 @@ def gamma(n):
 
 @settings(max_examples=examples(16), deadline=None)
 @given(M=st.integers(1, 5), N=st.integers(1, 40), kb=st.integers(1, 3), silu=st.booleans(),
-       fmt=st.sampled_from(["F32", "F16", "FP8_E4M3", "IQ2_XXS"]), dtype=st.sampled_from(list(EPS)),
+       fmt=st.sampled_from(["F32", "F16", "BF16", "FP8_E4M3"]), dtype=st.sampled_from(list(EPS)),
        seed=st.integers(0, 2 ** 32 - 1))
 def test_gated_gemv_is_the_gate_then_the_gemv(M, N, kb, silu, fmt, dtype, seed):
     assert interpreter_on()

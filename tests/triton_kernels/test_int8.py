@@ -332,7 +332,8 @@ def gemv_x(rng, m: int, K: int) -> torch.Tensor:
 # shrinking a failure through the interpreter takes minutes: report the example as found
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
 STEP_BUDGET = {"Q8_0": 12, "Q4_0": 12, "Q4_1": 12, "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 4, "IQ4_XS": 4,
-               "Q2_K": 4, "Q3_K": 4, "Q4_K": 5, "Q5_K": 4, "Q6_K": 4, "IQ3_XXS": 8, "IQ3_S": 8}
+               "Q2_K": 4, "Q3_K": 4, "Q4_K": 5, "Q5_K": 4, "Q6_K": 4, "IQ3_XXS": 8, "IQ3_S": 8,
+               "IQ2_XXS": 8, "IQ2_XS": 8, "IQ2_S": 8, "IQ1_S": 8, "IQ1_M": 8}
 
 
 @pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")

@@ -145,11 +145,11 @@ def _case(fmt_name="Q4_0", m=3, n=5, nb=2, seed=0):
 
 @pytest.mark.parametrize("fmt_name,m,path", [
     ("Q4_0", 1, "dp4a"), ("Q4_0", GEMV_MAX_M, "dp4a"), ("Q4_0", GEMV_MAX_M + 1, "gemm"),
-    ("IQ2_XXS", 1, "gemv"), ("IQ2_XXS", GEMV_MAX_M, "gemv"), ("IQ2_XXS", GEMV_MAX_M + 1, "gemm")])
+    ("FP8_E4M3", 1, "gemv"), ("FP8_E4M3", GEMV_MAX_M, "gemv"), ("FP8_E4M3", GEMV_MAX_M + 1, "gemm")])
 def test_default_path_is_a_gemv_for_few_rows_and_gemm_after(fmt_name, m, path):
     # dp4a where the format has int8 units (test_int8.py checks its bound), the float GEMV
-    # elsewhere
-    fmt, x, q = _case(fmt_name, m=m)
+    # elsewhere (FP8, one weight a block: 64 of them)
+    fmt, x, q = _case(fmt_name, m=m, nb=max(2, 64 // quant.get(fmt_name).block_elems))
     qt = torch.from_numpy(q)
     # the interpreter is deterministic: the same kernel gives the same bits
     assert torch.equal(qmatmul(x, qt, fmt), qmatmul(x, qt, fmt, path=path))

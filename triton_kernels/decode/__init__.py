@@ -1,9 +1,9 @@
 """Per-format `@triton.jit` decode functions, of two kinds.
 
-Int8 units (`UNITS`, decode/common.py; the legacy formats, the K-quants, IQ4_NL, IQ4_XS,
-IQ3_XXS, IQ3_S): a whole unit of 32, 64 or 128 weights as int8 words plus a scale per 32
-or 16 weights, decoded once a thread; the dp4a GEMV and MoE kernels, dequant, the unit
-GEMM and the PLE gather run on them.
+Int8 units (`UNITS`, decode/common.py; every quantized GGUF format, FP8 aside): a whole
+unit of 32, 64 or 128 weights as int8 words plus a scale per 32 or 16 weights, decoded
+once a thread; the dp4a GEMV and MoE kernels, dequant, the unit GEMM and the PLE gather
+run on them.
 
 Per weight (`DECODERS`, every format; the GEMM, the float GEMV and the other formats'
 dequant): a decode function turns weights of quantized blocks into float32 values:
@@ -30,8 +30,8 @@ from ..backend import constant
 from ..layout.split import body_bytes
 from .floats import decode_bf16, decode_f16, decode_f32
 from .fp8 import decode_fp8_e4m3
-from .iq1 import decode_iq1_m, decode_iq1_s
-from .iq2 import decode_iq2_s, decode_iq2_xs, decode_iq2_xxs
+from .iq1 import decode_iq1_m, decode_iq1_s, unit_iq1_m, unit_iq1_s
+from .iq2 import decode_iq2_s, decode_iq2_xs, decode_iq2_xxs, unit_iq2_s, unit_iq2_xs, unit_iq2_xxs
 from .iq3 import decode_iq3_s, decode_iq3_xxs, unit_iq3_s, unit_iq3_xxs
 from .iq4 import decode_iq4_nl, decode_iq4_xs, unit_iq4_nl, unit_iq4_xs
 from .kquants import (decode_q2_k, decode_q3_k, decode_q4_k, decode_q5_k, decode_q6_k, unit_q2_k, unit_q3_k,
@@ -122,6 +122,11 @@ UNITS = {
     "Q6_K": Unit(unit_q6_k, 128, zero=32),        # scales per 16 weights
     "IQ3_XXS": Unit(unit_iq3_xxs, 32),
     "IQ3_S": Unit(unit_iq3_s, 32),
+    "IQ2_XXS": Unit(unit_iq2_xxs, 32),
+    "IQ2_XS": Unit(unit_iq2_xs, 32),       # scales per 16 weights
+    "IQ2_S": Unit(unit_iq2_s, 32),         # scales per 16 weights
+    "IQ1_S": Unit(unit_iq1_s, 32),
+    "IQ1_M": Unit(unit_iq1_m, 32),         # scales per 16 weights
 }
 SPLIT_UNITS = {
     "Q8_0": Unit(unit_q8_0_split, 32),
@@ -163,6 +168,13 @@ def _unit_table_words(fmt: quant.Format) -> np.ndarray:
     if fmt.name == "IQ3_S":
         grid = fmt.tables["grid"].astype(np.uint8).reshape(-1, 4).copy().view("<i4").reshape(-1)
         return np.concatenate([grid, _sign_words(np.arange(256)).reshape(-1)])
+    if fmt.name in ("IQ1_S", "IQ1_M"):  # codes 8g + 1 of each grid entry, then 8g - 1 (decode/iq1.py)
+        grid = fmt.tables["grid"].astype(np.int8).reshape(-1, 8) * 8
+        return np.concatenate([grid + 1, grid - 1]).astype(np.int8).copy().view("<i4").reshape(-1)
+    if fmt.name in ("IQ2_XXS", "IQ2_XS", "IQ2_S"):  # grid entries (8 bytes: 2 words), then sign words
+        grid = fmt.tables["grid"].astype(np.uint8).reshape(-1, 8).copy().view("<i4").reshape(-1)
+        signs = fmt.tables["ksigns"] if fmt.name != "IQ2_S" else np.arange(256)
+        return np.concatenate([grid, _sign_words(signs).reshape(-1)])
     if fmt.name in ("IQ4_NL", "IQ4_XS"):
         kv = fmt.tables["kvalues"].astype(np.int8)
         return np.concatenate([kv.copy().view("<i4"), kv.astype(np.int32)])

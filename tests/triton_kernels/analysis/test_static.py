@@ -30,17 +30,19 @@ WIDE_SHARE = {"IQ3_S": 0.25, "IQ3_XXS": 0.25}
 BEFORE_LAYOUT_STORES = {"Q8_0": (5.81, 6.41), "Q4_0": (7.91, 8.47), "Q4_K": (8.31, 8.41),
                         "IQ4_NL": (7.44, 7.97), "IQ3_S": (9.16, 9.28), "IQ3_XXS": (8.22, 8.34)}
 WHOLE_BOUND = {"Q8_0": 4.8, "Q4_0": 3.6, "IQ4_NL": 5.5, "IQ3_S": 6.7, "IQ3_XXS": 6.5, "Q4_K": 5.0}
-# the other formats with int8 units (Q4_1, Q5_0, Q5_1, IQ4_XS, Q2_K, Q3_K, Q5_K, Q6_K; Q5_0,
-# Q3_K and Q6_K in the split layout): main-loop instructions a weight of each decode
-# kernel, where their per-weight decode took 19.7 (Q5_K's GEMV) to 73.9 (Q5_K's MoE down),
+# the other formats with int8 units (Q4_1, Q5_0, Q5_1, IQ4_XS, the K-quants but Q4_K, the IQ2
+# and IQ1 formats; Q5_0, Q3_K and Q6_K in the split layout): main-loop instructions a
+# weight of each decode kernel, where their per-weight decode took 13.7 (IQ1_S's GEMV) to
+# 89.0 (IQ1_M's MoE down),
 # and at least half their bytes in 8-byte loads but for Q4_1 (20-byte blocks: its nibbles
 # are 4-byte aligned, int32 words)
 OTHER_UNIT_BOUND = 4.0
 # their dequant and PLE gather (bf16 out) with the per-weight decode, which the units must
-# not cost more than (Q4_1's took units first)
+# not cost more than (Q4_1 took units first)
 PER_WEIGHT_STORES = {"Q5_0": (44.0, 45.5), "Q5_1": (51.25, 49.25), "IQ4_XS": (78.75, 27.75),
                      "Q2_K": (53.62, 21.25), "Q3_K": (85.5, 35.84), "Q5_K": (85.5, 28.69),
-                     "Q6_K": (69.38, 36.31)}
+                     "Q6_K": (69.38, 36.31), "IQ2_XXS": (64.12, 31.47), "IQ2_XS": (61.38, 21.09),
+                     "IQ2_S": (61.12, 20.53), "IQ1_S": (53.12, 19.31), "IQ1_M": (83.75, 21.28)}
 FORMATS = [f.name for f in quant.FORMATS.values()]
 OTHER_UNITS = [f for f in UNITS if f not in LOOP_BOUND]
 
