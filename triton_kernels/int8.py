@@ -17,16 +17,17 @@ both bounds.
 
 Work per thread: a program owns BLOCK_N rows and walks K in steps of BLOCK_U units; each
 thread decodes whole units (32, 64 or 128 weights), sums their dp4a results in int32 and
-scales them once a group (of 32, or of 16 for Q2_K, Q3_K and Q6_K, whose ZERO and
-offsets then take x's sums of each 16 by dp4a as well); the accumulator [BLOCK_N, BLOCK_U] is reduced across lanes once,
-after the loop. Rows past N are clamped (read, never stored), so the main loop carries no
-masks; K that is no whole number of steps takes masked loads (MASK). Where a GEMV's tiles
-are fewer than the GPU's multiprocessors (N of 512 to 1,024 at BLOCK_N 8: an attention
-layer's k and v, a router), K splits over up to MAX_SPLIT programs a tile (split_for);
-the last of them to finish adds the partial sums in split order in the same launch, so
-the bits do not depend on which finishes last, nor on M. Weights in GGUF order
-or in the split device layout (triton_kernels.layout; BODY > 0), whose quants load as
-8-byte words; x̂'s codes load as 8-byte words either way.
+scales them once a group: of 32, or of 16 for the formats that scale each 16 (Q2_K,
+Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M), whose ZERO and offsets then take x's sums of each 16,
+by dp4a with a word of ones, in place of s. The accumulator [BLOCK_N, BLOCK_U] is reduced
+across lanes once, after the loop. Rows past N are clamped (read, never stored), so the
+main loop carries no masks; K that is no whole number of steps takes masked loads (MASK).
+Where a GEMV's tiles are fewer than the GPU's multiprocessors (N of 512 to 1,024 at
+BLOCK_N 8: an attention layer's k and v, a router), K splits over up to MAX_SPLIT
+programs a tile (split_for); the last of them to finish adds the partial sums in split
+order in the same launch, so the bits do not depend on which finishes last, nor on M.
+Weights in GGUF order or in the split device layout (triton_kernels.layout; BODY > 0),
+whose quants load as 8-byte words; x̂'s codes load as 8-byte words either way.
 
 A launch that writes a dp4a GEMV's input can write its int8 form as well (`store_groups`,
 whole groups of 32 a program) and `attach` it to its output: quantize_x of that tensor then
@@ -290,7 +291,7 @@ def dot_units(q_ptr, p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
                     term -= (a[g] * ZERO) * xs
                 if OFFSET:
                     term -= b[g] * xs
-        else:  # a scale (and offset) each 16 (Q2_K, Q3_K, Q6_K): x's sums a half by dp4a
+        else:  # a scale (and offset) each 16: x's sums a half by dp4a
             term = tl.zeros_like(part)
             ones = tl.zeros_like(words[0]) + 0x01010101  # dp4a(ones, x) sums x's four codes
             for h in tl.static_range(2):
@@ -304,7 +305,7 @@ def dot_units(q_ptr, p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
                         n = dp4a(ones, lo, n, ASM)
                         n = dp4a(ones, hi, n, ASM)
                 if ZERO != 0:
-                    s -= ZERO * n  # exact in int32: |s| <= 16 * 255 * 127
+                    s -= ZERO * n  # exact in int32: |s| <= 16 * 128 * 127
                 term += s.to(tl.float32) * a[2 * g + h]
                 if OFFSET:
                     term -= n.to(tl.float32) * b[2 * g + h]

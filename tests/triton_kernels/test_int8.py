@@ -364,7 +364,13 @@ def test_gemv_dp4a_agrees_with_the_reference(fmt, tiles):
     prop()
 
 
-@pytest.mark.parametrize("fmt", DOT_FORMATS, ids=lambda f: f.name)
+# split K's sums do not depend on the format: the quick tier takes the first formats with
+# units and Q6_K (a 128-weight unit, a scale a 16), the full suite every one
+QUICK_SPLIT = ("Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "IQ3_XXS", "IQ3_S", "Q6_K")
+
+
+@pytest.mark.parametrize("fmt", [f if f.name in QUICK_SPLIT else pytest.param(f, marks=pytest.mark.slow)
+                                 for f in DOT_FORMATS], ids=lambda f: f.name)
 def test_split_k_agrees_with_the_reference_and_repeats_its_bits(fmt):
     """K split over up to 5 programs a tile, summed in the launch: the same bound as one
     program (each split adds one rounding a row, well inside the K / 16 allowance), the

@@ -61,10 +61,7 @@ U = 2.0 ** -24
 # test_qmatmul's scale bounds give |w| <= 64; 1024 times smaller gives |w| <= 1/16
 SCALE_BOUND = {"Q4_K": 2.0 ** -4, "Q5_K": 2.0 ** -5, "Q6_K": 2.0 ** -6, "IQ4_XS": 2.0 ** -6}
 # gate, up, down: the real model's mix is in test_edge_cases_with_the_real_models_formats
-# the last: a scale a 16 with Q6_K's ZERO and Q2_K's minimums (x's sums a 16 by dp4a), and
-# Q5_0's ZERO a 32
-MIXES = [("IQ3_S", "IQ3_XXS", "Q4_K"), ("Q4_0", "Q8_0", "IQ4_NL"), ("Q8_0", "IQ4_NL", "IQ3_S"),
-         ("Q6_K", "Q2_K", "Q5_0")]
+MIXES = [("IQ3_S", "IQ3_XXS", "Q4_K"), ("Q4_0", "Q8_0", "IQ4_NL"), ("Q8_0", "IQ4_NL", "IQ3_S")]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -597,6 +594,30 @@ def test_dp4a_path_agrees_with_the_rounded_reference(fmts):
             held = [(layout.pack(w, f), layout.split_format(f)) if has_split(f) else (w, f) for w, f in held]
         args = (*(torch.from_numpy(w) for w, _ in held), *(f for _, f in held), weights, ids)
         assert_close(moe(x, *args, tiles=tiles, path="dp4a"), ref, bound, x.dtype, "moe dp4a")
+    prop()
+
+
+@pytest.mark.slow
+def test_dp4a_path_with_scales_a_16_agrees_with_the_rounded_reference():
+    """Gate Q6_K (a scale a 16 and ZERO 32), up Q2_K (a scale and a minimum a 16: x's sums
+    a 16 by dp4a), down Q5_0 (ZERO a 32), GGUF order or split, at the smallest sizes their
+    256-weight blocks allow (the interpreter's time goes with the programs)."""
+    fmts = tuple(quant.get(n) for n in ("Q6_K", "Q2_K", "Q5_0"))
+
+    @given(E=st.integers(1, 2), dtype=st.sampled_from(DTYPES), split=st.booleans(),
+           seed=st.integers(0, 2 ** 32 - 1), data=st.data())
+    @settings(max_examples=examples(12))
+    def prop(E, dtype, split, seed, data):
+        k = data.draw(st.integers(1, E))
+        ids = torch.tensor([data.draw(st.permutations(range(E)))[:k]], dtype=torch.int32)
+        x, wg, wu, wd, rng = make(fmts, E, 256, 256, 1, seed, dtype)
+        weights = routing_weights(rng, 1, k)
+        ref, bound = dp4a_reference(x, wg, wu, wd, fmts, ids, weights)
+        held = [(w, f) for w, f in zip((wg, wu, wd), fmts)]
+        if split:
+            held = [(layout.pack(w, f), layout.split_format(f)) if has_split(f) else (w, f) for w, f in held]
+        args = (*(torch.from_numpy(w) for w, _ in held), *(f for _, f in held), weights, ids)
+        assert_close(moe(x, *args, tiles=(256, 512), path="dp4a"), ref, bound, x.dtype, "moe dp4a")
     prop()
 
 

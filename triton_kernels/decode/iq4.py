@@ -69,22 +69,30 @@ def unit_iq4_nl(p, u, tab_ptr, ASM: tl.constexpr):
     """IQ4_NL: d | 16 nibble bytes; weight = d * KVALUES[q]. Table: KVALUES as 4 int32
     words (the permutes' operands), then as 16 int32 values (the twin's loads)."""
     d = f16_at(p, 0)
-    t0 = tl.load(tab_ptr)
-    t1 = tl.load(tab_ptr + 1)
-    t2 = tl.load(tab_ptr + 2)
-    t3 = tl.load(tab_ptr + 3)
     r = nibble_words(p, 1, ASM)
+    return looked_up(r[0], r[1], r[2], r[3], tab_ptr, ASM), (d,), (d,)
+
+
+@triton.jit
+def looked_up(r0, r1, r2, r3, tab_ptr, ASM: tl.constexpr):
+    """The 32 nibbles of words r0..r3 (byte k: weight k low, k + 16 high) looked up in
+    KVALUES: eight words of int8 values, weights 0-3 to 28-31. The unit table holds KVALUES
+    as 4 int32 words (the permutes' operands), then as 16 int32 values (the twin's loads)."""
     if ASM == "":
-        l0, h0 = _lut16_loads(r[0], tab_ptr)
-        l1, h1 = _lut16_loads(r[1], tab_ptr)
-        l2, h2 = _lut16_loads(r[2], tab_ptr)
-        l3, h3 = _lut16_loads(r[3], tab_ptr)
+        l0, h0 = _lut16_loads(r0, tab_ptr)
+        l1, h1 = _lut16_loads(r1, tab_ptr)
+        l2, h2 = _lut16_loads(r2, tab_ptr)
+        l3, h3 = _lut16_loads(r3, tab_ptr)
     else:
-        l0, h0 = _lut16(r[0], t0, t1, t2, t3, ASM)
-        l1, h1 = _lut16(r[1], t0, t1, t2, t3, ASM)
-        l2, h2 = _lut16(r[2], t0, t1, t2, t3, ASM)
-        l3, h3 = _lut16(r[3], t0, t1, t2, t3, ASM)
-    return (l0, l1, l2, l3, h0, h1, h2, h3), (d,), (d,)
+        t0 = tl.load(tab_ptr)
+        t1 = tl.load(tab_ptr + 1)
+        t2 = tl.load(tab_ptr + 2)
+        t3 = tl.load(tab_ptr + 3)
+        l0, h0 = _lut16(r0, t0, t1, t2, t3, ASM)
+        l1, h1 = _lut16(r1, t0, t1, t2, t3, ASM)
+        l2, h2 = _lut16(r2, t0, t1, t2, t3, ASM)
+        l3, h3 = _lut16(r3, t0, t1, t2, t3, ASM)
+    return (l0, l1, l2, l3, h0, h1, h2, h3)
 
 
 @triton.jit
@@ -100,18 +108,4 @@ def unit_iq4_xs(p, u, tab_ptr, ASM: tl.constexpr):
     q = p.to(tl.pointer_type(tl.int64)) + (1 + 2 * u)
     r0, r1 = halves(tl.load(q))
     r2, r3 = halves(tl.load(q + 1))
-    if ASM == "":
-        l0, h0 = _lut16_loads(r0, tab_ptr)
-        l1, h1 = _lut16_loads(r1, tab_ptr)
-        l2, h2 = _lut16_loads(r2, tab_ptr)
-        l3, h3 = _lut16_loads(r3, tab_ptr)
-    else:
-        t0 = tl.load(tab_ptr)
-        t1 = tl.load(tab_ptr + 1)
-        t2 = tl.load(tab_ptr + 2)
-        t3 = tl.load(tab_ptr + 3)
-        l0, h0 = _lut16(r0, t0, t1, t2, t3, ASM)
-        l1, h1 = _lut16(r1, t0, t1, t2, t3, ASM)
-        l2, h2 = _lut16(r2, t0, t1, t2, t3, ASM)
-        l3, h3 = _lut16(r3, t0, t1, t2, t3, ASM)
-    return (l0, l1, l2, l3, h0, h1, h2, h3), (dl,), (dl,)
+    return looked_up(r0, r1, r2, r3, tab_ptr, ASM), (dl,), (dl,)

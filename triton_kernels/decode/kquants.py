@@ -126,9 +126,9 @@ def _k_scale_min(a, b, c, j: tl.constexpr, low):
 
 
 @triton.jit
-def unit_q4_k(p, u, tab_ptr, ASM: tl.constexpr):
-    """Q4_K unit u (0..3): 64 weights, sub-blocks 2u (low nibbles of bytes 16 + 32u..) and
-    2u + 1 (high nibbles); weight = (d * sc) * q - dmin * m, OFFSET."""
+def k_scales_mins(p, u):
+    """Q4_K and Q5_K unit u (sub-blocks 2u, 2u + 1): the scales (d * sc) and offsets
+    (dmin * m) of its two groups, from d, dmin and the 12 scale bytes at the block's start."""
     d = f16_at(p, 0)
     dmin = f16_at(p, 1)
     ha = hw(p, 2 + u % 2).to(tl.int32)
@@ -137,6 +137,15 @@ def unit_q4_k(p, u, tab_ptr, ASM: tl.constexpr):
     low = u < 2
     sc0, m0 = _k_scale_min(ha, hb, hc, 0, low)
     sc1, m1 = _k_scale_min(ha, hb, hc, 1, low)
+    return ((d * sc0.to(tl.float32), d * sc1.to(tl.float32)),
+            (dmin * m0.to(tl.float32), dmin * m1.to(tl.float32)))
+
+
+@triton.jit
+def unit_q4_k(p, u, tab_ptr, ASM: tl.constexpr):
+    """Q4_K unit u (0..3): 64 weights, sub-blocks 2u (low nibbles of bytes 16 + 32u..) and
+    2u + 1 (high nibbles); weight = (d * sc) * q - dmin * m, OFFSET."""
+    a, b = k_scales_mins(p, u)
     # the quants as int64 words: a block is 144 bytes and its quants start at byte 16, so
     # GGUF order already aligns them to 16 bytes (no device layout needed)
     q = p.to(tl.pointer_type(tl.int64)) + (2 + 4 * u)
@@ -147,23 +156,14 @@ def unit_q4_k(p, u, tab_ptr, ASM: tl.constexpr):
     return ((lo_nibbles(r0), lo_nibbles(r1), lo_nibbles(r2), lo_nibbles(r3),
              lo_nibbles(r4), lo_nibbles(r5), lo_nibbles(r6), lo_nibbles(r7),
              hi_nibbles(r0), hi_nibbles(r1), hi_nibbles(r2), hi_nibbles(r3),
-             hi_nibbles(r4), hi_nibbles(r5), hi_nibbles(r6), hi_nibbles(r7)),
-            (d * sc0.to(tl.float32), d * sc1.to(tl.float32)),
-            (dmin * m0.to(tl.float32), dmin * m1.to(tl.float32)))
+             hi_nibbles(r4), hi_nibbles(r5), hi_nibbles(r6), hi_nibbles(r7)), a, b)
 
 
 @triton.jit
 def unit_q5_k(p, u, tab_ptr, ASM: tl.constexpr):
     """Q5_K unit u (0..3): Q4_K's 64 weights with their fifth bits, bits 2u and 2u + 1 of
     the 32 qh bytes (16-byte aligned at byte 16: a block is 176 bytes); OFFSET."""
-    d = f16_at(p, 0)
-    dmin = f16_at(p, 1)
-    ha = hw(p, 2 + u % 2).to(tl.int32)
-    hb = hw(p, 4 + u % 2).to(tl.int32)
-    hc = hw(p, 6 + u % 2).to(tl.int32)
-    low = u < 2
-    sc0, m0 = _k_scale_min(ha, hb, hc, 0, low)
-    sc1, m1 = _k_scale_min(ha, hb, hc, 1, low)
+    a, b = k_scales_mins(p, u)
     w = p.to(tl.pointer_type(tl.int64))
     h0, h1 = halves(tl.load(w + 2))
     h2, h3 = halves(tl.load(w + 3))
@@ -182,9 +182,7 @@ def unit_q5_k(p, u, tab_ptr, ASM: tl.constexpr):
              hi_nibbles(r0) | _fifth(h0, s + 1), hi_nibbles(r1) | _fifth(h1, s + 1),
              hi_nibbles(r2) | _fifth(h2, s + 1), hi_nibbles(r3) | _fifth(h3, s + 1),
              hi_nibbles(r4) | _fifth(h4, s + 1), hi_nibbles(r5) | _fifth(h5, s + 1),
-             hi_nibbles(r6) | _fifth(h6, s + 1), hi_nibbles(r7) | _fifth(h7, s + 1)),
-            (d * sc0.to(tl.float32), d * sc1.to(tl.float32)),
-            (dmin * m0.to(tl.float32), dmin * m1.to(tl.float32)))
+             hi_nibbles(r6) | _fifth(h6, s + 1), hi_nibbles(r7) | _fifth(h7, s + 1)), a, b)
 
 
 @triton.jit

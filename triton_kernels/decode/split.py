@@ -13,7 +13,7 @@ import triton.language as tl
 from ..asm import pack16, prmt
 from .common import f16_at, halves, hi_nibbles, hw, lo_nibbles
 from .iq3 import _chunk, _s_chunk, iq3_s_at, iq3_xxs_at
-from .iq4 import _lut16, _lut16_loads, iq4_nl_at
+from .iq4 import iq4_nl_at, looked_up
 from .kquants import q3_k_at, q3_k_unit, q6_k_at, q6_k_unit
 from .legacy import q4_0_at, q5_0_at, q5_words, q8_0_at
 
@@ -144,21 +144,7 @@ def unit_iq4_nl_split(p, u, tab_ptr, ASM: tl.constexpr):
     d = f16_at(h, 0)
     r0, r1 = halves(tl.load(b))
     r2, r3 = halves(tl.load(b + 1))
-    if ASM == "":
-        l0, h0 = _lut16_loads(r0, tab_ptr)
-        l1, h1 = _lut16_loads(r1, tab_ptr)
-        l2, h2 = _lut16_loads(r2, tab_ptr)
-        l3, h3 = _lut16_loads(r3, tab_ptr)
-    else:
-        t0 = tl.load(tab_ptr)
-        t1 = tl.load(tab_ptr + 1)
-        t2 = tl.load(tab_ptr + 2)
-        t3 = tl.load(tab_ptr + 3)
-        l0, h0 = _lut16(r0, t0, t1, t2, t3, ASM)
-        l1, h1 = _lut16(r1, t0, t1, t2, t3, ASM)
-        l2, h2 = _lut16(r2, t0, t1, t2, t3, ASM)
-        l3, h3 = _lut16(r3, t0, t1, t2, t3, ASM)
-    return (l0, l1, l2, l3, h0, h1, h2, h3), (d,), (d,)
+    return looked_up(r0, r1, r2, r3, tab_ptr, ASM), (d,), (d,)
 
 
 @triton.jit
