@@ -281,12 +281,9 @@ def dot_units(q_ptr, p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
                 lo, hi = halves(_x_word(x64, gi * 4 + w, vmask, MASK))
                 s = dp4a(words[g * 8 + 2 * w], lo, s, ASM)
                 s = dp4a(words[g * 8 + 2 * w + 1], hi, s, ASM)
-            term = s.to(tl.float32) * (a[g] * _x_scale(xd_ptr, gi, vmask, MASK))
+            term = s.to(tl.float32) * (a[g] * _x_group(xd_ptr, gi, vmask, MASK))
             if ZERO != 0 or OFFSET:
-                if MASK:
-                    xs = tl.load(xs_ptr + gi, mask=vmask, other=0.0)
-                else:
-                    xs = tl.load(xs_ptr + gi)
+                xs = _x_group(xs_ptr, gi, vmask, MASK)
                 if ZERO != 0:
                     term -= (a[g] * ZERO) * xs
                 if OFFSET:
@@ -309,7 +306,7 @@ def dot_units(q_ptr, p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
                 term += s.to(tl.float32) * a[2 * g + h]
                 if OFFSET:
                     term -= n.to(tl.float32) * b[2 * g + h]
-            term = term * _x_scale(xd_ptr, gi, vmask, MASK)
+            term = term * _x_group(xd_ptr, gi, vmask, MASK)
         if MASK:
             term = tl.where(vmask, term, 0.0)  # a clamped unit's scale may be Inf or NaN
         part += term
@@ -317,11 +314,11 @@ def dot_units(q_ptr, p_row, v, vmask, xq_ptr, xd_ptr, xs_ptr, tab_ptr,
 
 
 @triton.jit
-def _x_scale(xd_ptr, gi, vmask, MASK: tl.constexpr):
-    """x̂'s scale of group gi: 0 past K when MASK."""
+def _x_group(ptr, gi, vmask, MASK: tl.constexpr):
+    """x̂'s value of group gi in `ptr` (its scale d or its sum s): 0 past K when MASK."""
     if MASK:
-        return tl.load(xd_ptr + gi, mask=vmask, other=0.0)
-    return tl.load(xd_ptr + gi)
+        return tl.load(ptr + gi, mask=vmask, other=0.0)
+    return tl.load(ptr + gi)
 
 
 @triton.jit

@@ -53,6 +53,7 @@ import quant
 from tests.blocks import has_scales
 from triton_kernels import layout, moe, moe_align_block_size, moe_align_block_size_torch, moe_torch, route
 from triton_kernels.backend import interpreter_on
+from triton_kernels.decode import UNITS
 from triton_kernels.layout.split import has_split
 from triton_kernels.moe import route_torch
 
@@ -597,27 +598,36 @@ def test_dp4a_path_agrees_with_the_rounded_reference(fmts):
     prop()
 
 
+# the unit formats DP4A_FORMATS leaves out, each alone, and a mix of a scale a 16 with Q6_K's
+# ZERO (gate), a scale and a minimum a 16 (up: x's sums a 16 by dp4a) and a ZERO a 32 (down)
+OTHER_DP4A = [(f, f, f) for f in (quant.get(n) for n in UNITS) if f not in DP4A_FORMATS] + [
+    tuple(quant.get(n) for n in ("Q6_K", "Q2_K", "Q5_0"))]
+
+
 @pytest.mark.slow
-def test_dp4a_path_with_scales_a_16_agrees_with_the_rounded_reference():
-    """Gate Q6_K (a scale a 16 and ZERO 32), up Q2_K (a scale and a minimum a 16: x's sums
-    a 16 by dp4a), down Q5_0 (ZERO a 32), GGUF order or split, at the smallest sizes their
-    256-weight blocks allow (the interpreter's time goes with the programs)."""
-    fmts = tuple(quant.get(n) for n in ("Q6_K", "Q2_K", "Q5_0"))
+@pytest.mark.parametrize("fmts", OTHER_DP4A, ids=lambda fs: "-".join(f.name for f in fs))
+def test_dp4a_path_of_the_other_unit_formats_agrees_with_the_rounded_reference(fmts):
+    """The other formats' units (per 16 or 32 weights, ZERO, minimums, grids), GGUF order or
+    split, at the smallest sizes their blocks allow (the interpreter's time goes with the
+    programs): the bound of test_dp4a_path_agrees_with_the_rounded_reference."""
+    big = max(f.block_elems for f in fmts) == 256
 
     @given(E=st.integers(1, 2), dtype=st.sampled_from(DTYPES), split=st.booleans(),
            seed=st.integers(0, 2 ** 32 - 1), data=st.data())
-    @settings(max_examples=examples(12))
+    @settings(max_examples=examples(4))
     def prop(E, dtype, split, seed, data):
         k = data.draw(st.integers(1, E))
         ids = torch.tensor([data.draw(st.permutations(range(E)))[:k]], dtype=torch.int32)
-        x, wg, wu, wd, rng = make(fmts, E, 256, 256, 1, seed, dtype)
+        H, I = (256, 256) if big else (64, 96)
+        x, wg, wu, wd, rng = make(fmts, E, H, I, 1, seed, dtype)
         weights = routing_weights(rng, 1, k)
         ref, bound = dp4a_reference(x, wg, wu, wd, fmts, ids, weights)
         held = [(w, f) for w, f in zip((wg, wu, wd), fmts)]
         if split:
             held = [(layout.pack(w, f), layout.split_format(f)) if has_split(f) else (w, f) for w, f in held]
         args = (*(torch.from_numpy(w) for w, _ in held), *(f for _, f in held), weights, ids)
-        assert_close(moe(x, *args, tiles=(256, 512), path="dp4a"), ref, bound, x.dtype, "moe dp4a")
+        tiles = (256, 512) if big else None
+        assert_close(moe(x, *args, tiles=tiles, path="dp4a"), ref, bound, x.dtype, "moe dp4a")
     prop()
 
 

@@ -12,6 +12,7 @@ from transformers import DynamicCache, Qwen4ExpTextConfig
 from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
 
 import quant
+from triton_kernels.decode import UNITS
 from tests.blocks import blocks, same_bits
 from triton_kernels import (
     dequantize,
@@ -239,11 +240,11 @@ def test_gather_equals_reference(fmt):
     prop()
 
 
-@pytest.mark.parametrize("fmt", [quant.get(n) for n in ("Q5_0", "IQ4_XS", "Q2_K", "Q6_K")], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [quant.get(n) for n in UNITS if quant.get(n) not in PLE_FORMATS],
+                         ids=lambda f: f.name)
 def test_gather_of_the_other_unit_formats_equals_reference(fmt):
-    """Tables in the other formats with int8 units (a ZERO a 32, a table look-up, a scale
-    and minimum a 16, a scale a 16 with ZERO), rows of 256 values, out in bf16 too: the
-    numpy codec's bits."""
+    """Tables in the other formats with int8 units (ZEROs, minimums, look-ups, grids,
+    scales a 16 or a 32), rows of 256 values, out in bf16 too: the numpy codec's bits."""
     @given(gather_case(fmt, dims=(256,)), st.booleans())
     @settings(max_examples=examples(10))
     def prop(case, bf16):

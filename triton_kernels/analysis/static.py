@@ -230,7 +230,7 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
             step = bu * u.weights
             return Spec(int8._gemv_dp4a_kernel, sig, cx, nw, bn * step, -(-K // step), -(-N // bn))
         bm, bn, bk = 1, *qmatmul.GEMV_TILES[1:]
-        nw = cfg.get("float_num_warps", nw)  # configs.float_gemv_warps
+        nw = configs.float_warps(cfg)
         sig, cx = _sig("x_ptr:*bf16,q_ptr:*u8,tab_ptr:*u8,out_ptr:*bf16,M:i32,N:i32,K:i32,"
                        "stride_xm:i32,stride_xk:i32,stride_om:i32",
                        DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)

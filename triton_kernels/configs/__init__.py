@@ -88,8 +88,12 @@ def float_gemv_warps(fmt: str, device) -> int:
     that run its programs): the "gemv" entry's `float_num_warps` where a format's float
     GEMV needs other warps than its dp4a GEMV, else its num_warps."""
     from ..backend import backend_name, device_name
-    cfg = pick("gemv", fmt, device_name(device), backend_name())
-    return cfg.get("float_num_warps", cfg.get("num_warps", 4))
+    return float_warps(pick("gemv", fmt, device_name(device), backend_name()))
+
+
+def float_warps(gemv_config: dict) -> int:
+    """float_gemv_warps of a "gemv" configuration from pick (the static check's, too)."""
+    return gemv_config.get("float_num_warps", gemv_config.get("num_warps", 4))
 
 
 def write(device_name: str, table: dict) -> pathlib.Path:

@@ -59,7 +59,7 @@ def round_to_bf16_bits(v):
 # `p` (uint16: blocks are 2-byte aligned, so two 16-bit loads and one PRMT make a word)
 # points at, and returns (words, a, b): a tuple of int32 words, each four signed 8-bit codes
 # of consecutive weights, and per 32-weight group (or per 16, for the formats that scale
-# each 16: Q2_K, Q3_K, Q6_K) the float32 scale a and offset b, such that
+# each 16: Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S, IQ1_M) the float32 scale a and offset b, such that
 #     weight = a * (code - ZERO) - b          (the format's ZERO and OFFSET, decode.UNITS)
 # with the float operations in the numpy codec's order, so dequant stays bit-exact. The
 # kernels tell the two apart by the count: len(a) is UW // 32 or UW // 16.

@@ -5,9 +5,9 @@ decision of which layout a weight takes.
     place(q, fmt, device, held)                   -> GGUF blocks q on `device`, in held's layout
 
 One layout today, split (split.py: four blocks' quants, then their scales, for 8-byte
-loads), for Q8_0, Q4_0, Q5_0, IQ4_NL, IQ3_XXS, IQ3_S, Q3_K and Q6_K weights on a GPU. The format object
-carries it (`fmt.layout`): the kernels pick their decode by it, and the numpy codec and
-the torch twins unpack first, so nothing reads split bytes as GGUF ones. Token embeddings
+loads), for Q8_0, Q4_0, Q5_0, IQ4_NL, IQ3_XXS, IQ3_S, Q3_K and Q6_K weights on a GPU. The
+format object carries it (`fmt.layout`): the kernels pick their decode by it, and the
+numpy codec and the torch twins unpack first, so nothing reads split bytes as GGUF ones. Token embeddings
 and the PLE table are gathered by rows and stay in GGUF order; so does whatever does not
 hold whole tiles (a weight of 18 blocks, an expert of an odd count).
 

@@ -37,7 +37,7 @@ WHOLE_BOUND = {"Q8_0": 4.8, "Q4_0": 3.6, "IQ4_NL": 5.5, "IQ3_S": 6.7, "IQ3_XXS":
 # but for Q4_1 (20-byte blocks: its nibbles are 4-byte aligned, int32 words)
 OTHER_UNIT_BOUND = 4.0
 # their dequant and PLE gather (bf16 out) with the per-weight decode, which the units must
-# not cost more than (Q4_1 took units first)
+# not cost more than (Q4_1 took units first: the budget alone holds it)
 PER_WEIGHT_STORES = {"Q5_0": (44.0, 45.5), "Q5_1": (51.25, 49.25), "IQ4_XS": (78.75, 27.75),
                      "Q2_K": (53.62, 21.25), "Q3_K": (85.5, 35.84), "Q5_K": (85.5, 28.69),
                      "Q6_K": (69.38, 36.31), "IQ2_XXS": (64.12, 31.47), "IQ2_XS": (61.38, 21.09),
@@ -84,7 +84,7 @@ def test_every_kernel_compiles_without_spills(target, ops):
             if "gemv" in ops:
                 decode_kernels_on_units(fmt, by)
             if "dequant" in ops:
-                dequant_and_gather_within_the_h200_budget(fmt, by, PER_WEIGHT_STORES.get(fmt, (99, 99)))
+                dequant_and_gather_within_the_h200_budget(fmt, by, PER_WEIGHT_STORES.get(fmt, (None, None)))
 
 
 def test_the_decode_kernels_compile_within_llama_cpps_counts_for_one_format():
@@ -159,7 +159,7 @@ def dequant_and_gather_within_the_h200_budget(fmt, by, befores):
         # input bits plus the 16 bits of each bf16 value written
         assert row.instr_per_weight <= static.budget(h200, f.block_bytes * 8 / f.block_elems + 16), (op, fmt)
         assert row.pred_bw["H200"] == 1.0
-        assert row.instr_per_weight <= before, (op, fmt, row.instr_per_weight, before)
+        assert before is None or row.instr_per_weight <= before, (op, fmt, row.instr_per_weight, before)
         assert 0 < 4 * row.mix.get("STG", 0) <= row.weights_per_iter, (op, fmt, row.mix)  # 4 values a store
 
 
