@@ -36,6 +36,17 @@ def with_scale(fmt: quant.Format, rest: int, scale: float, n: int = 1) -> np.nda
     return arr
 
 
+def with_first_scale(fmt: quant.Format, rest: int, first: float, others: float = 0.0) -> np.ndarray:
+    """One block whose first scale (d) is `first`, its other scales (Q4_1's m, the K-quants'
+    dmin) `others`, its other bytes `rest`: d = -0 with m = +0 gives d * q + m = +0, which a
+    decode that negates m as 0 - m writes as -0."""
+    arr = with_scale(fmt, rest, others)
+    if fmt.scale_offsets:
+        off = fmt.scale_offsets[0]
+        arr[:, off:off + 2] = np.array([first], dtype=np.float16).view(np.uint8)
+    return arr
+
+
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal bit for bit, except that any NaN equals any NaN (payloads may differ)."""
     a, b = np.asarray(a), np.asarray(b)

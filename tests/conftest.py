@@ -23,6 +23,9 @@ if not ON_DEVICE:
     from tests.triton_interpreter import install  # noqa: E402
 
     install()  # the interpreter patches triton.language once a launch, not once a call
+    from triton_kernels.backend import interpreter_check  # noqa: E402
+
+    interpreter_check()  # one clear error, not one deep in Triton per test
 
 
 

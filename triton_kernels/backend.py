@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 
 import torch
 
@@ -33,7 +34,31 @@ def is_fake(t: torch.Tensor) -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or interpreter_on()
+    if t.is_cuda:
+        return True
+    if interpreter_on():
+        interpreter_check()
+        return True
+    return False
+
+
+@functools.cache
+def interpreter_check() -> None:
+    """Fail at once, saying what to install, where this Triton's interpreter cannot run.
+
+    Before 3.7 the interpreter turns a scalar into a Python int with `int(array)` on a
+    1-element array (`range(0, K, BLOCK_K)` in every kernel), which numpy 2.4 refuses:
+    every launch would fail deep inside Triton with "only 0-dimensional arrays can be
+    converted to Python scalars". Measured with Triton 3.6 (the lent GPUs') and 3.9."""
+    import numpy as np
+    import triton
+    tv = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:2])
+    nv = tuple(int(p) for p in re.findall(r"\d+", np.__version__)[:2])
+    if tv < (3, 7) and nv >= (2, 4):
+        raise RuntimeError(
+            f"TRITON_INTERPRET=1: Triton {triton.__version__}'s interpreter cannot run with numpy "
+            f"{np.__version__} (it converts 1-element arrays to int, which numpy 2.4 refuses); "
+            f"pip install 'numpy<2.4' or 'triton>=3.7'")
 
 
 KERNELS = ("triton", "torch")

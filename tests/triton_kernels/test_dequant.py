@@ -8,7 +8,7 @@ from hypothesis import example, given, settings, strategies as st
 from tests.tiers import examples
 
 import quant
-from tests.blocks import blocks, exhaustive_blocks, has_scales, same_bits, special_f16, with_scale
+from tests.blocks import blocks, exhaustive_blocks, has_scales, same_bits, special_f16, with_first_scale, with_scale
 from triton_kernels import dequantize, dequantize_torch
 from triton_kernels.backend import interpreter_on
 from triton_kernels.dequant import store_packed, store_units
@@ -38,6 +38,7 @@ def test_kernel_and_torch_equal_reference(fmt):
     @example(with_scale(fmt, 0x00, 0.0))
     @example(with_scale(fmt, 0xFF, 65504.0))
     @example(with_scale(fmt, 0x81, -(2.0 ** -24)))
+    @example(with_first_scale(fmt, 0x5A, -0.0))
     def prop(raw):
         ref = fmt.dequantize(raw)
         kernel, torch_ = both(raw, fmt)

@@ -42,6 +42,7 @@ from tests.tiers import examples
 import quant
 from tests.blocks import blocks, has_scales
 from triton_kernels import qmatmul, qmatmul_torch
+from triton_kernels import backend
 from triton_kernels.backend import interpreter_on
 from triton_kernels.qmatmul import GEMV_MAX_M
 
@@ -189,6 +190,24 @@ def test_cpu_tensors_without_the_interpreter_take_the_torch_path(monkeypatch):
     qt = torch.from_numpy(q)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert torch.equal(qmatmul(x, qt, fmt, path="gemm"), qmatmul_torch(x, qt, fmt))
+
+
+@pytest.mark.parametrize("triton_v,numpy_v,fails", [
+    ("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False)])
+def test_an_interpreter_that_cannot_run_says_what_to_install(monkeypatch, triton_v, numpy_v, fails):
+    import triton
+    monkeypatch.setattr(triton, "__version__", triton_v)
+    monkeypatch.setattr(np, "__version__", numpy_v)
+    backend.interpreter_check.cache_clear()
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match=r"Triton 3\.6\.0.*numpy 2\.4\.6.*pip install 'numpy<2\.4'"):
+                fmt, x, q = _case("Q8_0", m=1, n=2, nb=1)
+                qmatmul(x, torch.from_numpy(q), fmt)
+        else:
+            assert backend.interpreter_check() is None
+    finally:
+        backend.interpreter_check.cache_clear()
 
 
 @pytest.mark.parametrize("fn", [qmatmul, qmatmul_torch])

@@ -103,17 +103,27 @@ def nibble_words(p, off, ASM: tl.constexpr):
 
 
 @triton.jit
+def negated(m):
+    """-m with its zero's sign flipped too. Triton before 3.7 compiles a float's unary minus
+    as 0 - m, which gives +0 for m = +0, and then d * q - (-m) is -0 for d = -0 where the
+    codec's d * q + m is +0 (Triton 3.6, the lent GPUs', interpreted and compiled alike);
+    a product with -1 is exact and keeps the sign."""
+    return m * -1.0
+
+
+@triton.jit
 def unit_q4_1(p, u, tab_ptr, ASM: tl.constexpr):
     """Q4_1: d | m | 16 nibble bytes; weight = d * q + m, OFFSET with b = -m (d * q - (-m)
-    is d * q + m to the bit). A block is 20 bytes: its nibbles lie 4-byte aligned at
-    halfword 2 in GGUF order, read as four int32 words (no device layout needed)."""
+    is d * q + m to the bit, signed zeros too: `negated`). A block is 20 bytes: its nibbles
+    lie 4-byte aligned at halfword 2 in GGUF order, read as four int32 words (no device
+    layout needed)."""
     d = f16_at(p, 0)
     m = f16_at(p, 1)
     w = (p + 2).to(tl.pointer_type(tl.int32))
     r = (tl.load(w), tl.load(w + 1), tl.load(w + 2), tl.load(w + 3))
     return ((lo_nibbles(r[0]), lo_nibbles(r[1]), lo_nibbles(r[2]), lo_nibbles(r[3]),
              hi_nibbles(r[0]), hi_nibbles(r[1]), hi_nibbles(r[2]), hi_nibbles(r[3])),
-            (d,), (-m,))
+            (d,), (negated(m),))
 
 
 @triton.jit
@@ -160,4 +170,4 @@ def unit_q5_1(p, u, tab_ptr, ASM: tl.constexpr):
     q = (p + 4).to(tl.pointer_type(tl.int64))
     r0, r1 = halves(tl.load(q))
     r2, r3 = halves(tl.load(q + 1))
-    return q5_words((r0, r1, r2, r3), qh), (d,), (-m,)
+    return q5_words((r0, r1, r2, r3), qh), (d,), (negated(m),)
