@@ -80,7 +80,7 @@ timeout 90 python3 -m strata bench dequant --device cuda --formats "$FORMATS" --
 
 s4() {
 echo "== 4. static prediction (sm_90)"
-timeout 120 python3 -m strata bench kernels --static --target sm_90 --formats "$FORMATS" --ops gemv,dequant,moe_gate_up,moe_down \
+timeout 120 python3 -m strata bench kernels --static --target sm_90 --formats "$FORMATS" --ops gemv,dequant,moe_gate_up,moe_down,moe_dot_gate_up,moe_dot_down \
     2>/dev/null | tee "$OUT/static_sm90.md" || status=1
 }
 

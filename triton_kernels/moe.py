@@ -41,6 +41,11 @@ Two Triton kernels then walk the blocks (grid: blocks x output tiles):
    multiplies each row by its slot's routing weight and writes the float32 (T * k, H)
    buffer, one row per slot.
 
+In the formats with an int8 unit decode the same two launches decode a unit of each row a
+step instead of each weight on its own (triton_kernels/moe_units.py: 12-26 main-loop
+instructions a weight on sm_90 where these spend 27-86), in blocks of at most 32 slots;
+batch-invariant mode keeps the per-weight kernels.
+
 Decoding (at most MOE_DP4A_MAX_TOKENS tokens, every format with an int8 unit decode)
 takes the dp4a path instead: x and then h are rounded to int8 per 32 values
 (triton_kernels.int8.quantize_x) and each (slot, BLOCK_N rows) program runs the dp4a
@@ -81,7 +86,9 @@ from .dequant import check_blocks, dequantize_torch
 from .gated_gemv import ROUNDING, rounded
 from .gemv_pair import dp4a_launch, one_row_path
 from .int8 import Q8X, dot_units, gemv_launch, int8_buffers, quantize_x, row_start, row_sums, store_groups
+from . import moe_units
 from .moe_align import aligns_in_one_launch, moe_align_block_size
+from .moe_units import suffixed
 from .qmatmul import qmatmul_torch
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -371,11 +378,6 @@ def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, 
     tl.store(out_ptr + slot * stride_o + rows, y, mask=rows < H)
 
 
-def _suffixed(args: dict, suffix: str) -> dict:
-    """launch_args for one of the gate/up kernel's two weights: UNIT_G, HW_G, ..."""
-    return {("HW" if k == "BLOCK_HW" else k) + suffix: v for k, v in args.items()}
-
-
 # the dp4a MoE kernels' warps (their tiles are configs'); a GEMV joins the down launch
 # only at the same count (down_pair_path)
 MOE_DP4A_WARPS = 4
@@ -414,7 +416,7 @@ def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
         x8.q, x8.d, x8.s, w_gate.view(torch.uint16), w_up.view(torch.uint16),
         unit_table(fmt_gate, dev), unit_table(fmt_up, dev), h, *h8, flat_ids, k, E, I, H,
         gate_se, gate_sr, up_se, up_sr, h.stride(0),
-        **_suffixed(launch_args(fmt_gate, ug), "_G"), **_suffixed(launch_args(fmt_up, uu), "_U"),
+        **suffixed(launch_args(fmt_gate, ug), "_G"), **suffixed(launch_args(fmt_up, uu), "_U"),
         BLOCK_N=block_n, BLOCK_K=block_k, MASK=H % block_k != 0, QUANT=fused, ASM=asm,
         num_warps=MOE_DP4A_WARPS)
     h8 = Q8X(*h8) if fused else quantize_x(h)
@@ -510,13 +512,27 @@ def _default_tiles(n_slots: int, E: int) -> tuple[int, int, int]:
     return block_m, block_n, block_k
 
 
+def _dot_tiles(fmts, n_slots: int, E: int) -> tuple[int, int, int]:
+    """The dot path's default tiles for n_slots over E experts. Batch-invariant: those of a
+    64-row block whatever the slots, so that a row's sums (tl.dot's instruction shape among
+    them) never follow the batch. The unit kernels (moe_units) take smaller blocks
+    (moe_units.max_block_m)."""
+    if invariant.enabled():
+        return _default_tiles(64 * E, E)
+    bm, bn, bk = _default_tiles(n_slots, E)
+    units = [unit(f) for f in fmts]
+    if None not in units:
+        bm = min(bm, moe_units.max_block_m(units))
+    return bm, bn, bk
+
+
 def block_m_for(fmt_gate, fmt_up, fmt_down, tokens: int, tile_slots: int, E: int) -> int:
     """The BLOCK_M in which a moe() call of the default tiles aligns its slots (its path
     chosen for `tokens`, its tiles for `tile_slots` over E experts); 0 on the dp4a path,
     which aligns nothing."""
     if choose_path(fmt_gate, fmt_up, fmt_down, tokens) != "dot":
         return 0
-    return _default_tiles(64 * E if invariant.enabled() else tile_slots, E)[0]
+    return _dot_tiles((quant.get(fmt_gate), quant.get(fmt_up), quant.get(fmt_down)), tile_slots, E)[0]
 
 
 def choose_path(fmt_gate, fmt_up, fmt_down, tokens: int) -> str:
@@ -576,10 +592,9 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             raise ValueError(f"moe: dp4a tiles must be (BLOCK_N, BLOCK_K), powers of two with "
                              f"BLOCK_K >= 64, got {tiles}")
     else:
+        explicit = tiles
         if tiles is None:
-            # batch-invariant: the tiles of a 64-row block whatever the slots, so that a row's
-            # sums (tl.dot's instruction shape among them) never follow the batch
-            tiles = _default_tiles(64 * E if invariant.enabled() else tile_slots or n_slots, E)
+            tiles = _dot_tiles((fmt_gate, fmt_up, fmt_down), tile_slots or n_slots, E)
         if len(tiles) != 3 or any(t < 16 or t & (t - 1) for t in tiles):
             raise ValueError(f"moe: tiles must be powers of two >= 16, got {tiles}")
     dev, out_dtype = x.device, x.dtype
@@ -612,6 +627,13 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m, zero_rows=per_slot)
         rw = weights.reshape(-1).to(torch.float32).contiguous()
         h = torch.empty((n_slots, I), dtype=torch.float32, device=dev)
+        if has_units and not invariant.enabled():  # batch-invariant mode: the per-weight tiles
+            moe_units.launch(x, w_gate, w_up, w_down, (fmt_gate, fmt_up, fmt_down),
+                             (unit(fmt_gate), unit(fmt_up), unit(fmt_down)), h, rw, per_slot,
+                             (sorted_ids, expert_ids, n_post), ((gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr)),
+                             (n_slots, k, H, I), block_m, None if explicit is None else block_n,
+                             block_k, dot_dtype, precision, asm_for(dev))
+            return _slot_sum(per_slot.view(T, k, H), slots, out_dtype)
         blocks = expert_ids.shape[0]
         _gate_up_kernel[(blocks, triton.cdiv(I, block_n))](
             x, w_gate, w_up, table(fmt_gate, dev), table(fmt_up, dev), h,

@@ -183,15 +183,40 @@ def _gemm_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, 
 
 
 @triton.jit
+def unit_tile(q_ptr, tab_ptr, first, v0, U: tl.constexpr, UNIT: tl.constexpr, UW: tl.constexpr,
+              UPB: tl.constexpr, BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
+              BODY: tl.constexpr, ASM: tl.constexpr):
+    """Units v0 .. v0 + U - 1 of the rows whose first blocks are `first` ([rows], in
+    blocks), decoded to a [rows, U * UW] float32 tile of a * (code - ZERO) - b from the unit
+    decode's int8 words and group scales (decode/common.py): the numpy codec's values bit
+    for bit. The unit GEMM's and the MoE prefill's operand for tl.dot; a lane decodes one
+    (row, unit)."""
+    rows: tl.constexpr = first.shape[0]
+    if U == 1:
+        blk = first + v0 // UPB
+        u = v0 % UPB
+    else:
+        v = v0 + tl.arange(0, U)
+        blk = tl.reshape(first[:, None] + (v // UPB)[None, :], (rows * U,))
+        u = tl.reshape(tl.broadcast_to((v % UPB)[None, :], (rows, U)), (rows * U,))
+    words, sa, sb = UNIT(block_ptr(q_ptr, blk, BLOCK_HW, BODY), u, tab_ptr, ASM)
+    shift = 24 - 8 * tl.arange(0, 4)
+    code = ((_stack(words, UW // 4)[:, :, None] << shift[None, None, :]) >> 24) - ZERO
+    w = _stack(sa, len(sa))[:, :, None] * tl.reshape(code, (rows * U, len(sa), UW // len(sa))).to(tl.float32)
+    if OFFSET:
+        w = w - _stack(sb, len(sb))[:, :, None]
+    return tl.reshape(w, (rows, U * UW))
+
+
+@triton.jit
 def _gemm_units_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_om,
                        UNIT: tl.constexpr, UW: tl.constexpr, UPB: tl.constexpr,
                        BLOCK_HW: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,
                        BODY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                        ASM: tl.constexpr):
-    # The unit decode's int8 words and group scales (decode/common.py) made a [BLOCK_N, UW]
-    # tile of a * (code - ZERO) - b, the numpy codec's values bit for bit, then one tl.dot
-    # a unit. Rows past N re-read row N - 1 and are not stored.
+    # one unit of each of BLOCK_N rows a step (unit_tile), then one tl.dot; rows past N
+    # re-read row N - 1 and are not stored
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -199,19 +224,13 @@ def _gemm_units_kernel(x_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_xm, strid
     m_mask = offs_m < M
     units = K // UW
     first = tl.minimum(rows, N - 1).to(tl.int64) * (units // UPB)
-    shift = 24 - 8 * tl.arange(0, 4)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for v in range(0, units):
         offs_k = v * UW + tl.arange(0, UW)
         a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
                     mask=m_mask[:, None], other=0.0)
-        words, sa, sb = UNIT(block_ptr(q_ptr, first + v // UPB, BLOCK_HW, BODY), v % UPB, tab_ptr, ASM)
-        code = ((_stack(words, UW // 4)[:, :, None] << shift[None, None, :]) >> 24) - ZERO
-        w = _stack(sa, len(sa))[:, :, None] * tl.reshape(code, (BLOCK_N, len(sa), UW // len(sa))).to(tl.float32)
-        if OFFSET:
-            w = w - _stack(sb, len(sb))[:, :, None]
-        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(tl.reshape(w, (BLOCK_N, UW)).to(DOT_DTYPE)), acc,
-                     input_precision=INPUT_PRECISION)
+        w = unit_tile(q_ptr, tab_ptr, first, v, 1, UNIT, UW, UPB, BLOCK_HW, ZERO, OFFSET, BODY, ASM)
+        acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=INPUT_PRECISION)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (rows < N)[None, :])
 

@@ -58,7 +58,8 @@ def tiny_mixed(tmp_path_factory):
     """flash-tiny's first 4 layers (DeltaNet, DeltaNet with the PLE block, DeltaNet, gated
     attention with QSA: every kind of layer, at half the interpreter's time) with unit
     formats where the decode step's int8 kernels take them: the routed experts of layer 1
-    in Q8_0 and of layer 2 in Q4_0 (the MoE dp4a kernels), layer 1's shared expert down
+    in Q8_0 and of layer 2 in Q4_0 (the MoE dp4a kernels; the prompt's, the unit dot
+    kernels: triton_kernels.moe_units), layer 1's shared expert down
     and layer 3's attention output in Q8_0 (their gates' products written apart, as int8,
     for the dp4a GEMV; layer 1's down GEMV in the routed experts' down launch), layer 1's
     shared expert gate and up in Q8_0 beside the F32 routers and layer 3's Q, K and V in
@@ -148,7 +149,8 @@ def test_flash_tiny_with_triton_kernels_gives_the_torch_logits(tiny_mixed):
     ops = {c["op"] for c in calls}
     assert {"qmatmul", "route", "moe", "ngram_ids", "ple_gather"} <= ops, ops
     _compiles(calls, ("_gemv_dp4a_kernel", "_gate_up_dp4a_kernel", "_down_dp4a_kernel", "_gate_up_kernel",
-                      "_down_kernel", "_route_kernel", "_ngram_ids_kernel", "_gemv_kernel", "_gemm_kernel"))
+                      "_down_kernel", "_gate_up_units_kernel", "_down_units_kernel", "_route_kernel",
+                      "_ngram_ids_kernel", "_gemv_kernel", "_gemm_kernel"))
 
 
 @pytest.mark.slow

@@ -50,12 +50,15 @@ from triton.compiler import ASTSource
 
 import quant
 
-from .. import configs
+from .. import configs, moe_units
 from ..backend import interpreter_on
 from .. import layout
 from ..decode import decoder, launch_args, unit
 
-OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather")
+OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather", "moe_dot_gate_up", "moe_dot_down")
+# the MoE's prefill ("dot" path) at the real shape's pp512: about ten slots an expert, one
+# 16-row block (moe._default_tiles); moe_gate_up and moe_down are its decode kernels
+MOE_DOT_BLOCK_M = 16
 # QSA's kernels; their "format" is the dtype of the keys they read (F32, BF16, F16)
 QSA_OPS = ("qsa_scores", "qsa_attention", "qsa_pool")
 TARGETS = {
@@ -205,7 +208,7 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))
     u = unit(fmt)
-    cfg = configs.pick(op, fmt.name, backend="hip" if asm == "gcn" else "cuda") | (config or {})
+    cfg = configs.pick(op.replace("_dot", ""), fmt.name, backend="hip" if asm == "gcn" else "cuda") | (config or {})
     nw = cfg.get("num_warps", 4)
     N, K = WHOLE_N, WHOLE_K
     if op == "dequant":
@@ -258,8 +261,8 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
                                "hs_ptr:*fp32,ids_ptr:*i32,top_k:i32,"
                                "E:i32,I:i32,H:i32,gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,"
                                "stride_h:i32",
-                               **moe._suffixed(launch_args(fmt, u), "_G"),
-                               **moe._suffixed(launch_args(fmt, u), "_U"),
+                               **moe_units.suffixed(launch_args(fmt, u), "_G"),
+                               **moe_units.suffixed(launch_args(fmt, u), "_U"),
                                BLOCK_N=bn, BLOCK_K=bk, MASK=False, QUANT=bn % 32 == 0, ASM=asm)
                 return Spec(moe._gate_up_dp4a_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk),
                             -(-N // bn))
@@ -270,23 +273,9 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
                            **launch_args(fmt, u), BLOCK_N=bn, BLOCK_K=bk, MASK=False, ASM=asm,
                            **moe._NO_DOWN_PAIR)  # the routed experts alone
             return Spec(moe._down_dp4a_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
-        bm, bn, bk = 16, moe.BLOCK_N_DEFAULT, moe.BLOCK_K_DEFAULT
-        nw = cfg.get("dot_num_warps", 4)
-        common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=tl.bfloat16,
-                      INPUT_PRECISION="tf32")
-        if op == "moe_gate_up":
-            sig, cx = _sig("x_ptr:*bf16,wg_ptr:*u8,wu_ptr:*u8,tab_g_ptr:*u8,tab_u_ptr:*u8,"
-                           "h_ptr:*fp32,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
-                           "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh:i32,"
-                           "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
-                           DECODE_G=decoder(fmt), QK_G=fmt.block_elems, DECODE_U=decoder(fmt),
-                           QK_U=fmt.block_elems, **common)
-            return Spec(moe._gate_up_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk), -(-N // bn))
-        sig, cx = _sig("h_ptr:*fp32,wd_ptr:*u8,tab_ptr:*u8,rw_ptr:*fp32,out_ptr:*fp32,"
-                       "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
-                       "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32",
-                       DECODE=decoder(fmt), QK=fmt.block_elems, **common)
-        return Spec(moe._down_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
+        return _moe_dot_spec(op.replace("moe_", ""), fmt, None, cfg)
+    if op in ("moe_dot_gate_up", "moe_dot_down"):
+        return _moe_dot_spec(op.replace("moe_dot_", ""), fmt, u, cfg, asm)
     if op == "ple_gather":
         dim, rows = 160, ple.PLE_BLOCK_ROWS  # the real table's rows: 160 values
         if dim % fmt.block_elems:
@@ -307,6 +296,49 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
         return Spec(ple._ple_gather_kernel, sig, cx, nw, rows * dim, 1, 1,
                     {"enable_fp_fusion": False})
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+
+
+def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, asm: str = "ptx") -> Spec:
+    """The MoE prefill kernel ("gate_up" or "down") that moe() launches for `fmt`: on
+    units where the format has them (triton_kernels.moe_units), else the per-weight one."""
+    moe = importlib.import_module("triton_kernels.moe")
+    N, K = WHOLE_N, WHOLE_K
+    bm = MOE_DOT_BLOCK_M
+    dot = dict(DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32")  # constexprs in the kernels' order
+    if u is not None:
+        bn = moe_units.unit_tiles(u)
+        if which == "gate_up":
+            sig, cx = _sig("x_ptr:*bf16,wg_ptr:*u16,wu_ptr:*u16,tab_g_ptr:*i32,tab_u_ptr:*i32,"
+                           "h_ptr:*fp32,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
+                           "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh:i32,"
+                           "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
+                           **moe_units.suffixed(launch_args(fmt, u), "_G"),
+                           **moe_units.suffixed(launch_args(fmt, u), "_U"),
+                           STEP=u.weights, BLOCK_M=bm, BLOCK_N=bn, **dot, ASM=asm)
+            return Spec(moe_units._gate_up_units_kernel, sig, cx, moe_units.UNIT_WARPS, 2 * bn * u.weights,
+                        K // u.weights, -(-N // bn))
+        sig, cx = _sig("h_ptr:*fp32,wd_ptr:*u16,tab_ptr:*i32,rw_ptr:*fp32,out_ptr:*fp32,"
+                       "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
+                       "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32",
+                       **launch_args(fmt, u), STEP=u.weights, BLOCK_M=bm, BLOCK_N=bn, **dot, ASM=asm)
+        return Spec(moe_units._down_units_kernel, sig, cx, moe_units.UNIT_WARPS, bn * u.weights,
+                    K // u.weights, -(-N // bn))
+    bn, bk = moe.BLOCK_N_DEFAULT, moe.BLOCK_K_DEFAULT
+    nw = cfg.get("dot_num_warps", 4)
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **dot)
+    if which == "gate_up":
+        sig, cx = _sig("x_ptr:*bf16,wg_ptr:*u8,wu_ptr:*u8,tab_g_ptr:*u8,tab_u_ptr:*u8,"
+                       "h_ptr:*fp32,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
+                       "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh:i32,"
+                       "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
+                       DECODE_G=decoder(fmt), QK_G=fmt.block_elems, DECODE_U=decoder(fmt),
+                       QK_U=fmt.block_elems, **common)
+        return Spec(moe._gate_up_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk), -(-N // bn))
+    sig, cx = _sig("h_ptr:*fp32,wd_ptr:*u8,tab_ptr:*u8,rw_ptr:*fp32,out_ptr:*fp32,"
+                   "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
+                   "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32",
+                   DECODE=decoder(fmt), QK=fmt.block_elems, **common)
+    return Spec(moe._down_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
 
 
 # --- compiling and reading machine code ----------------------------------------------------

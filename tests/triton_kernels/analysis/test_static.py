@@ -44,35 +44,47 @@ PER_WEIGHT_STORES = {"Q5_0": (44.0, 45.5), "Q5_1": (51.25, 49.25), "IQ4_XS": (78
                      "IQ2_S": (61.12, 20.53), "IQ1_S": (53.12, 19.31), "IQ1_M": (83.75, 21.28)}
 FORMATS = [f.name for f in quant.FORMATS.values()]
 OTHER_UNITS = [f for f in UNITS if f not in LOOP_BOUND]
+# the MoE prefill on units (triton_kernels.moe_units) at 16 slots: the most main-loop
+# instructions a weight of gate/up and down, where the per-weight kernels spent 27.2 (Q4_0's
+# gate/up) to 86.1 (IQ3_XXS's down) in the six formats above; Q3_K's down is the costliest
+# unit format, 26.4
+MOE_DOT_BOUND = {**{f: 18.0 for f in LOOP_BOUND}, **{f: 27.0 for f in OTHER_UNITS}}
 
 
 # each a child process (importing torch and triton costs seconds), so that the suite's
 # workers share the compiles: sm_90's GEMMs, its decode kernels, its dequant and gather;
 # gfx942's decode kernels, the rest
-GROUPS = {"sm_90": [("gemm",), ("gemv", "moe_gate_up", "moe_down"), ("dequant", "ple_gather")],
-          "gfx942": [("gemv", "moe_gate_up", "moe_down"), ("dequant", "ple_gather", "gemm")]}
+GROUPS = {"sm_90": [("gemm",), ("gemv", "moe_gate_up", "moe_down"), ("dequant", "ple_gather"),
+                    ("moe_dot_gate_up", "moe_dot_down")],
+          "gfx942": [("gemv", "moe_gate_up", "moe_down"), ("dequant", "ple_gather", "gemm"),
+                     ("moe_dot_gate_up", "moe_dot_down")]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target, ops", [(t, ops) for t, groups in GROUPS.items() for ops in groups],
                          ids=lambda v: v if isinstance(v, str) else "+".join(v))
 def test_every_kernel_compiles_without_spills(target, ops):
-    """Every op x every format for a target (the groups cover static.OPS): about 140
-    compiles a target, about 2 minutes of one core for sm_90 (ptxas), 1.3 for gfx942. On
-    sm_90 the decode kernels are then held to llama.cpp's counts and dequant and the PLE
-    gather to the H200's budget."""
+    """Every op x every format for a target (the groups cover static.OPS): about 180
+    compiles a target, about 3 minutes of one core for sm_90 (ptxas), 2.5 for gfx942. On
+    sm_90 the decode kernels are then held to llama.cpp's counts, dequant and the PLE
+    gather to the H200's budget, and the MoE prefill on units to MOE_DOT_BOUND."""
     assert sorted(o for g in GROUPS[target] for o in g) == sorted(static.OPS)
-    rows = static.rows(ops, FORMATS, [target])
-    assert [(r.op, r.format) for r in rows] == [(op, f) for op in ops for f in FORMATS]
+    # the MoE prefill of the other formats is moe_gate_up's and moe_down's kernel, compiled there
+    formats = list(UNITS) if "moe_dot_gate_up" in ops else FORMATS
+    rows = static.rows(ops, formats, [target])
+    assert [(r.op, r.format) for r in rows] == [(op, f) for op in ops for f in formats]
     for row in rows:
         op, fmt = row.op, row.format
         assert row.instructions > 0, (op, fmt, target)
         assert row.spill_bytes == 0, f"{op} {fmt} {target}: {row.spill_bytes} bytes spilled"
-        if op in ("gemv", "gemm", "moe_gate_up", "moe_down"):
+        if op in ("gemv", "gemm", "moe_gate_up", "moe_down", "moe_dot_gate_up", "moe_dot_down"):
             assert row.loop_instructions > 0, f"{op} {fmt} {target}: no main loop found"
         loads_are_read(row)
     if "gemm" in ops:  # tl.dot on the tensor cores: Hopper's warpgroup MMA, CDNA3's MFMA
         assert {r.mma for r in rows if r.op == "gemm"} == {"HGMMA" if target == "sm_90" else "MFMA"}
+    if "moe_dot_gate_up" in ops:  # 16-slot blocks: sm_90's HMMA (warpgroup MMA needs 64 rows)
+        assert {r.mma for r in rows} == {"HMMA" if target == "sm_90" else "MFMA"}
+        moe_prefill_on_units(rows, check_counts=target == "sm_90")
     if target == "sm_90":
         by = {(r.op, r.format): r for r in rows}
         for fmt in LOOP_BOUND:
@@ -100,6 +112,21 @@ def test_the_k_quants_decode_kernels_run_on_int8_units():
     rows = static.rows(("gemv", "moe_gate_up", "moe_down"), ["Q6_K"], ["sm_90"])
     assert all(r.spill_bytes == 0 and r.loop_instructions > 0 for r in rows)
     decode_kernels_on_units("Q6_K", {(r.op, r.format): r for r in rows})
+
+
+def test_the_moe_prefill_decodes_units_for_one_format():
+    """The quick tier's share of the MoE prefill's check: Q4_0's gate/up and down on sm_90."""
+    rows = static.rows(("moe_dot_gate_up", "moe_dot_down"), ["Q4_0"], ["sm_90"])
+    assert all(r.spill_bytes == 0 and r.loop_instructions > 0 and r.mma == "HMMA" for r in rows)
+    moe_prefill_on_units(rows, check_counts=True)
+
+
+def moe_prefill_on_units(rows, check_counts: bool):
+    """The MoE prefill kernels of unit formats: on units (within MOE_DOT_BOUND on sm_90)."""
+    for r in rows:
+        assert r.kernel.endswith("_units_kernel"), (r.op, r.format, r.kernel)
+        if check_counts:
+            assert r.instr_per_weight <= MOE_DOT_BOUND[r.format], (r.op, r.format, r.instr_per_weight, r.mix)
 
 
 def decode_kernels_on_units(fmt, by):
