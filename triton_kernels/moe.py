@@ -88,7 +88,7 @@ from .gemv_pair import dp4a_launch, one_row_path
 from .int8 import Q8X, dot_units, gemv_launch, int8_buffers, quantize_x, row_start, row_sums, store_groups
 from . import moe_units
 from .moe_align import aligns_in_one_launch, moe_align_block_size
-from .moe_units import suffixed
+from .moe_units import block_slots, suffixed
 from .qmatmul import qmatmul_torch
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -216,10 +216,8 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return  # past the used length: the grid is sized for the worst case
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = slot < n_slots                      # padding holds the sentinel n_slots
-    tok = (slot // top_k).to(tl.int64)
+    e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
+    tok = slot // top_k
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     # block indices of row n of expert e: strides in blocks, so fused views need no copy
@@ -242,7 +240,7 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
         wu = DECODE_U(wu_ptr, tab_u_ptr, u_row[:, None] + (offs_k // QK_U)[None, :], ju, w_mask)
         acc_u = tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), acc_u, input_precision=INPUT_PRECISION)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    out = h_ptr + slot.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
+    out = h_ptr + slot[:, None] * stride_h + offs_n[None, :]
     tl.store(out, h, mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -257,10 +255,7 @@ def _down_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = slot < n_slots
-    slot = slot.to(tl.int64)
+    e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     d_row = e * down_se + offs_n * down_sr

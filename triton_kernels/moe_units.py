@@ -45,6 +45,15 @@ def max_block_m(units) -> int:
 
 
 @triton.jit
+def block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M: tl.constexpr):
+    """A dot-path program's aligned block (moe_align_block_size): its expert, its BLOCK_M
+    slots (int64) and which of them are live (padding holds the sentinel n_slots)."""
+    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return e, slot.to(tl.int64), slot < n_slots
+
+
+@triton.jit
 def _gate_up_units_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
                           sorted_ptr, expert_ids_ptr, n_post_ptr,
                           n_slots, top_k, I, H, stride_xt, stride_xh,
@@ -62,10 +71,8 @@ def _gate_up_units_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return  # past the used length: the grid is sized for the worst case
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = slot < n_slots                      # padding holds the sentinel n_slots
-    x_row = x_ptr + (slot // top_k).to(tl.int64)[:, None] * stride_xt
+    e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
+    x_row = x_ptr + (slot // top_k)[:, None] * stride_xt
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.minimum(rows, I - 1).to(tl.int64)     # rows past I re-read row I - 1
     fg = e * gate_se + r * gate_sr               # each row's first block (strides in blocks)
@@ -82,7 +89,7 @@ def _gate_up_units_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
                        OFFSET_U, BODY_U, ASM)
         acc_u = tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), acc_u, input_precision=INPUT_PRECISION)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    out = h_ptr + slot.to(tl.int64)[:, None] * stride_h + rows[None, :]
+    out = h_ptr + slot[:, None] * stride_h + rows[None, :]
     tl.store(out, h, mask=m_mask[:, None] & (rows < I)[None, :])
 
 
@@ -98,10 +105,7 @@ def _down_units_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return
-    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = slot < n_slots
-    slot = slot.to(tl.int64)
+    e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     first = e * down_se + tl.minimum(rows, H - 1).to(tl.int64) * down_sr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
