@@ -27,6 +27,10 @@ dp4a MoE launch's time (one `moe(..., path="dp4a")` of 3 experts, 2 tokens: Q8_0
 shape, element count and name are kept per (element type, shape), and two types that
 share the kept shape compare by their element types alone: what the full comparison
 would find, since equal keys give the same shape object.
+
+And it drops the integer overflow checks that assert nothing (see
+_no_overflow_checks_that_assert_nothing): the largest of these costs, about three quarters
+of an interpreted MoE launch's time.
 """
 from __future__ import annotations
 
@@ -94,8 +98,25 @@ def install() -> bool:
     if callable(np_dtype):
         ti._get_np_dtype = _remembered(np_dtype, tl.block_type)
     _types_built_once(tl.core)
+    _no_overflow_checks_that_assert_nothing(ti)
     ti._strata_once = True
     return True
+
+
+def _no_overflow_checks_that_assert_nothing(ti) -> None:
+    """The interpreter's options ask for integer overflow checks (`sanitize_overflow`) but
+    not for `debug`, and without `debug` Triton's device_assert returns before it looks at
+    its condition: every 32-bit integer add, sub and mul was still redone in int64 and
+    compared with the type's range, for nothing. Without them the MoE expert-matmul
+    property of Q3_K took 15 s where it took 69 (25 examples, one core), and test_moe.py
+    with test_int8.py 233 s where they took about 475 (`-n 2`), the same bits computed.
+    With `debug` on (a reader debugging a kernel) the checks stay, and then assert."""
+    import dataclasses
+    builder = getattr(ti, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and {"debug", "sanitize_overflow"} <= {
+            f.name for f in dataclasses.fields(options)} and not options.debug:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 def _remembered(np_dtype, block_type):
