@@ -41,12 +41,21 @@ gamma_(K/16+3) * T < (K/16 + 8) * u * T (Higham 3.1; K <= 768 so K*u/16 is tiny)
 factor 2 is margin, as in test_qmatmul. The codes c are not visible from outside, so T is
 bounded from the block bytes:
 
-    Q8_0, IQ4_NL, IQ3_XXS, IQ3_S (no ZERO, no offset; a * c is the weight exactly):
+    no ZERO, no offset, or a ZERO taken in int32 (Q6_K's: s - 32 n is exact), so that
+    a * c is the weight exactly (Q8_0, IQ4_NL, IQ3_XXS, IQ3_S, Q3_K, Q6_K, the IQ2 and
+    IQ1 formats, IQ4_XS):
         T = S = |x̂| @ |W|.T
-    Q4_0 (codes 0..15, ZERO 8, weight d * (c - 8)):
-        T <= Σ_blocks 23 |d| Σ_(i in block) |x̂_i|          (15 + 8; d = fp16 at bytes 0-1)
-    Q4_K (codes 0..15, a = d * sc, b = dmin * m, sc, m <= 63):
-        T <= Σ_blocks (945 |d| + 63 |dmin|) Σ_(i in block) |x̂_i|   (d, dmin at bytes 0-1, 2-3)
+    Q4_0, Q5_0 (codes 0..15 or 0..31, ZERO 8 or 16, weight d * (c - ZERO)):
+        T <= Σ_blocks 23 |d| (or 47 |d|) Σ_(i in block) |x̂_i|      (d = fp16 at bytes 0-1)
+    Q4_1, Q5_1 (weight d * c + m):
+        T <= Σ_blocks (15 |d| + |m|) (or 31 |d| + |m|) Σ_(i in block) |x̂_i|  (d, m: 0-1, 2-3)
+    Q4_K, Q5_K (codes 0..15 or 0..31, a = d * sc, b = dmin * m, sc, m <= 63):
+        T <= Σ_blocks (945 |d| + 63 |dmin|) (or 1953 |d| + ...) Σ_(i in block) |x̂_i|  (0-1, 2-3)
+    Q2_K (codes 0..3, sc, m <= 15; d, dmin at bytes 80-81, 82-83):
+        T <= Σ_blocks (45 |d| + 15 |dmin|) Σ_(i in block) |x̂_i|
+    (S alone is no bound where the two parts cancel: a Q5_0 block of codes all 16 is all
+    zero weights, S = 0, while the kernel's s * a * d and 16 * a * xs each round: a
+    Hypothesis example found y = -2^-26 there.)
 
 K * 2^-149 covers products that would underflow (none do at these ranges: fp16 scales of
 at most 1/8, x in [-1, 1]).
@@ -288,17 +297,23 @@ def test_quantize_x_empty(fn):
 
 # --- the dp4a GEMV ---------------------------------------------------------------------------
 
+# T's bound per block for the formats with a ZERO or an offset (the docstring): (factor,
+# byte offset of an fp16 field) pairs, summed
+SCALE_BOUND = {"Q4_0": ((23, 0),), "Q5_0": ((47, 0),), "Q4_1": ((15, 0), (1, 2)), "Q5_1": ((31, 0), (1, 2)),
+               "Q2_K": ((45, 80), (15, 82)), "Q4_K": ((945, 0), (63, 2)), "Q5_K": ((1953, 0), (63, 2))}
+
+
 def reference(x8: Q8X, q: np.ndarray, fmt):
     """(ref, S, T): x̂ @ W.T in float64, |x̂| @ |W|.T, and the bound T of the docstring."""
     w = torch.from_numpy(fmt.dequantize(q)).double()
     xh = xhat64(x8)
     ref, s = xh @ w.T, xh.abs() @ w.abs().T
-    if fmt.name in ("Q4_0", "Q4_K"):
+    if fmt.name in SCALE_BOUND:
         n, nb = q.shape[0], q.shape[1] // fmt.block_bytes
         blk = q.reshape(n, nb, fmt.block_bytes)
         f16 = lambda off: torch.from_numpy(blk[:, :, off:off + 2].copy().view(np.float16)[..., 0]
                                            .astype(np.float64)).abs()
-        per_block = 23 * f16(0) if fmt.name == "Q4_0" else 945 * f16(0) + 63 * f16(2)  # (n, nb)
+        per_block = sum(c * f16(off) for c, off in SCALE_BOUND[fmt.name])  # (n, nb)
         xsum = xh.abs().view(xh.shape[0], nb, fmt.block_elems).sum(dim=2)           # (m, nb)
         t = xsum @ per_block.T
         assert (t >= s * (1 - 1e-12)).all()  # the bound is no looser than S itself
