@@ -177,7 +177,7 @@ def _replay(calls: list[dict], targets: list[str]) -> list[dict]:
             if static.TARGETS[t].backend == "hip":
                 res = static._gcn_resources(k.asm["amdgcn"])
             else:
-                res = static._nvidia_resources(k.asm["cubin"])[1]
+                res = static._nvidia_usage(k.asm["cubin"])
             row.update(ok=True, regs=res["regs"], spill_bytes=res["spill"])
         except Exception as e:  # noqa: BLE001: the error is the result
             row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"

@@ -32,11 +32,14 @@ instructions the kernel holds (`mma_kind`: HGMMA, HMMA, MFMA or none).
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib
+import itertools
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -363,7 +366,8 @@ def _compile(kernel, sig_items, cx_items, target: str, num_warps: int, opt_items
 
 _NV_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _NV_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_NV_BRANCH = re.compile(r"\bBRA\s+(?:\S+\s+)?`?\(?(\.L_x_\d+)")
+# a branch's target: a label (an ELF cubin's listing) or an address (a raw code stream's)
+_NV_BRANCH = re.compile(r"\bBRA\s+(?:\S+\s+)?`?\(?(\.L_x_\d+|0x[0-9a-f]+)\b")
 _GCN_INSTR = re.compile(r"^\s+([a-z_][a-z0-9_]*(?:_[a-z0-9]+)*)\b(.*)$")
 _GCN_LABEL = re.compile(r"^(\.LBB\d+_\d+):")
 _GCN_BRANCH = re.compile(r"^s_(?:cbranch_\w+|branch)$")
@@ -383,10 +387,12 @@ def _parse_sass(sass: str) -> tuple[list[str], tuple[int, int] | None]:
             continue
         m = _NV_INSTR.match(line)
         if m:
+            labels[hex(int(m.group(1), 16))] = len(ins)  # the instruction's address
             text = m.group(2)
             b = _NV_BRANCH.search(text)
             if b:
-                branches.append((len(ins), b.group(1)))
+                t = b.group(1)
+                branches.append((len(ins), hex(int(t, 16)) if t.startswith("0x") else t))
             ins.append(text)
     # drop the padding after the last EXIT: the self-branch and NOPs that align the code
     while ins and (_opcode(ins[-1]) in ("NOP", "BRA")):
@@ -432,23 +438,64 @@ def _parse_gcn(text: str) -> tuple[list[str], tuple[int, int] | None]:
     return ins, _main_loop(ins, labels, branches, "s_endpgm")
 
 
-def _nvidia_resources(cubin: bytes) -> tuple[str, dict]:
+def _nvidia_usage(cubin: bytes) -> dict:
+    """Registers, spilled bytes and shared memory of a cubin's kernel (cuobjdump)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
         usage = subprocess.run([_nvidia_bin("cuobjdump"), "--dump-resource-usage", path],
                                capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([_nvidia_bin("nvdisasm"), "-c", path],
-                              capture_output=True, text=True, check=True).stdout
 
     def field_(name):
         m = re.search(rf"\b{name}:(\d+)", usage)
         return int(m.group(1)) if m else 0
     # registers that do not fit spill to the thread's stack frame (STACK; LOCAL counts
     # local arrays): either is memory traffic the kernel was not written to make
-    return sass, {"regs": field_("REG"), "spill": field_("STACK") + field_("LOCAL"),
-                  "shared": field_("SHARED")}
+    return {"regs": field_("REG"), "spill": field_("STACK") + field_("LOCAL"), "shared": field_("SHARED")}
+
+
+def _code(cubin: bytes) -> bytes:
+    """The machine code of an ELF cubin: its code sections (.text.*) in file order."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    # (name, type, flags, addr, offset, size, ...) of each Elf64_Shdr
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+    code = b""
+    for name, _, _, _, offset, size in headers:
+        if cubin[names + name:cubin.index(b"\0", names + name)].startswith(b".text."):
+            code += cubin[offset:offset + size]
+    return code
+
+
+def _disassemble(cubins: list[bytes], target: str) -> list[str]:
+    """Each cubin's SASS, from one nvdisasm run for them all: a run costs about 0.4 s of
+    start-up whatever the kernel (0.43 s for a one-store kernel, 0.43 s for an IQ3_S GEMV,
+    2 AVX2 cores), which was half of an sm_90 compile's time. The cubins' code is joined
+    into one raw instruction stream (`nvdisasm -b SM90a`) and the listing cut back at their
+    offsets: the same instructions as each cubin's own listing, with branch targets as
+    addresses in the stream instead of labels (tests/triton_kernels/analysis/test_static.py
+    checks both agree)."""
+    codes = [_code(c) for c in cubins]
+    if not codes:
+        return []
+    cap = TARGETS[target].arch
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "code.bin")
+        with open(path, "wb") as f:
+            f.write(b"".join(codes))
+        # sm_90a: Hopper's warpgroup instructions (HGMMA) decode only as the "a" variant;
+        # -ndf: no data-flow pass (it only annotates the branch stack), a quarter faster
+        listing = subprocess.run([_nvidia_bin("nvdisasm"), "-b", f"SM{cap}{'a' if cap == 90 else ''}", "-ndf",
+                                  path], capture_output=True, text=True, check=True).stdout
+    starts = list(itertools.accumulate((len(c) for c in codes[:-1]), initial=0))
+    parts = [[] for _ in codes]
+    for line in listing.splitlines():
+        m = _NV_INSTR.match(line)
+        if m:
+            parts[bisect.bisect_right(starts, int(m.group(1), 16)) - 1].append(line)
+    return ["\n".join(p) for p in parts]
 
 
 def _gcn_resources(text: str) -> dict:
@@ -587,7 +634,12 @@ def rows(ops=OPS, formats=None, targets=("sm_90",), config: dict | None = None) 
             raise ValueError(f"unknown target {t!r}; targets: {', '.join(TARGETS)}")
     if interpreter_on():
         return _rows_in_child(list(ops), list(formats), list(targets), config)
-    return [_analyse(op, f, t, config) for t in targets for op in ops for f in formats]
+    built = [_build(op, f, t, config) for t in targets for op in ops for f in formats]
+    sass = {}
+    for t in targets:  # one disassembler run a target
+        mine = [b for b in built if b.target == t and not b.amd]
+        sass.update(zip(map(id, mine), _disassemble([b.kernel.asm["cubin"] for b in mine], t)))
+    return [_row(b, sass.get(id(b))) for b in built]
 
 
 def _rows_in_child(ops, formats, targets, config) -> list[Row]:
@@ -609,7 +661,19 @@ def _aligned(spec: Spec) -> tuple:
                                           {"N": WHOLE_N, "K": WHOLE_K}[k] % 16 == 0))
 
 
-def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None) -> Row:
+@dataclass
+class _Built:
+    """One kernel compiled as the engine launches it, before its machine code is read."""
+    op: str
+    fmt: quant.Format
+    target: str
+    held: quant.Format
+    spec: Spec
+    kernel: object
+    amd: bool
+
+
+def _build(op: str, fmt: str | quant.Format, target: str, config: dict | None) -> _Built:
     fmt = quant.get(fmt)
     amd = TARGETS[target].backend == "hip"
     # a weight in the layout a GPU holds it in (STRATA_LAYOUT=gguf: GGUF order); the PLE
@@ -618,11 +682,17 @@ def _analyse(op: str, fmt: str | quant.Format, target: str, config: dict | None)
     spec = _spec(op, held, "gcn" if amd else "ptx", config)
     k = _compile(spec.kernel, tuple(spec.signature.items()), tuple(spec.constexprs.items()),
                  target, spec.num_warps, tuple(spec.options.items()), _aligned(spec))
+    return _Built(op, fmt, target, held, spec, k, amd)
+
+
+def _row(b: _Built, sass: str | None) -> Row:
+    """The row of a built kernel; `sass`: its SASS (NVIDIA), from _disassemble."""
+    op, fmt, target, held, spec, k, amd = b.op, b.fmt, b.target, b.held, b.spec, b.kernel, b.amd
     if amd:
         ins, loop = _parse_gcn(k.asm["amdgcn"])
         res = _gcn_resources(k.asm["amdgcn"])
     else:
-        sass, res = _nvidia_resources(k.asm["cubin"])
+        res = _nvidia_usage(k.asm["cubin"])
         ins, loop = _parse_sass(sass)
     threads = spec.num_warps * TARGETS[target].warp_size
     per_thread = spec.weights_per_iter_per_program / threads

@@ -274,6 +274,42 @@ _kernel:
 """
 
 
+def test_one_disassembler_run_lists_each_kernel_as_its_own_cubin_does():
+    """rows() disassembles a target's kernels in one nvdisasm run over their joined code
+    (static._disassemble: a run's start-up, about 0.4 s, was half of an sm_90 compile).
+    Each kernel's part parses to its own cubin's listing: the same instructions (branch,
+    call and return targets aside: addresses in the stream, labels in the cubin) and the
+    same main loop, for a GEMM with HGMMA and a MoE prefill kernel that calls a 64-bit
+    division routine. Compiled in a child process (the suite runs the interpreter)."""
+    import os
+    import subprocess
+    import sys
+    code = """
+import os, re, subprocess, tempfile
+from triton_kernels.analysis import static
+built = [static._build("gemm", "Q8_0", "sm_90", None), static._build("moe_dot_gate_up", "Q4_0", "sm_90", None)]
+target = re.compile(r"`\\([^)]*\\)|\\.L_x_\\d+|0x[0-9a-f]+(?= ?$)")
+def norm(i):
+    return target.sub("T", i) if static._opcode(i) in ("BRA", "CALL", "RET", "BSSY") else i
+for b, joined in zip(built, static._disassemble([b.kernel.asm["cubin"] for b in built], "sm_90")):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        open(path, "wb").write(b.kernel.asm["cubin"])
+        own = subprocess.run([static._nvidia_bin("nvdisasm"), "-c", path], capture_output=True, text=True,
+                             check=True).stdout
+    (a, la), (o, lo) = static._parse_sass(joined), static._parse_sass(own)
+    assert la == lo and la is not None, (b.op, la, lo)
+    assert [norm(i) for i in a] == [norm(i) for i in o], b.op
+    print(b.op, len(a), static.mma_kind(a), sum(static._opcode(i) == "CALL" for i in a))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (gemm, n_gemm, mma, _), (moe, n_moe, _, calls) = (line.split() for line in done.stdout.split("\n")[:2])
+    assert (gemm, mma, moe) == ("gemm", "HGMMA", "moe_dot_gate_up") and int(calls) >= 1, done.stdout
+    assert int(n_gemm) > 100 and int(n_moe) > 100, done.stdout
+
+
 def test_the_readers_find_the_loop_and_drop_the_padding():
     ins, loop = static._parse_sass(SASS)
     assert len(ins) == 8  # the self-branch and NOP after EXIT are padding
@@ -362,7 +398,7 @@ for op in ("dequant", "ple_gather"):
     cx = {**spec.constexprs, "CVT": False}
     k = static._compile(spec.kernel, tuple(spec.signature.items()), tuple(cx.items()), "sm_90",
                         spec.num_warps, tuple(spec.options.items()))
-    print(op, static._nvidia_resources(k.asm["cubin"])[1]["spill"])
+    print(op, static._nvidia_usage(k.asm["cubin"])["spill"])
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
