@@ -88,7 +88,7 @@ from .gemv_pair import dp4a_launch, one_row_path
 from .int8 import Q8X, dot_units, gemv_launch, int8_buffers, quantize_x, row_start, row_sums, store_groups
 from . import moe_units
 from .moe_align import aligns_in_one_launch, moe_align_block_size
-from .moe_units import block_slots, suffixed
+from .moe_units import block_slots, suffixed, token_of
 from .qmatmul import qmatmul_torch
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -217,7 +217,7 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return  # past the used length: the grid is sized for the worst case
     e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
-    tok = slot // top_k
+    tok = token_of(slot, top_k)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     # block indices of row n of expert e: strides in blocks, so fused views need no copy
@@ -294,7 +294,7 @@ def _gate_up_dp4a_kernel(xq_ptr, xd_ptr, xs_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_
         _store_h(h_ptr, hq_ptr, hd_ptr, hs_ptr, slot, pid_n, tl.zeros((BLOCK_N,), tl.float32),
                  I, stride_h, BLOCK_N, QUANT)
         return
-    tok = slot // top_k
+    tok = token_of(slot, top_k)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.minimum(rows, I - 1).to(tl.int64)[:, None]  # rows past I re-read row I - 1
     pg = row_start(wg_ptr, e * gate_se + r * gate_sr, HW_G, BODY_G)  # strides in blocks

@@ -54,6 +54,14 @@ def block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def token_of(slot, top_k):
+    """The token of int64 slots (slot = token * top_k + j), divided in 32 bits: slots stay
+    below 2^31, and sm_90 has no 64-bit divide (ptxas calls a routine for one, a CALL in
+    every MoE kernel that took it)."""
+    return (slot.to(tl.int32) // top_k).to(tl.int64)
+
+
+@triton.jit
 def _gate_up_units_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
                           sorted_ptr, expert_ids_ptr, n_post_ptr,
                           n_slots, top_k, I, H, stride_xt, stride_xh,
@@ -72,7 +80,7 @@ def _gate_up_units_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return  # past the used length: the grid is sized for the worst case
     e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
-    x_row = x_ptr + (slot // top_k)[:, None] * stride_xt
+    x_row = x_ptr + token_of(slot, top_k)[:, None] * stride_xt
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.minimum(rows, I - 1).to(tl.int64)     # rows past I re-read row I - 1
     fg = e * gate_se + r * gate_sr               # each row's first block (strides in blocks)
