@@ -240,7 +240,7 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
         wu = DECODE_U(wu_ptr, tab_u_ptr, u_row[:, None] + (offs_k // QK_U)[None, :], ju, w_mask)
         acc_u = tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), acc_u, input_precision=INPUT_PRECISION)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    out = h_ptr + slot[:, None] * stride_h + offs_n[None, :]
+    out = h_ptr + slot.to(tl.int64)[:, None] * stride_h + offs_n[None, :]
     tl.store(out, h, mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -256,6 +256,7 @@ def _down_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return
     e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
+    slot = slot.to(tl.int64)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     d_row = e * down_se + offs_n * down_sr

@@ -47,17 +47,18 @@ def max_block_m(units) -> int:
 @triton.jit
 def block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M: tl.constexpr):
     """A dot-path program's aligned block (moe_align_block_size): its expert, its BLOCK_M
-    slots (int64) and which of them are live (padding holds the sentinel n_slots)."""
+    slots (int32: a gate/up kernel holds them across its loop for the store after it, and
+    64-bit ones cost it registers and instructions) and which of them are live (padding
+    holds the sentinel n_slots)."""
     e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return e, slot.to(tl.int64), slot < n_slots
+    return e, slot, slot < n_slots
 
 
 @triton.jit
 def token_of(slot, top_k):
-    """The token of int64 slots (slot = token * top_k + j), divided in 32 bits: slots stay
-    below 2^31, and sm_90 has no 64-bit divide (ptxas calls a routine for one, a CALL in
-    every MoE kernel that took it)."""
+    """The token (int64) of slots (slot = token * top_k + j), divided in 32 bits: slots
+    stay below 2^31, and sm_90 has no 64-bit divide (ptxas calls a routine for one)."""
     return (slot.to(tl.int32) // top_k).to(tl.int64)
 
 
@@ -97,7 +98,7 @@ def _gate_up_units_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
                        OFFSET_U, BODY_U, ASM)
         acc_u = tl.dot(a, tl.trans(wu.to(DOT_DTYPE)), acc_u, input_precision=INPUT_PRECISION)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
-    out = h_ptr + slot[:, None] * stride_h + rows[None, :]
+    out = h_ptr + slot.to(tl.int64)[:, None] * stride_h + rows[None, :]
     tl.store(out, h, mask=m_mask[:, None] & (rows < I)[None, :])
 
 
@@ -114,6 +115,7 @@ def _down_units_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return
     e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
+    slot = slot.to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     first = e * down_se + tl.minimum(rows, H - 1).to(tl.int64) * down_sr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

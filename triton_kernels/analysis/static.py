@@ -635,11 +635,11 @@ def rows(ops=OPS, formats=None, targets=("sm_90",), config: dict | None = None) 
     if interpreter_on():
         return _rows_in_child(list(ops), list(formats), list(targets), config)
     built = [_build(op, f, t, config) for t in targets for op in ops for f in formats]
-    sass = {}
-    for t in targets:  # one disassembler run a target
-        mine = [b for b in built if b.target == t and not b.amd]
-        sass.update(zip(map(id, mine), _disassemble([b.kernel.asm["cubin"] for b in mine], t)))
-    return [_row(b, sass.get(id(b))) for b in built]
+    sass = {}  # index in built -> SASS, from one disassembler run a target
+    for t in targets:
+        mine = [i for i, b in enumerate(built) if b.target == t and not b.amd]
+        sass.update(zip(mine, _disassemble([built[i].kernel.asm["cubin"] for i in mine], t)))
+    return [_row(b, sass.get(i)) for i, b in enumerate(built)]
 
 
 def _rows_in_child(ops, formats, targets, config) -> list[Row]:
