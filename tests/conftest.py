@@ -20,9 +20,10 @@ ON_DEVICE = os.environ.get("STRATA_TEST_DEVICE") == "cuda"
 os.environ.setdefault("STRATA_CPU_COMPILE", "0")
 if not ON_DEVICE:
     os.environ["TRITON_INTERPRET"] = "1"
-    from tests.triton_interpreter import install  # noqa: E402
+    from tests.triton_interpreter import install, instructions_by_their_models  # noqa: E402
 
     install()  # the interpreter patches triton.language once a launch, not once a call
+    instructions_by_their_models()  # dp4a, pack16 and prmt in one step, not 5 to 40
     from triton_kernels.backend import interpreter_check  # noqa: E402
 
     interpreter_check()  # one clear error, not one deep in Triton per test

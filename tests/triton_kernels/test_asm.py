@@ -1,7 +1,9 @@
 """triton_kernels.asm: dp4a, pack16 and prmt against numpy models of the instructions.
 
 The interpreter cannot run inline assembly, so the properties run the pure-Triton twins
-(ASM=""), elementwise through small test kernels, against these models:
+(ASM=""), elementwise through small test kernels, against numpy models of the instructions
+(tests/instruction_models.py; elsewhere the suite's interpreter computes the twins' calls
+by these models, on the strength of the tests here):
 
     dp4a(a, b, c)    c + sum_i sbyte_i(a) * sbyte_i(b), wrapping in int32 (PTX dp4a.s32.s32)
     pack16(lo, hi)   lo | hi << 16, as int32 (PTX mov.b32 {lo, hi})
@@ -28,6 +30,8 @@ import triton.language as tl
 from hypothesis import example, given, settings, strategies as st
 from tests.tiers import examples
 
+from tests.instruction_models import dp4a_model, pack16_model, prmt_model
+from tests.triton_interpreter import modelled, twins
 from triton_kernels.asm import asm_for, dp4a, pack16, prmt
 from triton_kernels.backend import interpreter_on
 
@@ -128,27 +132,12 @@ def run_prmt(a, b, sel, asm="", device="cpu") -> np.ndarray:
     return out.cpu().numpy()
 
 
-# --- numpy models of the instructions ------------------------------------------------------
-
-def dp4a_model(a, b, c) -> np.ndarray:
-    sa = np.asarray(a, np.int32).view(np.int8).reshape(-1, 4).astype(np.int64)
-    sb = np.asarray(b, np.int32).view(np.int8).reshape(-1, 4).astype(np.int64)
-    v = np.asarray(c, np.int32).astype(np.int64) + (sa * sb).sum(axis=1)
-    return ((v + 2 ** 31) % 2 ** 32 - 2 ** 31).astype(np.int32)
-
-
-def pack16_model(lo, hi) -> np.ndarray:
-    w = np.asarray(lo, np.uint16).astype(np.uint32) | (np.asarray(hi, np.uint16).astype(np.uint32) << 16)
-    return w.view(np.int32)
-
-
-def prmt_model(a, b, sel) -> np.ndarray:
-    a, b = np.asarray(a, np.int32), np.asarray(b, np.int32)
-    sel = np.broadcast_to(np.asarray(sel, np.int64), a.shape)
-    eight = np.concatenate([a.view(np.uint8).reshape(-1, 4), b.view(np.uint8).reshape(-1, 4)], axis=1)
-    idx = (sel[:, None] >> (4 * np.arange(4))) & 0xF
-    assert not (idx & 8).any(), "the model covers selector nibbles with bit 3 clear only"
-    return np.take_along_axis(eight, idx, axis=1).astype(np.uint8).copy().view(np.int32)[:, 0]
+@pytest.fixture(autouse=True)
+def _the_twins_themselves():
+    """The Triton twins run here, not their models (tests/triton_interpreter.py computes the
+    kernels' calls by the models elsewhere, on the strength of these tests)."""
+    with twins():
+        yield
 
 
 def test_the_models_on_known_values():
@@ -166,6 +155,33 @@ def test_the_models_on_known_values():
 
 def test_the_interpreter_is_on():
     assert interpreter_on()  # the properties below run the twins on the CPU
+
+
+def test_the_suites_interpreter_computes_the_helpers_by_their_models():
+    """Outside `twins()` (in every other test file) the kernels' dp4a, pack16 and prmt calls
+    compute by the models in one step (tests/triton_interpreter.py): the same integers as
+    the twins, and a selector nibble with bit 3 set, which the models leave out, runs the
+    twin."""
+    if not modelled:
+        pytest.skip("this Triton's interpreter keeps no table of rewritten functions: the twins run")
+    rng = np.random.default_rng(2)
+    a, b, c = (i32(np.concatenate([CORNERS, rng.integers(-2 ** 31, 2 ** 31, 300)])) for _ in range(3))
+    lo, hi = (rng.integers(0, 2 ** 16, 300).astype(np.uint16) for _ in range(2))
+    sel = i32(rng.integers(0, 2 ** 31, a.size) & ~0x8888)
+    calls = [lambda: run_dp4a(a, b, c), lambda: run_pack16(lo, hi), lambda: run_prmt(a, b, sel),
+             lambda: run_prmt(a, b, 0x6420), lambda: run_prmt(a, b, sel | 0x8)]
+    with twins():
+        want = [f() for f in calls]
+    before = dict(modelled)
+    with twins(False):
+        got = [f() for f in calls[:4]]
+        assert all(modelled[n] > before[n] for n in ("dp4a", "pack16", "prmt")), (before, modelled)
+        held = modelled["prmt"]
+        got.append(calls[4]())
+        assert modelled["prmt"] == held  # the twin ran
+    for w, g in zip(want, got):
+        assert np.array_equal(w, g)
+    assert np.array_equal(got[0], dp4a_model(a, b, c)) and np.array_equal(got[2], prmt_model(a, b, sel))
 
 
 def test_asm_for(monkeypatch):
