@@ -36,12 +36,10 @@ import bisect
 import functools
 import importlib
 import itertools
-import json
 import os
 import re
 import struct
 import subprocess
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -56,6 +54,7 @@ import quant
 from .. import configs, moe_units
 from ..backend import interpreter_on
 from .. import layout
+from . import child
 from ..decode import decoder, launch_args, unit
 
 OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather", "moe_dot_gate_up", "moe_dot_down")
@@ -643,13 +642,14 @@ def rows(ops=OPS, formats=None, targets=("sm_90",), config: dict | None = None) 
 
 
 def _rows_in_child(ops, formats, targets, config) -> list[Row]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    arg = json.dumps({"ops": ops, "formats": formats, "targets": targets, "config": config})
-    done = subprocess.run([sys.executable, "-m", "triton_kernels.analysis.static", arg], env=env,
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"static analysis failed in its child process:\n{done.stderr[-4000:]}")
-    return [Row(**r) for r in json.loads(done.stdout)]
+    reply = child.call(__name__, {"ops": ops, "formats": formats, "targets": targets, "config": config})
+    return [Row(**r) for r in reply["rows"]]
+
+
+def serve(request: dict) -> dict:
+    """rows() for a request of _rows_in_child, in the child process (analysis.child)."""
+    out = rows(request["ops"], request["formats"], request["targets"], request["config"])
+    return {"rows": [r.as_dict() for r in out]}
 
 
 def _aligned(spec: Spec) -> tuple:
@@ -717,10 +717,3 @@ def _row(b: _Built, sass: str | None) -> Row:
     row.pred_bw = {g.name: round(pred_bw(g, bpw, ipw), 3) for g in GPUS
                    if (TARGETS[g.target].backend == "hip") == amd}
     return row
-
-
-
-if __name__ == "__main__":  # the child process of _rows_in_child
-    args = json.loads(sys.argv[1])
-    out = rows(args["ops"], args["formats"], args["targets"], args["config"])
-    json.dump([r.as_dict() for r in out], sys.stdout)
