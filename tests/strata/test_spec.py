@@ -12,7 +12,8 @@ In bfloat16 (the default dtype) a row's rounding does move with the batch: a ver
 five rows and a one-token step part after some tens of tokens (25 on one prompt, 37 on
 another, measured). Decode steps and verifies therefore run batch-invariant by default
 (triton_kernels.invariant.decoding), so that each verify row computes as the one-token
-step at its position does; the bfloat16 tests below hold that to 48 tokens on 20 prompts.
+step at its position does; the bfloat16 tests below hold that to 48 tokens on 20 prompts
+(with known drafts on all, the MTP head's on 5 and on the drawn ones).
 """
 from __future__ import annotations
 
@@ -213,22 +214,30 @@ def long_prompts(n: int) -> list[list[int]]:
             for k in torch.randint(2, 40, (n,), generator=g)]
 
 
-def _same_as_spec_0(model, tok, prompt) -> None:
-    """--spec 4 with the MTP head (its drafts refused: a verify's first row decides) and
-    with known drafts wrong at chosen places (every row of a verify decides in turn) give
-    --spec 0's 48 greedy tokens."""
+def _same_as_spec_0(model, tok, prompt, mtp: bool = True) -> None:
+    """--spec 4 with known drafts wrong at chosen places (every row of a verify decides in
+    turn, the first row included) and, where `mtp`, with the MTP head (its drafts refused:
+    a verify's first row decides, after the head's own draft steps) give --spec 0's 48
+    greedy tokens."""
     want = generate(model, tok, prompt, LONG).tokens
-    mtp = generate(model, tok, prompt, LONG, spec=4)
     oracle = generate(model, tok, prompt, LONG, spec=4, drafter=_oracle(want, len(prompt), model.cfg.vocab_size))
-    assert mtp.tokens == want and oracle.tokens == want and len(want) == LONG.max_tokens
-    assert mtp.spec.drafted > 0 and 0 < oracle.spec.accepted < oracle.spec.drafted
+    assert oracle.tokens == want and len(want) == LONG.max_tokens
+    assert 0 < oracle.spec.accepted < oracle.spec.drafted
+    if mtp:
+        got = generate(model, tok, prompt, LONG, spec=4)
+        assert got.tokens == want and got.spec.drafted > 0
+
+
+# The MTP head's run costs three times the others (every step drafts 4 and verifies 5 rows,
+# none kept: about 8 s a prompt on 2 AVX2 cores): the first MTP_PROMPTS prompts take it
+MTP_PROMPTS = 5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(20))
 def test_greedy_spec_4_is_spec_0_in_bfloat16(tiny_bf16, i):
     model, tok = tiny_bf16
-    _same_as_spec_0(model, tok, long_prompts(20)[i])
+    _same_as_spec_0(model, tok, long_prompts(20)[i], mtp=i < MTP_PROMPTS)
 
 
 @pytest.mark.slow
