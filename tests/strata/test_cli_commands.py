@@ -272,6 +272,7 @@ def test_bench_model_table(smollm2_gguf):
     assert rss > step_mib
 
 
+@pytest.mark.slow  # two engines' runs; the quick tier benches through bench serve's row
 def test_bench_model_batch_invariant_rows(smollm2_gguf):
     r = cli("bench", "model", "-m", "smollm2", "-p", 8, "-n", 2, "-r", 1, *FAST, "--batch-invariant", "--json")
     assert r.rc == 0, r.err

@@ -100,7 +100,8 @@ def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("halves", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 27 s of Inductor compiles; the quick tier compiles llama's step above
+@pytest.mark.parametrize("halves", [True, False])
 def test_flash_next_decode_compiled_equals_eager(halves, flash_tiny_gguf, monkeypatch):
     """Flash-Next's decode takes each layer's compiled halves (strata.models.qwen4exp_step);
     without them (`halves` off: a layer whose matmuls have no pure form), the compiled DeltaNet

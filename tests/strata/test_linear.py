@@ -73,6 +73,7 @@ def test_dense_budget_falls_back_to_per_call_dequantization():
     assert np.abs(lin(x).double().numpy() - reference([part], x)).max() <= 1e-5
 
 
+@pytest.mark.slow  # Inductor compiles, 14 s cold; the quick tier compiles the codes' pass in test_codes.py
 @pytest.mark.parametrize("fmt", ["Q8_0", "IQ3_XXS", "Q5_K"])
 def test_large_int8_code_weights_are_held_as_codes(fmt, monkeypatch):
     import strata.nn.linear as linear

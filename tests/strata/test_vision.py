@@ -240,6 +240,7 @@ def described(path, tmp_path_factory):
     return a, run
 
 
+@pytest.mark.slow  # the quick tier shows images through generate and the server
 def test_chat_shows_an_image_with_the_next_line(described, tmp_path):
     a, gen = described
     chat = subprocess.run([sys.executable, "-m", "strata", "chat", "--model", "flash-tiny-vision", "--dtype", "f32",
@@ -271,7 +272,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("kind", ["truncated", "missing"])
+@pytest.mark.parametrize("kind", ["truncated", pytest.param("missing", marks=pytest.mark.slow)])
 def test_generate_refuses_a_bad_image_in_one_line(kind, tmp_path):
     f = tmp_path / f"{kind}.png"
     if kind != "missing":
