@@ -31,6 +31,12 @@ would find, since equal keys give the same shape object.
 And it drops the integer overflow checks that assert nothing (see
 _no_overflow_checks_that_assert_nothing): the largest of these costs, about three quarters
 of an interpreted MoE launch's time.
+
+`instructions_by_their_models()` (a second step, for the suite) computes the integer
+helpers of triton_kernels.asm (dp4a, pack16, prmt), whose pure-Triton twins the interpreter
+runs, by numpy models of the instructions: half of what remained of an interpreted MoE
+dp4a launch. tests/triton_kernels/test_asm.py holds each twin to its model (inside
+`twins()`, where the twins themselves run).
 """
 from __future__ import annotations
 
@@ -221,7 +227,7 @@ def instructions_by_their_models() -> bool:
 
     def prmt(a, b, sel):
         if (m.prmt_selects(sel) & 8).any():
-            return None  # the twin ignores bit 3, the instruction replicates a sign: the twin's
+            return None  # bit 3 set: the instruction would replicate a sign, the twin ignores it
         return m.prmt_model(a, b, sel)
 
     for helper, model, kinds in ((asm.dp4a, m.dp4a_model, (tl.int32, tl.int32, tl.int32)),
