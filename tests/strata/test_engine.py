@@ -100,6 +100,7 @@ def test_a_recurrent_state_is_reused_whole_or_not_at_all():
     assert cache.take([1, 2, 3, 4, 5, 6]) == (("copy", 4), 4)  # extends it: reused whole
 
 
+@pytest.mark.slow  # 10 s end to end; the quick tier keeps the two tests above (the prefix cache, a recurrent state whole)
 def test_a_recurrent_model_reuses_whole_prompt_chunks_with_the_same_answer(flash_tiny_gguf):
     """flash-tiny (DeltaNet states: no rewinding) through the engine with chunks of 8: a
     second prompt that extends the first reuses the first's whole chunks (16 of its 21

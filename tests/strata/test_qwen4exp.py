@@ -210,6 +210,7 @@ def test_qsa_off_agrees_with_llama_cpp_at_any_length(model):
             m.dense_only = False
 
 
+@pytest.mark.slow  # a process of its own; the quick tier generates from the command line in test_cli_text.py
 def test_generate_runs_from_the_command_line(tiny):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "strata", "generate", "Hello", "--model", "flash-tiny", "-n", "8",
