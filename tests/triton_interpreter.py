@@ -233,12 +233,15 @@ def instructions_by_their_models() -> bool:
     for helper, model, kinds in ((asm.dp4a, m.dp4a_model, (tl.int32, tl.int32, tl.int32)),
                                  (asm.pack16, m.pack16_model, (tl.uint16, tl.uint16)),
                                  (asm.prmt, prmt, (tl.int32, tl.int32, (tl.int32, int)))):
-        table[helper.fn] = _by_model(helper.fn.__name__, helper.rewrite(), model, kinds, np, tl, ti)
+        table[helper.fn] = _by_model(helper.fn.__name__, helper.rewrite(), model, kinds)
     return True
 
 
-def _by_model(name, twin, model, kinds, np, tl, ti):
+def _by_model(name, twin, model, kinds):
     """twin(*values, ASM) computed as model(*arrays) where the model covers the call."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as ti
     modelled.setdefault(name, 0)
 
     def call(*args, **kwargs):
@@ -247,7 +250,7 @@ def _by_model(name, twin, model, kinds, np, tl, ti):
         *values, asm = args
         if (asm.value if isinstance(asm, tl.constexpr) else asm) != "":
             return twin(*args)
-        arrays, shape = [], None
+        arrays = []
         for v, kind in zip(values, kinds):
             if isinstance(v, tl.constexpr):
                 v = v.value
@@ -255,21 +258,19 @@ def _by_model(name, twin, model, kinds, np, tl, ti):
                 if not v.type.is_block() or v.dtype not in (kind if isinstance(kind, tuple) else (kind,)) or \
                         v.handle.data.shape != tuple(v.type.shape):
                     return twin(*args)
-                if shape is None:
-                    shape = v.handle.data.shape
-                elif len(shape) != v.handle.data.ndim:
-                    return twin(*args)
                 arrays.append(v.handle.data)
             elif type(v) is int and isinstance(kind, tuple) and int in kind and -2 ** 31 <= v < 2 ** 31:
                 arrays.append(np.int64(v))
             else:
                 return twin(*args)
+        if len({a.ndim for a in arrays if a.ndim}) != 1:  # no block, or blocks of other ranks
+            return twin(*args)
         try:
             shape = np.broadcast_shapes(*(a.shape for a in arrays))
         except ValueError:
             return twin(*args)
         out = model(*(np.broadcast_to(a, shape) for a in arrays))
-        if out is None or shape == ():
+        if out is None:
             return twin(*args)
         modelled[name] += 1
         return tl.tensor(ti.TensorHandle(np.ascontiguousarray(out, np.int32), tl.int32), tl.block_type(tl.int32, list(shape)))
