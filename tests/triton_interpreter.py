@@ -172,6 +172,9 @@ def _type_checks_kept(ti, tl) -> None:
             return tensor(builder.create_splat(ty, lhs.handle), ty), rhs
         return broadcast(sem, lhs, rhs)
 
+    def cast(t, ty):  # Triton's cast returns its input where the element types are equal
+        return t if t.dtype.name == ty.name else sem.cast(t, ty)
+
     def computation_type(a, a_number, b, b_number, div_or_mod):
         key = (a.name, a_number, b.name, b_number, div_or_mod)
         ty = computation.get(key)
@@ -200,7 +203,7 @@ def _type_checks_kept(ti, tl) -> None:
                 constants[key] = got
         ty, data, h_ty, c_ty = got
         c = tensor(handle(data, h_ty), c_ty)
-        t = sem.cast(t, ty)
+        t = cast(t, ty)
         return (c, t) if number_first else (t, c)
 
     def binary_op_type_checking_impl(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False,
@@ -211,7 +214,7 @@ def _type_checks_kept(ti, tl) -> None:
             if type(a) is plain and type(b) is plain:
                 if arithmetic_check:
                     ty = computation_type(a, False, b, False, div_or_mod)
-                    lhs, rhs = sem.cast(lhs, ty), sem.cast(rhs, ty)
+                    lhs, rhs = cast(lhs, ty), cast(rhs, ty)
                 return broadcast_impl_value(lhs, rhs)
             if allow_lhs_ptr and type(a) is pointer and type(b) is plain and b.is_int():
                 return broadcast_impl_value(lhs, rhs)
