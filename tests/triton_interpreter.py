@@ -28,6 +28,13 @@ shape, element count and name are kept per (element type, shape), and two types 
 share the kept shape compare by their element types alone: what the full comparison
 would find, since equal keys give the same shape object.
 
+It keeps the type checks of binary operations (see _type_checks_kept): their computation
+types, integer constants splatted once per shape, blocks broadcast over lists of ints. One
+interpreted `moe(...)` of 3 experts and 2 tokens, without the instruction models below:
+IQ4_NL (dp4a) 1.25 s -> 0.72-0.85 s of CPU, Q3_K (tl.dot) 0.93 -> 0.45-0.69, Q8_0 (dp4a)
+0.175 -> 0.11-0.14, the same bits (tests/test_triton_interpreter.py holds the kept checks
+to Triton's own).
+
 And it drops the integer overflow checks that assert nothing (see
 _no_overflow_checks_that_assert_nothing): the largest of these costs, about three quarters
 of an interpreted MoE launch's time.
