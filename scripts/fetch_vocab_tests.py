@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from strata.hub import sha256
+from strata.cache import cache_dir, locked, sha256
 
 SDIST = "llama-cpp-python==0.3.36"
 PREFIX = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
@@ -73,7 +73,6 @@ class VocabFetchError(RuntimeError):
 
 
 def vocab_dir() -> Path:
-    from strata.cache import cache_dir
     return cache_dir() / "vocabs"
 
 
@@ -91,9 +90,7 @@ def fetch(files: dict[str, tuple[str, int]] | None = None, quiet: bool = True) -
     dest.mkdir(parents=True, exist_ok=True)
     if _cached(files, dest):
         return dest
-    import fcntl
-    with open(dest / ".lock", "w") as lock:  # parallel test workers fetch it once
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(dest):  # parallel test workers fetch it once
         if not _cached(files, dest):
             _fetch(files, dest, quiet)
     return dest

