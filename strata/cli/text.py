@@ -38,11 +38,14 @@ def _print(text: str) -> None:
 
 def generate_cmd(args) -> int:
     from strata.vision.images import MARKER, flatten
-    model, tok = load(args)
-    vision = load_vision(args, model, tok, need=True) if args.image else None  # a tower only for images
+    from strata.vision.preprocess import decode
     parts = [{"type": "image", "image": p} for p in args.image or []] + [{"type": "text", "text": args.prompt}]
     messages, sources = flatten([{"role": "user", "content": parts}], where="--image", local=True)
-    images = [vision.read(src) for src, _ in sources]  # an image is named by its path
+    # every image decoded before the model loads: a bad file is refused at once, not after the load
+    decoded = [(decode(src), str(src)) for src, _ in sources]
+    model, tok = load(args)
+    vision = load_vision(args, model, tok, need=True) if args.image else None  # a tower only for images
+    images = [vision.read(rgb, label=path) for rgb, path in decoded]  # an image is named by its path
     if not args.raw and tok.chat_template:
         prompt = tok.apply_chat_template(messages, enable_thinking=_think(args, tok))
     else:

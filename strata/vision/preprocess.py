@@ -269,7 +269,13 @@ def _preview(text: str, limit: int = 48) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def _decode(image: ImageSource, label: str | None, max_pixels: int) -> tuple[Image.Image, str]:
+def decode(image: ImageSource, label: str | None = None) -> Image.Image:
+    """`image` decoded to RGB and refused as `preprocess` decodes and refuses it, with no
+    ImageConfig: `strata generate` checks its --image files before it loads the model."""
+    return _decode(image, label, None)[0]
+
+
+def _decode(image: ImageSource, label: str | None, max_pixels: int | None) -> tuple[Image.Image, str]:
     """The decoded RGB image and the name its errors go by."""
     if isinstance(image, Image.Image):
         source = label or "image"
@@ -338,12 +344,13 @@ def _guarded(decode, source: str) -> Image.Image:
                          f"send the complete, undamaged file") from None
 
 
-def _check_size(size: tuple[int, int], source: str, max_pixels: int) -> None:
+def _check_size(size: tuple[int, int], source: str, max_pixels: int | None) -> None:
     width, height = size
     if width * height > MAX_SOURCE_PIXELS:
+        tower = "" if max_pixels is None else \
+            f" (the vision tower gets it resized to at most {max_pixels:,} pixels anyway)"
         raise ImageError(f"{source}: the image is {width}x{height} = {width * height:,} pixels, more than the "
-                         f"{MAX_SOURCE_PIXELS:,} taken; scale it down (the vision tower gets it resized to at "
-                         f"most {max_pixels:,} pixels anyway)")
+                         f"{MAX_SOURCE_PIXELS:,} taken; scale it down{tower}")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

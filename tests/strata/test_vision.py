@@ -219,6 +219,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow  # the quick tier generates with an image in `described` below
 def test_generate_with_images_names_the_tower(path, tmp_path):
     a, b = tmp_path / "a.png", tmp_path / "b.png"
     a.write_bytes(png(90, 120, 1))
@@ -282,6 +283,7 @@ def test_generate_refuses_a_bad_image_in_one_line(kind, tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"strata: {f}: ") and last.count(str(f)) == 1, r.stderr[-1000:]
     assert "Traceback" not in r.stderr
+    assert "plan:" not in r.stderr  # refused before the model loads
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -315,6 +317,7 @@ def test_the_server_sees_what_generate_sees(server, described):
     a, cli = described
     r = _ask(server, a.read_bytes())
     assert cli.stdout.strip() == r.choices[0].message.content.strip()
+    assert "vision: mmproj-flash-tiny-vision.f32.gguf" in cli.stderr
     assert r.usage.prompt_tokens_details.image_tokens == 7 * 10  # 90 x 120 lifted to 224 x 320 pixels
     assert "prompt tokens" in cli.stderr and f"{r.usage.prompt_tokens} prompt tokens" in cli.stderr
 
