@@ -184,12 +184,16 @@ def in_memory(name: str, rows: int | None = None):
 MODELS = {"smollm2": pull_smollm2, "flash-tiny": synth_flash_tiny, "flash-tiny-vision": synth_flash_tiny_vision}
 
 
+def check_model(name_or_path: str) -> None:
+    """Refuse a `--model` that is neither a known name nor an existing file, fetching and
+    building nothing (the command line asks before it imports torch)."""
+    if name_or_path not in MODELS and not Path(name_or_path).expanduser().is_file():
+        raise HubError(f"--model {name_or_path}: neither a known model ({', '.join(MODELS)}) nor an existing file")
+
+
 def resolve_model(name_or_path: str) -> Path:
     """`--model`: a known name (pulled on first use) or a path to a .gguf file."""
+    check_model(name_or_path)
     if name_or_path in MODELS:
         return MODELS[name_or_path]()
-    p = Path(name_or_path).expanduser()
-    if p.is_file():
-        return p
-    known = ", ".join(MODELS)
-    raise HubError(f"--model {name_or_path}: neither a known model ({known}) nor an existing file")
+    return Path(name_or_path).expanduser()

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 import quant
+from strata.bench import TABLE_FORMATS
 from strata.bench.dequant import random_blocks
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
 from triton_kernels import configs, layout
 from triton_kernels.analysis import static
 from triton_kernels.decode import unit
 
-TABLE_FORMATS = ("Q8_0", "Q4_0", "Q4_K", "IQ4_NL", "IQ3_S", "IQ3_XXS")
 GEMV_SHAPE = (4096, 14336)  # (N, K): a Llama-3-8B ffn_down
 # Flash-Next's routed experts: (experts, top k, hidden, intermediate, gate/up and down formats)
 MOE_SHAPE = (512, 10, 2560, 640, "IQ3_XXS", "IQ4_NL")
@@ -40,21 +40,6 @@ GEMM_M = 512  # prefill rows: the GEMM of GEMV_SHAPE against torch's bf16 matmul
 # projections, its router): split K against one program a tile
 SMALL_SHAPE = (512, 2560)
 TUNE_TILES = [(bn, bu) for bn in (1, 2, 4, 8, 16) for bu in (4, 8, 16, 32, 64) if bn * bu >= 32]
-
-
-def add_args(sub) -> None:
-    bk = sub.add_parser("kernels", help="instructions per weight, registers and spills of every "
-                        "kernel from its machine code (--static, no GPU); GB/s on a GPU")
-    bk.add_argument("--static", action="store_true",
-                    help="compile for --target with no GPU and read the machine code")
-    bk.add_argument("--target", default="sm_90",
-                    help=f"comma-separated targets for --static: {', '.join(static.TARGETS)}")
-    bk.add_argument("--ops", default=",".join(static.OPS), help="comma-separated ops")
-    bk.add_argument("--formats", default=None,
-                    help=f"comma-separated formats (default: {','.join(TABLE_FORMATS)}; 'all' for every one)")
-    bk.add_argument("--tune", action="store_true",
-                    help="CUDA: time GEMV tiles per format, write the fastest to the device's config table")
-    bk.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def _formats(arg: str | None) -> list[str]:

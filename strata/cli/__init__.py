@@ -28,6 +28,13 @@ def main(argv: list[str] | None = None) -> int:
         from strata.cli.quantize import quantize
         return quantize(quantize_parser().parse_args(argv))
     args = build_parser().parse_args(argv)
+    if args.command in _LOADS:  # a wrong --model named at once, not after seconds of imports
+        from strata.hub import HubError, check_model
+        try:
+            check_model(args.model)
+        except HubError as e:
+            print(f"strata: {e}", file=sys.stderr)
+            return 2
     from strata.cli.args import DTYPES
     from triton_kernels import configs
     from triton_kernels.backend import choose_device, cpu_compile_mode, interpreter_on

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 
+from strata.bench import TABLE_FORMATS
 from strata.cli.args import (KV_CHOICES, add_chat_args, add_device_args, add_expert_args, add_kv_args, add_model_args,
                              add_parallel_args, add_ple_args, add_sampling_args, add_spec_args, add_vision_args,
                              formats)
+from triton_kernels.analysis import OPS, TARGET_SPECS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,8 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "compile takes 10-45 s)")
     dq.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
-    from strata.bench import kernels as bench_kernels
-    bench_kernels.add_args(bsub)
+    bk = bsub.add_parser("kernels", help="instructions per weight, registers and spills of every "
+                         "kernel from its machine code (--static, no GPU); GB/s on a GPU")
+    bk.add_argument("--static", action="store_true",
+                    help="compile for --target with no GPU and read the machine code")
+    bk.add_argument("--target", default="sm_90",
+                    help=f"comma-separated targets for --static: {', '.join(TARGET_SPECS)}")
+    bk.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
+    bk.add_argument("--formats", default=None,
+                    help=f"comma-separated formats (default: {','.join(TABLE_FORMATS)}; 'all' for every one)")
+    bk.add_argument("--tune", action="store_true",
+                    help="CUDA: time GEMV tiles per format, write the fastest to the device's config table")
+    bk.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     bm = bsub.add_parser("model", help="llama-bench's pp/tg tests, optionally against llama.cpp")
     bm.add_argument("--model", "-m", default="smollm2",

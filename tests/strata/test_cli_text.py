@@ -44,6 +44,19 @@ def test_a_missing_model_file_is_named(tmp_path):
     assert "nope.gguf: neither a known model (smollm2, flash-tiny, flash-tiny-vision) nor an existing file" in r.stderr
 
 
+def test_help_and_a_wrong_model_answer_before_torch_is_imported(tmp_path):
+    """The parser and the --model check import no torch (seconds): `--help` and a typo answer at once."""
+    code = ("import contextlib, io, sys\n"
+            "from strata.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "    main(['bench', 'kernels', '--help'])\n"
+            f"rc = main(['generate', 'hi', '--model', {str(tmp_path / 'nope.gguf')!r}])\n"
+            "print(rc, 'torch' in sys.modules, 'triton' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["2", "False", "False"], r.stderr
+    assert "nope.gguf: neither a known model" in r.stderr
+
+
 def test_a_bad_gguf_is_named(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGML" + bytes(100))

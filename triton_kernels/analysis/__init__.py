@@ -2,3 +2,13 @@
 read (static.py: registers, spills, instructions a weight, load widths, matrix
 instructions), and a model's launches recorded and compiled for a target (launches.py).
 Nothing here runs a kernel."""
+
+# The ops and targets by name, without importing triton: the command line's flags and their
+# help list them (static.py builds its targets from these).
+OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather", "moe_dot_gate_up", "moe_dot_down")
+TARGET_SPECS = {  # name -> triton's GPUTarget(backend, arch, warp size)
+    "sm_80": ("cuda", 80, 32),
+    "sm_89": ("cuda", 89, 32),
+    "sm_90": ("cuda", 90, 32),
+    "gfx942": ("hip", "gfx942", 64),
+}

@@ -54,21 +54,15 @@ import quant
 from .. import configs, moe_units
 from ..backend import interpreter_on
 from .. import layout
-from . import child
+from . import OPS, TARGET_SPECS, child
 from ..decode import decoder, launch_args, unit
 
-OPS = ("dequant", "gemv", "gemm", "moe_gate_up", "moe_down", "ple_gather", "moe_dot_gate_up", "moe_dot_down")
 # the MoE's prefill ("dot" path) at the real shape's pp512: about ten slots an expert, one
 # 16-row block (moe._default_tiles); moe_gate_up and moe_down are its decode kernels
 MOE_DOT_BLOCK_M = 16
 # QSA's kernels; their "format" is the dtype of the keys they read (F32, BF16, F16)
 QSA_OPS = ("qsa_scores", "qsa_attention", "qsa_pool")
-TARGETS = {
-    "sm_80": GPUTarget("cuda", 80, 32),
-    "sm_89": GPUTarget("cuda", 89, 32),
-    "sm_90": GPUTarget("cuda", 90, 32),
-    "gfx942": GPUTarget("hip", "gfx942", 64),
-}
+TARGETS = {name: GPUTarget(*spec) for name, spec in TARGET_SPECS.items()}
 # The weight of the whole-kernel count: a Llama-3-8B ffn_down, W (N, K) = (4096, 14336).
 WHOLE_N, WHOLE_K = 4096, 14336
 
