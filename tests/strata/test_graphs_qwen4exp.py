@@ -64,8 +64,9 @@ def test_graph_step_equals_the_models_decode_past_the_qsa_budget(model):
     assert a.length == 70 and a.layers[3].n_blocks == 17  # the eager step chose among 17 blocks
 
 
-@pytest.mark.parametrize("options", [dict(experts="cache:16:host"), dict(qsa=False), dict(kv="int8")],
-                         ids=["cache", "dense", "int8"])
+# the quick tier takes the cache; --qsa off and int8 keys are the full suite's
+@pytest.mark.parametrize("options", [dict(experts="cache:16:host")] + [
+    pytest.param(o, marks=pytest.mark.slow) for o in (dict(qsa=False), dict(kv="int8"))], ids=["cache", "dense", "int8"])
 def test_graph_step_equals_the_models_decode_with_experts_in_a_cache_without_qsa_or_int8_keys(
         flash_tiny_gguf, options):
     """Experts in a cache of 16 slots a layer over host RAM; `--qsa off` (the attention

@@ -187,6 +187,7 @@ def guarded(smollm2_gguf):
     s.stop()
 
 
+@pytest.mark.slow  # a second server; the quick tier serves through `server` above
 def test_the_api_key_keeps_strangers_out(guarded):
     assert guarded.http.get("/health").status_code == 200  # a load balancer needs no key
     for path, method in (("/v1/models", "GET"), ("/metrics", "GET"), ("/v1/chat/completions", "POST"),
@@ -203,6 +204,7 @@ def test_the_api_key_keeps_strangers_out(guarded):
     assert guarded.client.models.list().data[0].id == "smollm2"
 
 
+@pytest.mark.slow  # a second server; the quick tier serves through `server` above
 def test_request_bounds_are_named(guarded):
     key = {"Authorization": "Bearer s3cret"}
     big = json.dumps({"prompt": "x" * 5000}).encode()
@@ -215,6 +217,7 @@ def test_request_bounds_are_named(guarded):
     assert guarded.client.completions.create(model="smollm2", prompt="Hi").choices[0].text is not None
 
 
+@pytest.mark.slow  # a second server; the quick tier serves through `server` above
 def test_a_full_queue_answers_503_with_retry_after(guarded):
     """One slot and a queue of one: of several long requests at once, the ones that find
     both taken get 503 with Retry-After, through the openai client too."""
