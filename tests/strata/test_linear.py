@@ -131,6 +131,7 @@ def test_prefill_upcasts_bf16_weights_where_the_cpu_has_no_bf16_dot(mode, monkey
 
 
 
+@pytest.mark.slow  # an Inductor compile; the quick tier compiles the head's loop in test_cpu_compile's background test
 def test_a_large_dense_weights_one_row_product_is_one_compiled_loop(monkeypatch):
     """One row through a large dense weight (a head) takes the compiled loop `_gemv`:
     float32 sums of the held weight times x, x not rounded to bfloat16, so within float32's
