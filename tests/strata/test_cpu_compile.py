@@ -81,7 +81,7 @@ def test_a_failing_compile_warns_and_decodes_eagerly(model, monkeypatch):
     import strata.nn.linear as linear
     monkeypatch.setenv("STRATA_CPU_COMPILE", "1")
     monkeypatch.setattr(compiled, "broken", [])
-    # the head's one-row product eager: its compile (6 s here) is test_linear.py's, not this test's
+    # the head's one-row product eager: its compile (6 s here) is the background test's and test_linear.py's
     monkeypatch.setattr(linear, "_GEMV", lambda *a: None)
 
     step, calls = cpu_step.CpuStep(model), []
