@@ -26,7 +26,8 @@
 #      MiB and the hit rate a token.
 # Results go to $OUT (or ./gpu_check.out) as logs and JSON. STEPS=5,7,1 runs those, in that order.
 #
-# A bare machine lacks gguf (strata's GGUF reader needs it): where .whl/ holds wheels
+# scripts/gpu_prepare.sh, run first on the machine that sends the calls, fills .whl/ and
+# .gpu/ and prints which call carries what. A bare machine lacks gguf (strata's GGUF reader needs it): where .whl/ holds wheels
 # (`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.17.1`),
 # they are installed first into /tmp/site. fla-core's (fla_core-0.6.0 and einops, the `cuda`
 # extra) there make step 1 run fla's DeltaNet kernels on the device against Strata's
