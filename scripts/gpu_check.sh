@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a lent GPU should run, in one command (steps 1-8 took about 5 minutes on an H200;
-# step 9, the real shape built twice, is not yet timed on a device):
+# step 9, the real shape built twice, and step 10, ncu, are not yet timed on a device):
 #   1. the kernel properties on the device (pytest -m cuda: the compiled kernels, inline
 #      PTX included, against the numpy references, with device tensors), and SmolLM2 on
 #      the GPU against the torch path on the CPU (tests/strata/test_gpu_models.py);
@@ -23,7 +23,9 @@
 #   9. Flash-Next's real shape built in memory on the GPU (`-m flash-shape`, 48 layers):
 #      pp512 and tg128 with every part resident, then held to a 24 GiB card (--gpu-mem 24:
 #      the experts in a cache over pinned host RAM), with the launches a step, the PCIe
-#      MiB and the hit rate a token.
+#      MiB and the hit rate a token;
+#  10. `strata bench kernels --ncu`: step 2's kernels under Nsight Compute, their DRAM GB/s,
+#      share of the DRAM peak and sectors per load request from the hardware counters.
 # Results go to $OUT (or ./gpu_check.out) as logs and JSON. STEPS=5,7,1 runs those, in that order.
 #
 # scripts/gpu_prepare.sh, run first on the machine that sends the calls, fills .whl/ and
@@ -46,7 +48,7 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export STRATA_CACHE=${STRATA_CACHE:-$PWD/.gpu/cache}
 FORMATS=Q8_0,Q4_0,Q4_K,IQ4_NL,IQ3_S,IQ3_XXS
-STEPS=${STEPS:-1,2,3,4,5,6,7,9}
+STEPS=${STEPS:-1,2,10,3,4,5,6,7,9}
 status=0
 # SmolLM2's GGUF (94 MB) may arrive in parts (.gpu/smollm2.part*, joined in name order)
 SMOL="$STRATA_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -132,6 +134,12 @@ timeout 240 python3 -m strata bench model --device cuda -m flash-shape -r 2 --js
 STRATA_DECODE_TIMING=1 timeout 240 python3 -m strata bench model --device cuda -m flash-shape --gpu-mem 24 -r 2 \
     2>&1 | tee "$OUT/bench_flash_shape_24g.log" | grep -v "^strata: step" || status=1
 grep "^strata: step" "$OUT/bench_flash_shape_24g.log" | tail -3
+}
+
+s10() {
+echo "== 10. the kernels' hardware counters (ncu)"
+timeout 240 python3 -m strata bench kernels --ncu --formats "$FORMATS" --json 2> "$OUT/bench_kernels_ncu.err" \
+    | tee "$OUT/bench_kernels_ncu.json" || status=1
 }
 
 for s in ${STEPS//,/ }; do "s$s"; done

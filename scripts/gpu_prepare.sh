@@ -50,7 +50,7 @@ mib() { awk -v b="$1" 'BEGIN {printf "%.1f MiB", b / 1048576}'; }
 cat <<EOF
 tree $(mib "$tree"), wheels $(mib "$wheels") ($(ls "$whl" | tr '\n' ' ')), SmolLM2 in two parts: $(mib "$part1") + $(mib "$part2")
 call 1: carry [".gpu/smollm2.part1", ".whl/$(cd "$whl" && ls gguf-*.whl)"]  ($(mib $((tree + part1))))
-        command: STEPS=2,3,4,8 scripts/gpu_check.sh
+        command: STEPS=2,10,3,4,8 scripts/gpu_check.sh
 call 2: carry [".gpu/smollm2.part2", ".whl"]  ($(mib $((tree + part2 + wheels))))
         command: STEPS=1,5,6,7,9 scripts/gpu_check.sh
 EOF

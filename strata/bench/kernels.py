@@ -17,7 +17,9 @@ rows over the same weight) against torch's bf16 matmul of the dequantized weight
 graph-timed in the same run. Weights are held as the
 engine holds them there (triton_kernels.layout; STRATA_LAYOUT=gguf for GGUF order). --tune
 (CUDA): times candidate GEMV tiles per format (graph time) and writes the fastest into
-triton_kernels/configs/<device>.json.
+triton_kernels/configs/<device>.json. --ncu (CUDA, Nsight Compute on PATH): the same kernels'
+DRAM bytes, GB/s, share of the DRAM peak and sectors per load request, read from the
+hardware counters (strata.bench.ncu).
 """
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ def run(args) -> int:
                          "machine code without one")
     if args.tune:
         return _run_tune(args, formats)
+    if args.ncu:
+        return _run_ncu(args, formats)
     return _run_measured(args, formats)
 
 
@@ -95,10 +99,10 @@ def _run_static(args, formats) -> int:
     return 0
 
 
-def gemv_case(fmt: quant.Format, rng: np.random.Generator, device="cuda"):
-    """(q, x, held format) on the GPU for one GEMV of GEMV_SHAPE: random blocks of `fmt` in
-    the layout the engine holds them in there, and a bf16 row."""
-    N, K = GEMV_SHAPE
+def gemv_case(fmt: quant.Format, rng: np.random.Generator, device="cuda", shape=GEMV_SHAPE):
+    """(q, x, held format) on the GPU for one GEMV of `shape` (N, K): random blocks of `fmt`
+    in the layout the engine holds them in there, and a bf16 row."""
+    N, K = shape
     raw = torch.from_numpy(random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1))
     held = layout.choose(fmt, device, N * K // fmt.block_elems)
     x = torch.from_numpy(rng.uniform(-1, 1, (1, K)).astype(np.float32)).to(device, torch.bfloat16)
@@ -235,6 +239,18 @@ def _run_measured(args, formats) -> int:
             ("x_torch_bf16", "time / torch bf16")]
     emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write)",
          args.json)
+    return 0
+
+
+def _run_ncu(args, formats) -> int:
+    from strata.bench import ncu
+    rows = ncu.profile(formats)
+    cols = [("op", "op"), ("format", "format"), ("kernel", "kernel"), ("us", "µs (ncu)"),
+            ("dram_mb", "DRAM MB read"), ("dram_gb_per_s", "DRAM GB/s"), ("dram_pct_peak", "DRAM % peak"),
+            ("sectors_per_request", "sectors/request")]
+    emit({"machine": machine(), "metrics": list(ncu.METRICS), "rows": rows},
+         markdown(rows, cols) + "\n\nNsight Compute, clocks left alone, caches flushed between passes; "
+         "sectors/request of the global loads (16: 16 contiguous bytes a lane)", args.json)
     return 0
 
 

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated formats (default: {','.join(TABLE_FORMATS)}; 'all' for every one)")
     bk.add_argument("--tune", action="store_true",
                     help="CUDA: time GEMV tiles per format, write the fastest to the device's config table")
+    bk.add_argument("--ncu", action="store_true",
+                    help="CUDA: the kernels' DRAM GB/s and sectors per load request from Nsight Compute's "
+                         "counters (ncu on PATH)")
     bk.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     bm = bsub.add_parser("model", help="llama-bench's pp/tg tests, optionally against llama.cpp")
