@@ -19,7 +19,8 @@
 #   7. flash-tiny with --experts cache:8:host: hit rate and PCIe MiB a token
 #      (STRATA_DECODE_TIMING=1 lines);
 #   8. `strata bench kernels --tune` for the IQ3 formats and Q8_0: the GEMV tiles that run
-#      fastest here, written to triton_kernels/configs/<device>.json (copied to $OUT);
+#      fastest here at three weight heights, and the MoE decode's, written to
+#      triton_kernels/configs/<device>.json (copied to $OUT);
 #   9. Flash-Next's real shape built in memory on the GPU (`-m flash-shape`, 48 layers):
 #      pp512 and tg128 with every part resident, then held to a 24 GiB card (--gpu-mem 24:
 #      the experts in a cache over pinned host RAM), with the launches a step, the PCIe
@@ -123,7 +124,7 @@ grep "^strata: step" "$OUT/experts_cache.log" | tail -3
 
 s8() {
 echo "== 8. GEMV tiles tuned on this device"
-timeout 200 python3 -m strata bench kernels --tune --formats Q8_0,IQ3_S,IQ3_XXS 2>&1 | tee "$OUT/tune.log" || status=1
+timeout 300 python3 -m strata bench kernels --tune --formats Q8_0,IQ3_S,IQ3_XXS 2>&1 | tee "$OUT/tune.log" || status=1
 cp triton_kernels/configs/NVIDIA_*.json "$OUT/" 2>/dev/null
 }
 

@@ -16,8 +16,8 @@ K split as the engine chooses against one program a tile; then the prefill GEMM 
 rows over the same weight) against torch's bf16 matmul of the dequantized weight, both
 graph-timed in the same run. Weights are held as the
 engine holds them there (triton_kernels.layout; STRATA_LAYOUT=gguf for GGUF order). --tune
-(CUDA): times candidate GEMV tiles per format (graph time) and writes the fastest into
-triton_kernels/configs/<device>.json. --ncu (CUDA, Nsight Compute on PATH): the same kernels'
+(CUDA): times candidate GEMV tiles per format at three heights N (graph time), and the
+MoE decode's tiles, and writes the fastest into triton_kernels/configs/<device>.json. --ncu (CUDA, Nsight Compute on PATH): the same kernels'
 DRAM bytes, GB/s, share of the DRAM peak and sectors per load request, read from the
 hardware counters (strata.bench.ncu).
 """
@@ -42,6 +42,11 @@ GEMM_M = 512  # prefill rows: the GEMM of GEMV_SHAPE against torch's bf16 matmul
 # projections, its router): split K against one program a tile
 SMALL_SHAPE = (512, 2560)
 TUNE_TILES = [(bn, bu) for bn in (1, 2, 4, 8, 16) for bu in (4, 8, 16, 32, 64) if bn * bu >= 32]
+# --tune's GEMV shape (N, K) for each bound on N of configs' "by_n": Flash-Next's k and v
+# projections and router, GEMV_SHAPE, a vocabulary head
+TUNE_SHAPES = {1024: SMALL_SHAPE, 8192: GEMV_SHAPE, 1 << 20: (65536, 2560)}
+# the MoE decode's (BLOCK_N, BLOCK_K), one pair for gate/up and down (moe's tiles=)
+MOE_TUNE_TILES = [(bn, bk) for bn in (16, 32, 64) for bk in (256, 512, 1024)]
 
 
 def _formats(arg: str | None) -> list[str]:
@@ -254,23 +259,75 @@ def _run_ncu(args, formats) -> int:
     return 0
 
 
-def _run_tune(args, formats) -> int:
-    name = torch.cuda.get_device_name()
-    rng = np.random.default_rng(0)
+def tune_table(formats: list[str], time_gemv_tiles, time_moe_tiles=None) -> tuple[dict, list[dict]]:
+    """The tuned table (triton_kernels.configs) and its rows: per format with int8 units, the
+    fastest GEMV tiles of TUNE_TILES at each shape of TUNE_SHAPES, under "by_n", and the
+    format's own tiles from GEMV_SHAPE's bucket (what a pick with no N takes); with
+    time_moe_tiles, the MoE decode's (BLOCK_N, BLOCK_K) at MOE_SHAPE, for its two ops.
+    time_gemv_tiles(format, (N, K), tiles) and time_moe_tiles(tiles) give milliseconds, with
+    tiles None for those the engine picks now (the rows' "now" column); tiles whose compile
+    or launch fails on the device are skipped, and counted in the row."""
+    def fastest(timer, candidates):
+        times, failed = {}, []
+        for t in candidates:
+            try:
+                times[t] = timer(t)
+            except Exception as err:  # noqa: BLE001 - e.g. Triton's OutOfResources for large tiles
+                failed.append(f"{t}: {type(err).__name__}")
+        if not times:
+            raise ValueError(f"bench kernels --tune: no candidate tiles launched: {'; '.join(failed[:3])}")
+        return min(times, key=times.get), times, len(failed)
     table: dict = {"gemv": {}}
     rows = []
     for f in formats:
         if unit(quant.get(f)) is None:
             continue
-        q, x, fmt = gemv_case(quant.get(f), rng)
-        times = {t: time_gemv(fmt, q, x, tiles=t, graph=True) for t in TUNE_TILES}
-        best = min(times, key=times.get)
-        table["gemv"][f] = {"block_n": best[0], "block_u": best[1]}
-        rows.append({"format": f, "tiles": str(best), "us": times[best] * 1e3,
-                     "default_us": times.get(tuple(configs.pick("gemv", f).get(k) for k in ("block_n", "block_u")), float("nan")) * 1e3})
-        del q, x
+        entry: dict = {configs.BY_N: {}}
+        for bound, shape in TUNE_SHAPES.items():
+            best, times, failed = fastest(lambda t: time_gemv_tiles(f, shape, t), TUNE_TILES)
+            tiles = {"block_n": best[0], "block_u": best[1]}
+            entry[configs.BY_N][str(bound)] = tiles
+            if shape == GEMV_SHAPE:
+                entry.update(tiles)
+            rows.append({"op": "gemv", "format": f, "shape": f"{shape[0]} x {shape[1]}", "tiles": str(best),
+                         "us": times[best] * 1e3, "now_us": time_gemv_tiles(f, shape, None) * 1e3,
+                         "failed": failed})
+        table["gemv"][f] = entry
+    if time_moe_tiles is not None:
+        E, k, H, I, f_gu, f_d = MOE_SHAPE
+        best, times, failed = fastest(time_moe_tiles, MOE_TUNE_TILES)
+        for op, f in (("moe_gate_up", f_gu), ("moe_down", f_d)):
+            table[op] = {f: {"block_n": best[0], "block_k": best[1]}}
+        rows.append({"op": f"moe top-{k} of {E}", "format": f"{f_gu}/{f_d}", "shape": f"{H} x {I}",
+                     "tiles": str(best), "us": times[best] * 1e3, "now_us": time_moe_tiles(None) * 1e3,
+                     "failed": failed})
+    return table, rows
+
+
+def _run_tune(args, formats) -> int:
+    import triton
+
+    from triton_kernels import moe
+    name = torch.cuda.get_device_name()
+    rng = np.random.default_rng(0)
+    cases = {}
+
+    def time_gemv_tiles(f, shape, tiles):
+        if (f, shape) not in cases:
+            cases.clear()  # one weight at a time on the device
+            cases[f, shape] = gemv_case(quant.get(f), rng, shape=shape)
+        q, x, fmt = cases[f, shape]
+        return time_gemv(fmt, q, x, tiles=tiles, graph=True)
+
+    moe_args, _ = moe_case(rng)
+
+    def time_moe_tiles(tiles):
+        return triton.testing.do_bench_cudagraph(lambda: moe(*moe_args, path="dp4a", tiles=tiles), rep=50)
+
+    table, rows = tune_table(formats, time_gemv_tiles, time_moe_tiles)
     path = configs.write(name, table)
-    emit({"device": name, "path": str(path), "rows": rows},
-         markdown(rows, [("format", "format"), ("tiles", "best tiles"), ("us", "µs"),
-                         ("default_us", "default µs")]) + f"\n\nwrote {path}", args.json)
+    emit({"device": name, "path": str(path), "table": table, "rows": rows},
+         markdown(rows, [("op", "op"), ("format", "format"), ("shape", "N x K"), ("tiles", "best tiles"),
+                         ("us", "µs"), ("now_us", "µs before"), ("failed", "tiles failed")])
+         + f"\n\nwrote {path}", args.json)
     return 0

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     bk.add_argument("--formats", default=None,
                     help=f"comma-separated formats (default: {','.join(TABLE_FORMATS)}; 'all' for every one)")
     bk.add_argument("--tune", action="store_true",
-                    help="CUDA: time GEMV tiles per format, write the fastest to the device's config table")
+                    help="CUDA: time GEMV tiles per format and weight height, and the MoE decode's, "
+                         "write the fastest to the device's config table")
     bk.add_argument("--ncu", action="store_true",
                     help="CUDA: the kernels' DRAM GB/s and sectors per load request from Nsight Compute's "
                          "counters (ncu on PATH)")

@@ -1,13 +1,17 @@
 """Launch configurations as data: the one place that picks tiles and warps.
 
-    pick(op, fmt, device=None, backend="cuda") -> dict   e.g. {"block_n": 8, "block_u": 16, "num_warps": 4}
+    pick(op, fmt, device=None, backend="cuda", n=None) -> dict   e.g. {"block_n": 8, "block_u": 16, "num_warps": 4}
 
 `default.json` beside this file holds, per op, a configuration for every format and any
 per-format overrides, and under "hip" the same for AMD GPUs (64-lane wavefronts: twice
 the lanes a program, so twice the rows for the same work a lane); `<device>.json` (the device name as torch reports it, spaces and
 slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kernels
 --tune` on that device, overrides it. Later entries win: op defaults, then the op's
-format entry, then the device file's op defaults and format entry. The MoE ops' tiles and
+format entry, then the device file's op defaults and format entry. A format entry's "by_n"
+holds tiles per weight height N (a GEMV's rows), written by --tune: the entry of the
+smallest bound at or above n ("1024": up to 1024 rows), the largest bound's beyond them,
+over the format's own tiles; a pick with no n (the static check) takes the format's own
+tiles, which --tune sets from 4096 x 14336, the shape `bench kernels` times. The MoE ops' tiles and
 num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels', and
 "gemv"'s `float_num_warps` the float GEMV's (float_gemv_warps). The
 dp4a GEMV's `split_k` is an integer or "auto" (triton_kernels.int8.split_for).
@@ -60,7 +64,7 @@ def _load(path: str) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
-def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda") -> dict:
+def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda", n: int | None = None) -> dict:
     default = _load(str(HERE / "default.json"))
     tables = [default]
     if backend == "hip":
@@ -73,8 +77,20 @@ def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda") ->
     for t in tables:
         entry = t.get(op, {})
         out.update({k: v for k, v in entry.items() if not isinstance(v, dict)})
-        out.update(entry.get(fmt, {}))
+        own = entry.get(fmt, {})
+        out.update({k: v for k, v in own.items() if k != BY_N})
+        if n is not None and own.get(BY_N):
+            out.update(by_n(own[BY_N], n))
     return out
+
+
+BY_N = "by_n"
+
+
+def by_n(buckets: dict, n: int) -> dict:
+    """The entry of `buckets` ({"1024": {...}, "8192": {...}}: bounds on N) for n rows."""
+    bounds = sorted(int(b) for b in buckets)
+    return buckets[str(next((b for b in bounds if n <= b), bounds[-1]))]
 
 
 def num_warps(op: str, fmt: str, device, key: str = "num_warps") -> int:

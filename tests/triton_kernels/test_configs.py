@@ -1,0 +1,50 @@
+"""triton_kernels.configs: the one place that picks tiles, with a device's tuned table and its
+tiles per weight height N ("by_n", written by `strata bench kernels --tune`)."""
+import json
+import shutil
+
+import pytest
+
+import quant
+from triton_kernels import configs, int8
+
+DEVICE = "Test GPU 9000"
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """configs reading from tmp_path: the real default.json and a tuned table for DEVICE."""
+    shutil.copy(configs.HERE / "default.json", tmp_path / "default.json")
+    monkeypatch.setattr(configs, "HERE", tmp_path)
+    tuned = {"gemv": {"Q8_0": {"block_n": 2, "block_u": 64,
+                               "by_n": {"1024": {"block_n": 1, "block_u": 32}, "8192": {"block_n": 2, "block_u": 64},
+                                        "1048576": {"block_n": 16, "block_u": 8}}}}}
+    path = configs.write(DEVICE, tuned)
+    assert path == tmp_path / "Test_GPU_9000.json" and json.loads(path.read_text()) == tuned
+    return json.loads((tmp_path / "default.json").read_text())
+
+
+def test_a_tuned_table_overrides_the_defaults_per_height(tables):
+    base = tables["gemv"]
+    assert configs.pick("gemv", "Q8_0") == {k: v for k, v in base.items() if not isinstance(v, dict)}
+    # with no N: the format's own tiles (--tune's 4096 x 14336), the op's other keys kept
+    got = configs.pick("gemv", "Q8_0", DEVICE)
+    assert (got["block_n"], got["block_u"], got["num_warps"]) == (2, 64, base["num_warps"])
+    assert "by_n" not in got
+    for n, tiles in ((1, (1, 32)), (512, (1, 32)), (1024, (1, 32)), (1025, (2, 64)), (8192, (2, 64)),
+                     (151936, (16, 8)), (1 << 21, (16, 8))):  # past the last bound: the last bound's
+        got = configs.pick("gemv", "Q8_0", DEVICE, n=n)
+        assert (got["block_n"], got["block_u"]) == tiles, n
+    # a format the table does not name keeps the defaults at any height
+    assert configs.pick("gemv", "Q4_0", DEVICE, n=512)["block_n"] == base["block_n"]
+
+
+def test_the_gemv_launch_takes_the_tiles_of_its_height(tables, monkeypatch):
+    monkeypatch.setattr(int8, "device_name", lambda device: DEVICE)
+    fmt = quant.get("Q8_0")
+    import torch
+    cpu = torch.device("cpu")
+    assert int8.gemv_launch(fmt, cpu, 512, 2560)[:2] == (1, 32)
+    assert int8.gemv_launch(fmt, cpu, 4096, 14336)[:2] == (2, 64)
+    assert int8.gemv_launch(fmt, cpu, 65536, 2560)[:2] == (16, 8)
+    assert int8.gemv_launch(fmt, cpu, 65536, 2560, tiles=(4, 16))[:2] == (4, 16)  # explicit tiles win
