@@ -6,7 +6,8 @@
 #      the GPU against the torch path on the CPU (tests/strata/test_gpu_models.py);
 #   2. `strata bench kernels`: the decode GEMV of a 4096 x 14336 weight per format and the
 #      MoE decode at Flash-Next's shape, GB/s against the device copy, the static
-#      prediction beside it; a 512 x 2560 GEMV with K split and not; the 512-row prefill
+#      prediction beside it; the MoE with its ten experts missed, staged into VRAM or read in
+#      place from pinned host memory, against the pinned copy; a 512 x 2560 GEMV with K split and not; the 512-row prefill
 #      GEMM against torch's bf16 matmul; in the device layout, then again in GGUF order
 #      (STRATA_LAYOUT=gguf);
 #   3. `strata bench dequant --device cuda` for the formats of the decode path;

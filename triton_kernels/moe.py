@@ -467,8 +467,11 @@ def _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids):
         if w.dim() != 3:
             raise ValueError(f"moe: {what} ({fmt.name}) must be (experts, rows, row bytes), "
                              f"got shape {tuple(w.shape)}")
-        if w.device != x.device:
-            raise ValueError(f"moe: {what} is on {w.device} but x is on {x.device}")
+        # pinned host memory is read over PCIe through unified addressing (NVIDIA): what
+        # `strata bench kernels` sets against staging the misses into VRAM
+        if w.device != x.device and not (x.is_cuda and w.device.type == "cpu" and w.is_pinned()):
+            raise ValueError(f"moe: {what} is on {w.device} but x is on {x.device} (weights in host "
+                             f"memory must be pinned: tensor.pin_memory())")
     E, I = w_gate.shape[0], w_gate.shape[1]
     for what, w, fmt, rows, cols in (("w_gate", w_gate, fmt_gate, I, H), ("w_up", w_up, fmt_up, I, H),
                                      ("w_down", w_down, fmt_down, H, I)):

@@ -11,7 +11,10 @@ int8 activations, then the GEMV) and as launched from Python, as GB/s of weight 
 read (graph time) against the device-to-device copy measured in the same run, the static
 prediction beside it; then the MoE decode at Qwen3.8-Flash-Next's shape (one token, top
 10 of 512 experts, gate and up 2560 -> 640 in IQ3_XXS, down 640 -> 2560 in IQ4_NL, as
-llama.cpp's IQ3_XXS mix) as GB/s of the routed experts' bytes; a GEMV of 512 x 2560 with
+llama.cpp's IQ3_XXS mix) as GB/s of the routed experts' bytes; the same with every
+expert missed and read over PCIe from pinned host memory, staged into VRAM first (the
+expert cache's path) and read by the MoE kernels directly, against the pinned
+host-to-device copy; a GEMV of 512 x 2560 with
 K split as the engine chooses against one program a tile; then the prefill GEMM (512
 rows over the same weight) against torch's bf16 matmul of the dequantized weight, both
 graph-timed in the same run. Weights are held as the
@@ -150,6 +153,44 @@ def _moe_row(rng, copy: float) -> dict:
             "pct_copy": 100 * gbps / copy, "max_rel_err": rel}
 
 
+def _miss_rows(rng) -> list[dict]:
+    """The MoE decode at MOE_SHAPE with every routed expert missed, the experts in pinned host
+    memory, read over PCIe two ways: staged (stage_rows copies the k experts' rows into
+    VRAM, then the MoE reads them there: the expert cache's path) and direct (the MoE
+    kernels read host memory themselves). Graph-timed in one run, as GB/s of the routed
+    bytes against the pinned host-to-device copy; both checked against the resident call."""
+    import triton
+
+    from strata.bench.decode_cost import h2d_bandwidth
+    from triton_kernels import moe
+    from triton_kernels.stage import stage_rows
+    args, routed = moe_case(rng)
+    x, wg, wu, wd, fg, fu, fd, weights, ids = args
+    E, k = wg.shape[0], ids.shape[1]
+    host = [w.cpu().pin_memory() for w in (wg, wu, wd)]
+    staged = [torch.empty((k, *w.shape[1:]), dtype=w.dtype, device="cuda") for w in (wg, wu, wd)]
+    local = torch.arange(k, device="cuda", dtype=ids.dtype).reshape(1, k)
+    missed = torch.full((k,), -1, dtype=torch.int64, device="cuda")
+
+    def stage_then_moe():
+        stage_rows([h.view(E, -1) for h in host], [t.view(k, -1) for t in staged], ids.reshape(-1), missed, 0)
+        return moe(x, *staged, fg, fu, fd, weights, local, path="dp4a")
+
+    def direct():
+        return moe(x, *host, fg, fu, fd, weights, ids, path="dp4a")
+    resident = moe(*args, path="dp4a")
+    h2d = h2d_bandwidth("cuda") / 1e9
+    rows = []
+    for how, fn in (("staged", stage_then_moe), ("direct", direct)):
+        same = bool(torch.equal(fn(), resident))
+        ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+        gbps = routed / (ms * 1e-3) / 1e9
+        rows.append({"op": f"moe {k} misses, {how}", "format": f"{MOE_SHAPE[4]}/{MOE_SHAPE[5]}", "layout": fg.layout,
+                     "us": ms * 1e3, "gb_per_s": gbps, "pct_h2d": 100 * gbps / h2d, "h2d_gb_per_s": h2d,
+                     "bits_as_resident": same})
+    return rows
+
+
 def _split_row(name: str, rng, copy: float) -> dict:
     """The dp4a GEMV of SMALL_SHAPE, graph-timed, with K split as "auto" chooses and not
     split, in the same run."""
@@ -234,6 +275,7 @@ def _run_measured(args, formats) -> int:
                      "instr_per_weight": st.instr_per_weight, "pred_bw_h200": st.pred_bw.get("H200")})
         del q, x
     rows.append(_moe_row(rng, copy))
+    rows += _miss_rows(rng)
     rows += [_split_row(name, rng, copy) for name in formats if unit(quant.get(name)) is not None]
     rows += [_gemm_row(name, rng) for name in formats]
     result = {"machine": machine(), "copy_gb_per_s": copy, "rows": rows}
@@ -241,8 +283,11 @@ def _run_measured(args, formats) -> int:
             ("gb_per_s", "GB/s"), ("pct_copy", "% copy"),
             ("max_rel_err", "max rel err"), ("instr_per_weight", "instr/w (sm_90)"),
             ("pred_bw_h200", "predicted (H200)"), ("us_unsplit", "µs unsplit"), ("tflops", "TFLOP/s"),
-            ("x_torch_bf16", "time / torch bf16")]
-    emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write)",
+            ("x_torch_bf16", "time / torch bf16"), ("pct_h2d", "% pinned copy"),
+            ("bits_as_resident", "= resident")]
+    h2d = next((r["h2d_gb_per_s"] for r in rows if "h2d_gb_per_s" in r), None)
+    emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write); "
+         f"pinned host-to-device copy: {h2d:,.1f} GB/s",
          args.json)
     return 0
 

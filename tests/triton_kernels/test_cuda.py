@@ -421,3 +421,32 @@ def test_the_shared_experts_down_gemv_in_the_down_launch_gives_its_bits_on_the_g
     got = moe(x, *args, path="dp4a", slots=True, pair=(product, q2, f2, H, torch.bfloat16, out2))
     assert torch.equal(got, moe(x, *args, path="dp4a", slots=True))
     assert torch.equal(out2, qmatmul(product, q2, f2, n=H).to(torch.bfloat16).float())
+
+
+def test_the_moe_reads_experts_in_pinned_host_memory_as_in_vram_and_as_staged():
+    """The two ways a routed expert that misses the cache can be read over PCIe, as
+    `strata bench kernels` times them: the MoE kernels given pinned host weights (unified
+    addressing), and stage_rows copying the k experts into VRAM rows first (the expert
+    cache's path). Both give the resident call's bits: the kernels meet the same bytes."""
+    from triton_kernels.stage import stage_rows
+    rng = np.random.default_rng(12)
+    E, H, I, k = 16, 512, 256, 6
+    fg, fd = quant.get("IQ3_XXS"), quant.get("IQ4_NL")
+
+    def w(f, shape):
+        return torch.from_numpy(f.quantize(rng.standard_normal((int(np.prod(shape[:-1])), shape[-1]))
+                                           .astype(np.float32) / 50).reshape(*shape[:-1], -1)).cuda()
+    dev = [w(fg, (E, I, H)), w(fg, (E, I, H)), w(fd, (E, H, I))]
+    host = [t.cpu().pin_memory() for t in dev]
+    x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32)).cuda()
+    ids = torch.from_numpy(rng.permutation(E)[:k].astype(np.int64)).reshape(1, k).cuda()
+    weights = torch.full((1, k), 1.0 / k, device="cuda")
+    resident = moe(x, *dev, fg, fg, fd, weights, ids, path="dp4a")
+    assert torch.equal(moe(x, *host, fg, fg, fd, weights, ids, path="dp4a"), resident)
+    staged = [torch.empty((k, *t.shape[1:]), dtype=t.dtype, device="cuda") for t in dev]
+    stage_rows([h.view(E, -1) for h in host], [s.view(k, -1) for s in staged], ids.reshape(-1),
+               torch.full((k,), -1, dtype=torch.int64, device="cuda"), 0)
+    local = torch.arange(k, device="cuda").reshape(1, k)
+    assert torch.equal(moe(x, *staged, fg, fg, fd, weights, local, path="dp4a"), resident)
+    with pytest.raises(ValueError, match="must be pinned"):
+        moe(x, *[t.cpu() for t in dev], fg, fg, fd, weights, ids, path="dp4a")
