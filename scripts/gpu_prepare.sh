@@ -7,8 +7,8 @@
 #   scripts/gpu_prepare.sh          # .whl/ (the wheels) and .gpu/smollm2.part1, part2
 #
 # It prints the two calls that carry them. SmolLM2's GGUF (94 MB) does not fit one call
-# beside the wheels, so the first call brings part1 and runs the steps that need neither
-# SmolLM2 nor transformers; part1 stays on the warm machine (an ignored path), and the
+# beside the wheels, so the first call brings part1 (and gguf's wheel) and runs the steps
+# that need neither SmolLM2 nor transformers; part1 stays on the warm machine (an ignored path), and the
 # second call brings part2 and the wheels, and gpu_check.sh joins the parts.
 # PIP=... names the pip to download with; DEST=DIR writes .whl/ and .gpu/ there instead
 # of the repository's root (where a call's carry paths start).
@@ -18,7 +18,7 @@ DEST=${DEST:-.}
 PIP=${PIP:-python3 -m pip}  # the Python that runs it must import strata (the README's install)
 WHEELS="gguf==0.19.0 transformers==5.23.0 fla-core==0.6.0"  # einops, tokenizers 0.23, hub 1.33: there
 LIMIT=$((64 * 1024 * 1024))
-SLACK=$((2 * 1024 * 1024))  # for the files a call writes into the tree before it is sent
+SLACK=$((2 * 1024 * 1024))  # room for what the tree gains before the calls (logs, notes)
 
 whl=$DEST/.whl gpu=$DEST/.gpu
 rm -rf "$whl" && mkdir -p "$whl"
