@@ -28,7 +28,8 @@
 #      MiB and the hit rate a token;
 #  10. `strata bench kernels --ncu`: step 2's kernels under Nsight Compute, their DRAM GB/s,
 #      share of the DRAM peak and sectors per load request from the hardware counters.
-# Results go to $OUT (or ./gpu_check.out) as logs and JSON. STEPS=5,7,1 runs those, in that order.
+# Results go to $OUT (or ./gpu_check.out) as logs and JSON, each step's seconds to steps.txt.
+# STEPS=5,7,1 runs those, in that order.
 #
 # scripts/gpu_prepare.sh, run first on the machine that sends the calls, fills .whl/ and
 # .gpu/ and prints which call carries what. A bare machine lacks gguf (strata's GGUF reader needs it): where .whl/ holds wheels
@@ -144,5 +145,7 @@ timeout 240 python3 -m strata bench kernels --ncu --formats "$FORMATS" --json 2>
     | tee "$OUT/bench_kernels_ncu.json" || status=1
 }
 
-for s in ${STEPS//,/ }; do "s$s"; done
+for s in ${STEPS//,/ }; do  # each step's seconds, for planning the next run's calls
+    t0=$SECONDS; "s$s"; echo "step $s: $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"
+done
 exit $status
