@@ -50,3 +50,12 @@ def test_tune_says_when_no_tiles_launch():
         raise RuntimeError("no device")
     with pytest.raises(ValueError, match="no candidate tiles launched: .*RuntimeError"):
         kernels.tune_table(["Q8_0"], fail)
+
+
+def test_a_moe_whose_tiles_all_fail_leaves_the_gemv_table(capsys):
+    def fail(tiles):
+        raise RuntimeError("out of resources")
+    table, rows = kernels.tune_table(["Q4_0"], _gemv_timer([]), fail)
+    assert set(table) == {"gemv"} and "Q4_0" in table["gemv"]
+    assert rows[-1]["tiles"] == "none launched" and rows[-1]["failed"] == len(kernels.MOE_TUNE_TILES)
+    assert "no candidate tiles launched" in capsys.readouterr().err
