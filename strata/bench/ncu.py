@@ -33,7 +33,7 @@ METRICS = {
 }
 MARKER = "spin_kernel"
 # ncu scales its units to the value (usecond, Mbyte, Ksector: decimal prefixes)
-_SCALE = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "n": 1e-9, "u": 1e-6, "m": 1e-3}
+_SCALE = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "n": 1e-9, "u": 1e-6, "m": 1e-3}
 _BASE = {"byte", "second", "sector", "request", "%"}
 
 
@@ -47,7 +47,7 @@ def _value(unit: str, text: str) -> float | None:
     if unit in _BASE or unit == "":
         return v
     for prefix, scale in _SCALE.items():
-        if prefix and unit.startswith(prefix) and unit[len(prefix):] in _BASE:
+        if unit.startswith(prefix) and unit[len(prefix):] in _BASE:
             return v * scale
     raise ValueError(f"ncu: unknown unit {unit!r}")
 
@@ -127,16 +127,12 @@ def _launch(formats, device, shape, moe_shape, m) -> None:
     from triton_kernels import ops
     qmatmul, moe = ops.impl("qmatmul", "triton"), ops.impl("moe", "triton")  # as the engine calls them
     rng = np.random.default_rng(0)
-    calls = []
-    for f in formats:
-        q, x, fmt = gemv_case(quant.get(f), rng, device, shape)
-        calls.append(lambda q=q, x=x, fmt=fmt: qmatmul(x, q, fmt))
+    weights = [gemv_case(quant.get(f), rng, device, shape) for f in formats]  # the GEMV's and the GEMM's
+    calls = [lambda q=q, x=x, fmt=fmt: qmatmul(x, q, fmt) for q, x, fmt in weights]
     args, _ = moe_case(rng, moe_shape, device)
     calls.append(lambda: moe(*args, path="dp4a"))
-    for f in formats:
-        q, _, fmt = gemv_case(quant.get(f), rng, device, shape)
-        x = torch.from_numpy(rng.uniform(-1, 1, (m, shape[1])).astype(np.float32)).to(device, torch.bfloat16)
-        calls.append(lambda q=q, x=x, fmt=fmt: qmatmul(x, q, fmt, path="gemm"))
+    xm = torch.from_numpy(rng.uniform(-1, 1, (m, shape[1])).astype(np.float32)).to(device, torch.bfloat16)
+    calls += [lambda q=q, fmt=fmt: qmatmul(xm, q, fmt, path="gemm") for q, _, fmt in weights]
     assert len(calls) == len(cases(formats))
     for c in calls:
         c()

@@ -31,6 +31,7 @@ import pathlib
 import re
 
 HERE = pathlib.Path(__file__).parent
+BY_N = "by_n"  # a format entry's tiles per weight height (see the module)
 _interpreter = False  # interpreter_tiles() is open
 
 
@@ -82,9 +83,6 @@ def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda", n:
         if n is not None and own.get(BY_N):
             out.update(by_n(own[BY_N], n))
     return out
-
-
-BY_N = "by_n"
 
 
 def by_n(buckets: dict, n: int) -> dict:
