@@ -16,7 +16,8 @@ def _rel(a, b) -> float:
     return float((a.float().cpu() - b.float().cpu()).abs().max() / b.float().abs().max())
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(ci="CI runs SmolLM2 with the Triton kernels through the interpreter against the torch "
+                     "path (tests/strata/test_gpu_path.py) and its decode graph (tests/strata/test_graphs.py)")
 def test_smollm2_on_the_gpu_gives_the_torch_logits(smollm2_gguf):
     ref = load_model(smollm2_gguf, dtype=torch.float32, kernels="torch")
     got = load_model(smollm2_gguf, dtype=torch.float32, device="cuda")
@@ -34,7 +35,9 @@ def test_smollm2_on_the_gpu_gives_the_torch_logits(smollm2_gguf):
     assert max(rels) <= REL, rels
 
 
-@pytest.mark.cuda
+@pytest.mark.cuda(ci="CI traces these decode steps on fake CUDA, where any host read raises "
+                     "(tests/strata/test_trace.py, test_graphs_qwen4exp.py), and runs flash-tiny's Triton "
+                     "kernels through the interpreter against the torch path (test_gpu_path.py)")
 @pytest.mark.parametrize("experts, ple_io", [("device", None), ("cache:16:host", "ram")])
 @pytest.mark.parametrize("graphs", ["1", "0"])
 def test_flash_tiny_decodes_on_the_gpu_without_waiting_for_it(flash_tiny_gguf, experts, ple_io, graphs, monkeypatch):

@@ -423,6 +423,9 @@ def test_the_shared_experts_down_gemv_in_the_down_launch_gives_its_bits_on_the_g
     assert torch.equal(out2, qmatmul(product, q2, f2, n=H).to(torch.bfloat16).float())
 
 
+@pytest.mark.cuda(ci="CI checks the staged path's bits (tests/strata/test_expert_cache.py, the cache tier "
+                     "against the resident one) and moe()'s refusal of pageable host weights "
+                     "(test_moe.py); a kernel reading pinned host memory needs a GPU")
 def test_the_moe_reads_experts_in_pinned_host_memory_as_in_vram_and_as_staged():
     """The two ways a routed expert that misses the cache can be read over PCIe, as
     `strata bench kernels` times them: the MoE kernels given pinned host weights (unified

@@ -699,3 +699,21 @@ def test_the_shared_experts_down_gemv_joins_the_down_launch_with_its_own_bits(fm
     assert torch.equal(out2, qmatmul(product, q2, f2, n=n2).to(dtype2).float())
     with pytest.raises(ValueError, match="joins only a dp4a call that keeps its slots"):
         moe(x, *args, path="dp4a", pair=(product, q2, f2, n2, dtype2, out2))
+
+
+def test_weights_in_host_memory_must_be_pinned():
+    """With x on a GPU, moe() takes weights in pinned host memory (read over PCIe; on a
+    device, test_cuda.py checks their bits and `strata bench kernels` times it), and refuses
+    pageable ones, saying what to do. Checked on fake CUDA: the refusal comes before any
+    launch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    fg, fd = quant.get("IQ3_XXS"), quant.get("IQ4_NL")
+    E, H, I, k = 4, 256, 256, 2
+    with FakeTensorMode():
+        x = torch.empty(1, H, device="cuda")
+        wg = torch.empty(E, I, H // fg.block_elems * fg.block_bytes, dtype=torch.uint8)  # pageable host memory
+        wd = torch.empty(E, H, I // fd.block_elems * fd.block_bytes, dtype=torch.uint8)
+        ids, w = torch.zeros(1, k, dtype=torch.int64, device="cuda"), torch.ones(1, k, device="cuda")
+        assert not wg.is_pinned()
+        with pytest.raises(ValueError, match=r"w_gate is on cpu but x is on cuda.*must be pinned: tensor.pin_memory\(\)"):
+            moe(x, wg, wg, wd, fg, fg, fd, w, ids, path="dp4a")
