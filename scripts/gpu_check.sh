@@ -31,12 +31,12 @@
 # Results go to $OUT (or ./gpu_check.out) as logs and JSON, each step's seconds to steps.txt.
 # STEPS=5,7,1 runs those, in that order.
 #
-# scripts/gpu_prepare.sh, run first on the machine that sends the calls, fills .whl/ and
-# .gpu/ and prints which call carries what. A bare machine lacks gguf (strata's GGUF reader needs it): where .whl/ holds wheels
-# (`pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.17.1`),
-# they are installed first into /tmp/site. fla-core's (fla_core-0.6.0 and einops, the `cuda`
-# extra) there make step 1 run fla's DeltaNet kernels on the device against Strata's
-# (tests/triton_kernels/test_deltanet_fla.py) and the engine's DeltaNet layers take them.
+# A bare machine lacks gguf (strata's GGUF reader), transformers 5.23 (step 5's synth) and
+# fla-core: scripts/gpu_prepare.sh, run first on the machine that sends the calls, puts
+# their wheels in .whl/ and SmolLM2's GGUF in parts in .gpu/, and prints which call carries
+# what. Wheels in .whl/ are installed first into /tmp/site; with fla-core's, step 1 runs
+# fla's DeltaNet kernels on the device against Strata's (tests/triton_kernels/
+# test_deltanet_fla.py) and the engine's DeltaNet layers take them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check.out}
