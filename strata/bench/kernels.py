@@ -87,6 +87,8 @@ def _run_static(args, formats) -> int:
         if o not in static.OPS:
             raise ValueError(f"bench kernels: unknown op {o!r}; ops: {', '.join(static.OPS)}")
     rows = [r.as_dict() for r in static.rows(ops, formats, targets)]
+    for r in rows:
+        r["toolchain"] = static.toolchain(r["target"])
     if args.json:
         emit(rows, "", True)
         return 0
@@ -104,7 +106,7 @@ def _run_static(args, formats) -> int:
                 ("instr_per_weight_whole", "instr/w 4096x14336"), ("bytes_per_load", "B/load"),
                 ("wide_load_share", ">=8B share"), ("loads_in_flight", "in flight"), ("mma", "mma")]
         cols += [(f"bw_{g}", f"{g} bw") for g in gpus] + [("top", "loop mix")]
-        print(f"## {t}\n")
+        print(f"## {t}\n\n{static.toolchain(t)}\n")
         print(markdown(sel, cols))
         print()
     return 0

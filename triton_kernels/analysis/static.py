@@ -2,6 +2,7 @@
 
     analyse(op, fmt, target) -> Row      one kernel, compiled as the engine launches it
     rows(ops, formats, targets) -> list[Row]
+    toolchain(target) -> str             the Triton and ptxas releases that compiled them
 
 Triton compiles for any target on any machine (`triton.compile(ASTSource(...),
 target=GPUTarget(...))`); ptxas, cuobjdump and nvdisasm ship with it. From the cubin
@@ -633,6 +634,17 @@ def rows(ops=OPS, formats=None, targets=("sm_90",), config: dict | None = None) 
         mine = [i for i, b in enumerate(built) if b.target == t and not b.amd]
         sass.update(zip(mine, _disassemble([built[i].kernel.asm["cubin"] for i in mine], t)))
     return [_row(b, sass.get(i)) for i, b in enumerate(built)]
+
+
+def toolchain(target: str) -> str:
+    """The compiler behind a target's rows: Triton's release and, on NVIDIA, the ptxas it
+    runs. Registers, spills and counts move between releases (Triton 3.6 ships ptxas 12.8,
+    3.9 ptxas 13.4: triton_kernels/NOTES.md), so a table names the one that made it."""
+    spec = TARGETS[target]
+    if spec.backend == "hip":
+        return f"Triton {triton.__version__}, LLVM's AMDGPU backend"
+    from triton.backends.nvidia.compiler import get_ptxas
+    return f"Triton {triton.__version__}, ptxas {get_ptxas(spec.arch).version}"
 
 
 def _rows_in_child(ops, formats, targets, config) -> list[Row]:
