@@ -63,6 +63,10 @@ class DecodeGraph:
         dev = cache.k.device
         self.capacity = cache.k.shape[2]
         model.rope_table(self.capacity)
+        rope = model.blocks[0].attn.rope
+        # the RoPE rows the graph reads by address, held: a longer table made later (for
+        # another cache: Rope._table registers new buffers) would free them under it
+        self.rope_rows = (rope.cos, rope.sin)
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graph = None

@@ -408,9 +408,10 @@ class Qwen4ExpGraph:
     def _counters(self) -> list[dict]:
         """The host's counters a step adds to (the expert stores', the PLE table's reads):
         a replay runs no Python, so each replay adds what the captured step added."""
-        table = getattr(getattr(self.model.ple, "table", None), "table", None)
-        return [c for c in [*(getattr(s, "_counts", None) for s in self._stores()), getattr(table, "_counts", None)]
-                if isinstance(c, dict)]
+        ple = getattr(self.model.ple, "table", None)  # an InMemoryTable, or a StoredTable over its tier
+        tables = [ple, getattr(ple, "table", None)]
+        return [c for c in [*(getattr(s, "_counts", None) for s in self._stores()),
+                            *(getattr(t, "_counts", None) for t in tables)] if isinstance(c, dict)]
 
     def _stores(self) -> list:
         """The expert stores a step runs: the layers', and the MTP block's where it writes keys."""
@@ -453,8 +454,8 @@ class Qwen4ExpGraph:
             store.rebalance()  # between steps: the device caches' promotions
         if T == 1:
             self.tok.fill_(int(tokens[0]))
-        else:
-            self.tok.copy_(tokens)
+        else:  # from pinned memory: a pageable copy would make the host wait for the queue
+            self.tok.copy_(backend.to_device(tokens, self.tok.device))
         self.pos.fill_(state.length)
         if self.prev is not None:
             if state.hidden is None:

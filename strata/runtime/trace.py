@@ -19,7 +19,8 @@ is counted is what the engine would launch on that GPU. A torch op on a device t
 counts as one launch unless it launches nothing (views, metadata, allocations). A read of
 device data on the host (`item`, `int`, `bool`, `tolist`, `nonzero`, `unique`,
 `masked_select`, a copy to the host) raises `HostRead`: on a GPU each would wait for the
-device's queue to drain, and none can be captured in a CUDA graph.
+device's queue to drain, and none can be captured in a CUDA graph. So does a copy to the
+device from pageable host memory (`HostWait`: CUDA makes the host wait for it too).
 """
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ _HOST_READS = {
 
 class HostRead(RuntimeError):
     """A step read device data on the host."""
+
+
+class HostWait(HostRead):
+    """A step made the host wait for the device's queue without reading anything: a copy
+    to the device from pageable host memory (on CUDA a blocking copy; it raises under
+    torch.cuda.set_sync_debug_mode("error") and cannot be captured in a graph)."""
 
 
 def _where() -> str:
@@ -119,6 +126,10 @@ class _Count(TorchDispatchMode):
             src, dst = (args[0], kwargs.get("device")) if name == "aten::_to_copy" else (args[1], args[0].device)
             if _on_device(src) and dst is not None and torch.device(dst).type == "cpu":
                 raise HostRead(f"a copy from the device to the host at {_where()}")
+            if name == "aten::copy_" and _on_device(args[0]) and isinstance(src, torch.Tensor) \
+                    and src.device.type == "cpu" and not _async_pinned(src, args, kwargs):
+                raise HostWait(f"a copy to the device from pageable host memory at {_where()}: "
+                               f"triton_kernels.backend.to_device copies a step's few values from pinned memory")
         out = func(*args, **kwargs)
         if device or _on_device(out) or (isinstance(out, (list, tuple)) and any(map(_on_device, out))):
             if not func.is_view and name not in _NO_LAUNCH:
@@ -216,6 +227,28 @@ def _replayed(fn):
     return run
 
 
+def _async_pinned(src: torch.Tensor, args, kwargs) -> bool:
+    """copy_(dst, src, non_blocking) from page-locked memory: queued, the host runs on (a
+    CPU-only torch pins nothing, so under fake_cuda any host tensor counts as pinned)."""
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    return bool(non_blocking) and backend.host_readable(src)
+
+
+def _set_item(self, key, value):
+    """Indexing assignment on a fake CUDA tensor, replayed as indexing is. One element set
+    to a Python number is refused: for a CUDA tensor torch makes the number a host tensor
+    and copies it over from pageable memory, a copy the host waits for (a slice's fill_
+    launches a kernel instead)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    if isinstance(value, (bool, int, float)) and len(keys) == self.dim() and all(isinstance(k, int) for k in keys):
+        raise HostWait(f"one element of a device tensor set to a Python number (a blocking copy from "
+                       f"pageable host memory) at {_where()}: fill_ a slice instead, t[i:i + 1].fill_(v)")
+    return _SET_ITEM(self, key, value)
+
+
+_SET_ITEM = _replayed(torch.Tensor.__setitem__)
+
+
 def _host_read(name: str):
     """A Python binding that reads a tensor's values on the host: refused for device ones
     (these bindings do not reach a dispatch mode first)."""
@@ -230,7 +263,7 @@ def _host_read(name: str):
 
 _PATCHED = {**{n: _host_read(n) for n in ("__int__", "__float__", "__bool__", "__index__", "item",
                                           "tolist", "numpy", "cpu")},"__getitem__": _replayed(torch.Tensor.__getitem__),
-            "__setitem__": _replayed(torch.Tensor.__setitem__),
+            "__setitem__": _set_item,
             "contiguous": _replayed(torch.Tensor.contiguous), "copy_": _replayed(torch.Tensor.copy_),
             "T": property(_replayed(lambda t: t.T)), "mT": property(_replayed(lambda t: t.mT))}
 

@@ -114,7 +114,9 @@ class DeviceCache:
             if event is None or event.query():
                 self.transit.remove(item)
                 self.slot_of[e] = s
-                self.lut[e] = s
+                # a slice's fill_: `lut[e] = s` would copy s from pageable host memory, a copy
+                # the host waits for (torch makes a Python number a host tensor for a CUDA one)
+                self.lut[e:e + 1].fill_(s)
         counts = self._read_counts()
         if counts is None:
             return
@@ -135,7 +137,7 @@ class DeviceCache:
                 if victim is None or self.score[e] <= MARGIN * self.score[victim]:
                     break
                 s = self.slot_of.pop(victim)
-                self.lut[victim] = -1  # staged from now on: its slot is about to change
+                self.lut[victim:victim + 1].fill_(-1)  # staged from now on: its slot is about to change
             self._copy(e, s)
             busy.add(e)
         self.promotions_now = 0

@@ -27,7 +27,8 @@ class InMemoryTable:
 
     def __init__(self, t, device="cpu", kernels: str | None = None, host: bool = False):
         self.name, self.fmt, self.rows = t.name, t.fmt, t.shape[0]
-        self.device, self.row_bytes, self.rows_read = torch.device(device), t.data.shape[-1], 0
+        self.device, self.row_bytes = torch.device(device), t.data.shape[-1]
+        self._counts = {"rows": 0}  # a dict: a graph's replays add what its capture counted
         kernels = choose_kernels(kernels, device)
         with warnings.catch_warnings():  # a read-only mapping: torch warns, and nothing writes it
             warnings.simplefilter("ignore", UserWarning)
@@ -43,12 +44,13 @@ class InMemoryTable:
 
     def gather(self, ids: torch.Tensor, bound: int | None = None) -> torch.Tensor:
         """Rows of `ids`; `bound`: the ids lie below it by construction (ple_gather's)."""
-        self.rows_read += ids.numel()  # a shape: read on the host without asking the device
+        self._counts["rows"] += ids.numel()  # a shape: read on the host without asking the device
         return self._gather(self.q, ids if self.host else ids.to(self.q.device), self.fmt, bound=bound)
 
     def stats(self) -> dict:
         """Rows gathered, and bytes of them read over PCIe (a table in host memory, on a GPU)."""
-        return {"rows": self.rows_read, "pcie_bytes": self.rows_read * self.row_bytes if self.host else 0}
+        rows = self._counts["rows"]
+        return {"rows": rows, "pcie_bytes": rows * self.row_bytes if self.host else 0}
 
 
 class StoredTable:
@@ -66,6 +68,11 @@ class StoredTable:
             host = host_tensor(table.rows_array())
             if register_host(host):
                 self.host = host
+        # the dequant scale (an FP8 table's) on the device once: ple_gather would otherwise
+        # copy a Python float there at every step, a blocking copy no graph can hold
+        self.scale = table.scale
+        if self.host is not None and table.scale is not None:
+            self.scale = to_device(torch.tensor([table.scale], dtype=torch.float32), device)
         self.where = (f"{table.mode}{' (locked)' if getattr(table, 'locked', False) else ''} "
                       f"from {table.source.describe()}"
                       f"{', read by the GPU over PCIe' if self.host is not None else ''}")
@@ -78,7 +85,7 @@ class StoredTable:
         """Rows of `ids`; `bound`: the ids lie below it by construction (ple_gather's)."""
         if self.host is not None:  # no host read: the kernel reads the rows from RAM
             self.table.count_rows(ids.numel())
-            return self._gather(self.host, ids, self.table.fmt, scale=self.table.scale, bound=bound)
+            return self._gather(self.host, ids, self.table.fmt, scale=self.scale, bound=bound)
         rows = self.table.gather(ids.cpu().numpy())
         return self._gather(**rows.kernel_inputs(self.device))
 

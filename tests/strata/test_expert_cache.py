@@ -61,6 +61,34 @@ def test_the_device_cache_equals_the_resident_tier_and_promotes_the_routed_exper
     assert torch.equal(store(x, w, ids), ref(x, w, ids))
 
 
+def test_staging_refuses_a_source_in_pageable_host_memory():
+    """The staging kernel reads its source where it lies: host memory must be page-locked
+    for a GPU to read it, and a pageable source is refused before any launch, saying what
+    to do (on fake CUDA)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    src = torch.zeros(4, 64, dtype=torch.uint8)  # pageable host memory
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        dst = torch.empty(6, 64, dtype=torch.uint8, device="cuda")
+        ids, slots = torch.zeros(2, dtype=torch.int64, device="cuda"), torch.full((2,), -1, device="cuda")
+        with pytest.raises(ValueError, match=r"pageable host memory.*tensor\.pin_memory\(\)"):
+            stage_rows(src, dst, ids, slots, 0)
+
+
+def test_publishing_a_slot_makes_the_host_wait_for_nothing():
+    """rebalance publishes a finished copy's slot in the device table with a kernel (a
+    slice's fill_), not with a copy from pageable host memory, which a GPU's host would
+    wait for (traced on fake CUDA, where such a copy raises)."""
+    from strata.runtime.trace import fake_cuda, trace
+    from strata.storage.expert_cache import DeviceCache
+    host = tuple(torch.zeros(8, 2, 32, dtype=torch.uint8) for _ in range(3))
+    with fake_cuda():
+        cache = DeviceCache(host, slots=2, staging=4, device="cuda", kernels="triton")
+        cache._copy(5, 0)  # a promotion's copy, done at once (no stream under fake CUDA)
+        t = trace(cache.rebalance)
+    assert cache.slot_of == {5: 0} and not cache.transit
+    assert t.torch_ops == {"fill_": 1}, t.torch_ops
+
+
 @settings(max_examples=examples(20), deadline=None)
 @given(rows=st.integers(1, 6), cols=st.lists(st.sampled_from([1, 3, 4, 68, 1030]), min_size=1, max_size=3),
        n=st.integers(0, 4), seed=st.integers(0, 2**16))

@@ -36,6 +36,18 @@ def test_graph_step_equals_the_models_decode(model):
         tok = int(want.argmax())
 
 
+def test_a_graph_holds_the_rope_rows_it_reads(model):
+    """A captured graph reads RoPE's rows by address: a longer table made after it (for
+    another, longer cache) registers new buffers, and must not free the graph's."""
+    cache = model.new_cache(16)
+    model([1, 504], cache)
+    g = DecodeGraph(model, cache)
+    rope = model.blocks[0].attn.rope
+    cos, sin = rope.cos, rope.sin
+    rope._table(cos.shape[0] * 2)
+    assert rope.cos is not cos and g.rope_rows[0] is cos and g.rope_rows[1] is sin
+
+
 def test_decode_on_cuda_takes_the_graph_only_where_it_can(model, monkeypatch):
     # on the CPU the model decodes eagerly; a graph is made for CUDA caches only
     cache = model.new_cache(8)

@@ -248,7 +248,8 @@ def test_on_fake_cuda_a_verify_window_reads_nothing_on_the_host_and_is_the_same_
         flash_tiny_gguf):
     """A state tracking the MTP head's keys: its one-token graph and its verify graph of 4
     rows traced at two positions (a verify kept in part between): no host read, the same
-    launches with the same shapes."""
+    launches with the same shapes, and one copy from the host, the window's tokens (from
+    pinned memory, queued: a pageable copy_ would make the host wait, and raises here)."""
     from strata.runtime.trace import fake_cuda, trace
     with fake_cuda():
         model = load_model(flash_tiny_gguf, dtype=torch.bfloat16, device="cuda", kernels="triton", experts="device")
@@ -261,7 +262,7 @@ def test_on_fake_cuda_a_verify_window_reads_nothing_on_the_host_and_is_the_same_
             trace(lambda: state.keep(2))
         assert sorted(state.graphs) == [1, 4] and state.length == 8
         assert trace(lambda: model(torch.tensor([15]), state)).ops == one.ops
-    assert verifies[1].ops == verifies[2].ops and verifies[1].host_to_device == 0
+    assert verifies[1].ops == verifies[2].ops and verifies[1].host_to_device == 1
     print(f"\nflash-tiny verify of 4 through its graph on fake CUDA: {verifies[1].line(model.cfg.n_layers)}")
 
 
@@ -322,7 +323,8 @@ def _flat(out):
 def test_the_capture_and_its_replays_on_a_stand_in_for_cuda(model, graphs_on_the_cpu, monkeypatch):
     """The capture's bookkeeping run on the CPU: warm-up steps undone, the step recorded,
     each replay's outputs handed over (the logits copied, a verify's rows), the host's
-    counters advanced as eager steps advance them. Decode and verify logits as eager."""
+    counters (the experts', the PLE table's rows) advanced as eager steps advance them.
+    Decode and verify logits as eager."""
     import contextlib
     real = _Captured.real = graphs_qwen4exp.step
     state_of = {}
@@ -368,25 +370,40 @@ def test_the_capture_and_its_replays_on_a_stand_in_for_cuda(model, graphs_on_the
     eager, want = base.copy(), []
 
     def calls():
-        return model.io_stats()["experts"]["calls"]
+        stats = model.io_stats()
+        return stats["experts"]["calls"], stats["ple"]["rows"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(graphs_qwen4exp, "usable", lambda *a: False)
         before = calls()
         for t in extra:
             want.append(model([t], eager))
-        eager_calls = calls() - before
+        eager_calls = [b - a for a, b in zip(before, calls())]
     one = base.copy()
     model([extra[0]], one)  # captures
     before = calls()
     got = [model([t], one) for t in extra[1:]]
     assert isinstance(one.graphs[1].graph, _Captured)
     assert _rel(torch.cat(got), torch.cat(want[1:])) < 1e-5  # copies: each step's own logits
-    assert calls() - before == eager_calls * 3 // 4 > 0  # a replay counts as an eager step
+    replayed = [b - a for a, b in zip(before, calls())]
+    assert replayed == [n * 3 // 4 for n in eager_calls] and min(replayed) > 0  # a replay counts as an eager step
     v = base.copy()
     rows = model.verify(extra, v)
     assert isinstance(v.graphs[4].graph, _Captured) and _rel(rows, torch.cat(want)) < 1e-5
     v.keep(2)
     assert _rel(model([extra[2]], v), want[2]) < 1e-5
+
+
+def test_a_replay_advances_the_ple_tables_rows(model):
+    """A replay runs no Python: the host counters a captured step added are added again
+    for it, from _counters(). A PLE table in memory (flash-tiny's here, a GPU's where it
+    fits) counts its rows in a dict that list holds. (The stand-in above restores what
+    _counters() lists and runs the step's Python again, so only this reads the list.)"""
+    from strata.storage.ple_gather import InMemoryTable
+    state = model.new_cache()
+    model([1, 2], state)
+    table = model.ple.table
+    assert isinstance(table, InMemoryTable) and table.stats()["rows"] > 0
+    assert any(c is table._counts for c in Qwen4ExpGraph(model, state)._counters())
 
 
 def test_a_dropped_state_takes_its_graphs_with_it(model):

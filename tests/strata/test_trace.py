@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from strata.load import load_model
-from strata.runtime.trace import HostRead, fake_cuda, trace
+from strata.runtime.trace import HostRead, HostWait, fake_cuda, trace
 from triton_kernels.backend import to_device
 from triton_kernels.deltanet_fla import fla_installed
 
@@ -35,6 +35,22 @@ def test_a_host_read_of_device_data_raises_naming_the_line():
             trace(lambda: torch.empty(4).copy_(x))
         with pytest.raises(HostRead, match="boolean mask"):
             trace(lambda: x[x > 1])
+
+
+def test_a_copy_from_pageable_host_memory_raises():
+    """On CUDA a copy to the device from pageable host memory makes the host wait for the
+    queue (and raises under torch.cuda.set_sync_debug_mode("error")): copy_ of a host
+    tensor, and one element set to a Python number, which torch makes a host tensor first.
+    A slice's fill_ launches a kernel; to_device copies a step's few values from pinned
+    memory, asynchronously."""
+    with fake_cuda():
+        x = to_device(torch.zeros(4, dtype=torch.int64), "cuda")
+        with pytest.raises(HostWait, match=r"one element .* Python number .*test_trace\.py:\d+"):
+            trace(lambda: x.__setitem__(1, 5))
+        with pytest.raises(HostWait, match=r"pageable host memory at .*test_trace\.py:\d+"):
+            trace(lambda: x.copy_(torch.arange(4)))
+        t = trace(lambda: (x[1:2].fill_(5), x.copy_(to_device(torch.arange(4), "cuda"))))
+    assert t.torch_ops == {"fill_": 1, "copy_": 1} and t.host_to_device == 1, t.torch_ops
 
 
 def test_host_values_stay_real_and_device_launches_are_counted():
