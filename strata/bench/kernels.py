@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import quant
-from strata.bench import TABLE_FORMATS
+from strata.bench import TABLE_FORMATS, cold
 from strata.bench.dequant import random_blocks
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
 from triton_kernels import configs, layout
@@ -141,8 +141,17 @@ def moe_case(rng: np.random.Generator, shape=MOE_SHAPE, device="cuda"):
     return (x, *ws, *fmts, weights, ids), routed
 
 
-def _moe_row(case, copy: float) -> dict:
-    """The MoE decode of `case` (moe_case's), checked against moe_torch and graph-timed."""
+def _expert_sets(case, rng) -> list[tuple[torch.Tensor]]:
+    """Routings of `case`'s MoE for graph-timed calls to take in turn (cold.expert_sets:
+    disjoint experts, their bytes past the L2), each a (ids,) tuple."""
+    args, routed = case
+    E, k = args[1].shape[0], args[-1].shape[1]
+    return [(ids,) for ids in cold.expert_sets(E, k, routed, cold.l2_bytes(), rng)]
+
+
+def _moe_row(case, copy: float, rng) -> dict:
+    """The MoE decode of `case` (moe_case's), checked against moe_torch and graph-timed
+    over routings whose experts the L2 does not hold."""
     import triton
 
     from triton_kernels import moe, moe_torch
@@ -150,7 +159,7 @@ def _moe_row(case, copy: float) -> dict:
     y = moe(*args, path="dp4a").float()
     ref = moe_torch(*args).float()
     rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-    ms_graph = triton.testing.do_bench_cudagraph(lambda: moe(*args, path="dp4a"), rep=50)
+    ms_graph = cold.graph_ms(lambda ids: moe(*args[:-1], ids, path="dp4a"), _expert_sets(case, rng))
     ms = triton.testing.do_bench(lambda: moe(*args, path="dp4a"), quantiles=[0.5, 0.2, 0.8])[0]
     gbps = routed / (ms_graph * 1e-3) / 1e9
     E, k, H, I, f_gu, f_d = MOE_SHAPE
@@ -159,14 +168,13 @@ def _moe_row(case, copy: float) -> dict:
             "pct_copy": 100 * gbps / copy, "max_rel_err": rel}
 
 
-def _miss_rows(case) -> list[dict]:
+def _miss_rows(case, rng) -> list[dict]:
     """The MoE decode at MOE_SHAPE with every routed expert missed, the experts in pinned host
     memory, read over PCIe two ways: staged (stage_rows copies the k experts' rows into
     VRAM, then the MoE reads them there: the expert cache's path) and direct (the MoE
-    kernels read host memory themselves). Graph-timed in one run, as GB/s of the routed
-    bytes against the pinned host-to-device copy; both checked against the resident call."""
-    import triton
-
+    kernels read host memory themselves). Graph-timed in one run over routings of disjoint
+    experts (the GPU's L2 may keep host memory's lines too), as GB/s of the routed bytes
+    against the pinned host-to-device copy; both checked against the resident call."""
     from strata.bench.decode_cost import h2d_bandwidth
     from triton_kernels import moe
     from triton_kernels.stage import stage_rows
@@ -178,18 +186,19 @@ def _miss_rows(case) -> list[dict]:
     local = torch.arange(k, device="cuda", dtype=ids.dtype).reshape(1, k)
     missed = torch.full((k,), -1, dtype=torch.int64, device="cuda")
 
-    def stage_then_moe():
+    def stage_then_moe(ids):
         stage_rows([h.view(E, -1) for h in host], [t.view(k, -1) for t in staged], ids.reshape(-1), missed, 0)
         return moe(x, *staged, fg, fu, fd, weights, local, path="dp4a")
 
-    def direct():
+    def direct(ids):
         return moe(x, *host, fg, fu, fd, weights, ids, path="dp4a")
     resident = moe(*args, path="dp4a")
     h2d = h2d_bandwidth("cuda") / 1e9
+    sets = _expert_sets(case, rng)
     rows = []
     for how, fn in (("staged", stage_then_moe), ("direct", direct)):
-        same = bool(torch.equal(fn(), resident))
-        ms = triton.testing.do_bench_cudagraph(fn, rep=50)
+        same = bool(torch.equal(fn(ids), resident))
+        ms = cold.graph_ms(fn, sets)
         gbps = routed / (ms * 1e-3) / 1e9
         rows.append({"op": f"moe {k} misses, {how}", "format": f"{MOE_SHAPE[4]}/{MOE_SHAPE[5]}", "layout": fg.layout,
                      "us": ms * 1e3, "gb_per_s": gbps, "pct_h2d": 100 * gbps / h2d, "h2d_gb_per_s": h2d,
@@ -198,25 +207,21 @@ def _miss_rows(case) -> list[dict]:
 
 
 def _split_row(name: str, rng, copy: float) -> dict:
-    """The dp4a GEMV of SMALL_SHAPE, graph-timed, with K split as "auto" chooses and not
-    split, in the same run."""
-    import triton
-
-    from triton_kernels.int8 import gemv_dp4a, quantize_x, split_for
+    """The dp4a GEMV of SMALL_SHAPE, graph-timed from copies past the L2, with K split as
+    "auto" chooses at this height (gemv_launch, the launch's own decision) and not split,
+    in the same run."""
+    from triton_kernels.int8 import gemv_dp4a, gemv_launch, quantize_x
     N, K = SMALL_SHAPE
     fmt = quant.get(name)
     raw = torch.from_numpy(random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1))
     held = layout.choose(fmt, "cuda", N * K // fmt.block_elems)
     q = layout.place(raw, fmt, "cuda", held)
     x8 = quantize_x(torch.from_numpy(rng.uniform(-1, 1, (1, K)).astype(np.float32)).to("cuda"))
-    cfg = configs.pick("gemv", name, torch.cuda.get_device_name())
-    bn, bu = cfg["block_n"], cfg["block_u"]
-    split = split_for(-(-N // bn), -(-K // unit(fmt).weights // bu),
-                      torch.cuda.get_device_properties(0).multi_processor_count)
+    _, _, split, _ = gemv_launch(held, q.device, N, K)
     one = gemv_dp4a(x8, q, held, N, split=1)
     rel = float((gemv_dp4a(x8, q, held, N, split=split) - one).abs().max() / one.abs().max().clamp_min(1e-30))
-    ms = {s: triton.testing.do_bench_cudagraph(lambda s=s: gemv_dp4a(x8, q, held, N, split=s), rep=50)
-          for s in {1, split}}
+    qs = [(c,) for c in cold.cycled(q, cold.l2_bytes())]
+    ms = {s: cold.graph_ms(lambda qi, s=s: gemv_dp4a(x8, qi, held, N, split=s), qs) for s in {1, split}}
     gbps = q.numel() / (ms[split] * 1e-3) / 1e9
     return {"op": f"gemv split {split}", "format": name, "layout": held.layout, "N": N, "K": K,
             "us": ms[split] * 1e3, "us_unsplit": ms[1] * 1e3, "gb_per_s": gbps,
@@ -226,9 +231,7 @@ def _split_row(name: str, rng, copy: float) -> dict:
 def _gemm_row(name: str, rng) -> dict:
     """The prefill GEMM of GEMM_M rows over GEMV_SHAPE's weight, graph-timed, against torch's
     bf16 matmul of the same shape on the dequantized weight in the same run (which reads
-    about four times the weight bytes)."""
-    import triton
-
+    about four times the weight bytes); each from copies past the L2, as the GEMV."""
     from triton_kernels import dequantize, qmatmul
     q, _, fmt = gemv_case(quant.get(name), rng)
     N, K = GEMV_SHAPE
@@ -237,31 +240,40 @@ def _gemm_row(name: str, rng) -> dict:
     y = qmatmul(x, q, fmt, path="gemm").float()
     ref = (x.float() @ w.float().T)
     rel = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-    ms = triton.testing.do_bench_cudagraph(lambda: qmatmul(x, q, fmt, path="gemm"), rep=50)
-    ms_ref = triton.testing.do_bench_cudagraph(lambda: torch.matmul(x, w.T), rep=50)
+    l2 = cold.l2_bytes()
+    ms = cold.graph_ms(lambda qi: qmatmul(x, qi, fmt, path="gemm"), [(c,) for c in cold.cycled(q, l2)])
+    ms_ref = cold.graph_ms(lambda wi: torch.matmul(x, wi.T), [(c,) for c in cold.cycled(w, l2)])
     return {"op": f"gemm M={GEMM_M}", "format": name, "layout": fmt.layout, "N": N, "K": K,
             "us": ms * 1e3, "us_torch_bf16": ms_ref * 1e3, "x_torch_bf16": ms / ms_ref,
             "tflops": 2 * GEMM_M * N * K / (ms * 1e-3) / 1e12, "max_rel_err": rel}
 
 
 def time_gemv(fmt, q, x, tiles=None, graph: bool = False) -> float:
-    """Milliseconds a qmatmul call takes: as launched from Python (do_bench), or replayed
-    from a CUDA graph (do_bench_cudagraph: the kernels' own time, without the launches)."""
+    """Milliseconds a qmatmul call takes: as launched from Python (do_bench, which flushes
+    the L2 first), or replayed from a CUDA graph (the kernels' own time, without the
+    launches), each call reading one of q's copies in turn (strata.bench.cold)."""
     import triton
 
     from triton_kernels import qmatmul
-    fn = (lambda: qmatmul(x, q, fmt, tiles=tiles))
     if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=50)
-    return triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])[0]
+        return cold.graph_ms(lambda qi: qmatmul(x, qi, fmt, tiles=tiles), [(c,) for c in cold.cycled(q, cold.l2_bytes())])
+    return triton.testing.do_bench(lambda: qmatmul(x, q, fmt, tiles=tiles), quantiles=[0.5, 0.2, 0.8])[0]
 
 
 def _run_measured(args, formats) -> int:
-    from triton_kernels import qmatmul, qmatmul_torch
-    from triton_kernels.int8 import gemv_dp4a_torch, quantize_x
     rng = np.random.default_rng(0)
     copy = copy_bandwidth("cuda") / 1e9  # GB/s, read + write
     rows = []
+    try:
+        _measure(formats, rng, copy, rows)
+    finally:  # what was measured is written, whatever stopped the rest
+        _emit_measured(args, rows, copy)
+    return 0
+
+
+def _measure(formats, rng, copy: float, rows: list) -> None:
+    from triton_kernels import qmatmul, qmatmul_torch
+    from triton_kernels.int8 import gemv_dp4a_torch, quantize_x
     for name in formats:
         q, x, fmt = gemv_case(quant.get(name), rng)
         N, K = GEMV_SHAPE
@@ -281,15 +293,19 @@ def _run_measured(args, formats) -> int:
                      "instr_per_weight": st.instr_per_weight, "pred_bw_h200": st.pred_bw.get("H200")})
         del q, x
     case = moe_case(rng)  # 512 experts of random blocks: built once, for both
-    rows.append(_moe_row(case, copy))
-    try:  # never yet run on a device: a failure here must not cost the table its other rows
-        rows += _miss_rows(case)
-    except Exception as err:  # noqa: BLE001
-        print(f"strata: bench kernels: the MoE miss rows failed ({type(err).__name__}: {err}); "
-              f"the other rows follow", file=sys.stderr)
-    del case
+    rows.append(_moe_row(case, copy, rng))
     rows += [_split_row(name, rng, copy) for name in formats if unit(quant.get(name)) is not None]
     rows += [_gemm_row(name, rng) for name in formats]
+    # last: never yet run on a device, and a fault reading host memory can leave the CUDA
+    # context unusable; a failure here must not cost the table its other rows
+    try:
+        rows += _miss_rows(case, rng)
+    except Exception as err:  # noqa: BLE001
+        print(f"strata: bench kernels: the MoE miss rows failed ({type(err).__name__}: {err}); "
+              f"the other rows are above", file=sys.stderr)
+
+
+def _emit_measured(args, rows: list[dict], copy: float) -> None:
     result = {"machine": machine(), "copy_gb_per_s": copy, "rows": rows}
     cols = [("op", "op"), ("format", "format"), ("layout", "layout"), ("us", "µs (graph)"), ("us_launched", "µs (launched)"),
             ("gb_per_s", "GB/s"), ("pct_copy", "% copy"),
@@ -299,9 +315,9 @@ def _run_measured(args, formats) -> int:
             ("bits_as_resident", "= resident")]
     h2d = next((r["h2d_gb_per_s"] for r in rows if "h2d_gb_per_s" in r), None)
     emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write)"
-         + (f"; pinned host-to-device copy: {h2d:,.1f} GB/s" if h2d else ""),
+         + (f"; pinned host-to-device copy: {h2d:,.1f} GB/s" if h2d else "")
+         + "; graph-timed calls read their weights from copies past the L2",
          args.json)
-    return 0
 
 
 def _run_ncu(args, formats) -> int:
@@ -367,8 +383,6 @@ def tune_table(formats: list[str], time_gemv_tiles, time_moe_tiles=None) -> tupl
 
 
 def _run_tune(args, formats) -> int:
-    import triton
-
     from triton_kernels import moe
     name = torch.cuda.get_device_name()
     rng = np.random.default_rng(0)
@@ -381,10 +395,11 @@ def _run_tune(args, formats) -> int:
         q, x, fmt = cases[f, shape]
         return time_gemv(fmt, q, x, tiles=tiles, graph=True)
 
-    moe_args, _ = moe_case(rng)
+    case = moe_case(rng)
+    moe_args, sets = case[0], _expert_sets(case, rng)
 
     def time_moe_tiles(tiles):
-        return triton.testing.do_bench_cudagraph(lambda: moe(*moe_args, path="dp4a", tiles=tiles), rep=50)
+        return cold.graph_ms(lambda ids: moe(*moe_args[:-1], ids, path="dp4a", tiles=tiles), sets)
 
     table, rows = tune_table(formats, time_gemv_tiles, time_moe_tiles)
     path = configs.write(name, table)

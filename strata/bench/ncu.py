@@ -20,6 +20,7 @@ import csv
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -150,23 +151,36 @@ def _launch(formats, device, shape, moe_shape, m) -> None:
 
 
 def command(ncu: str, log: str, formats: list[str]) -> list[str]:
-    return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--metrics", ",".join(METRICS), "--log-file", log,
+    # base units (byte, nsecond, ...): no scaled unit for _value to miss
+    return [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--print-units", "base",
+            "--metrics", ",".join(METRICS), "--log-file", log,
             sys.executable, "-m", "strata.bench.ncu", ",".join(formats)]
 
 
-def profile(formats: list[str], timeout: float = 600) -> list[dict]:
-    """Run the child under ncu; one row a profiled kernel (see assign)."""
+def profile(formats: list[str], timeout: float = 200) -> list[dict]:
+    """Run the child under ncu; one row a profiled kernel (see assign). Past `timeout`
+    seconds ncu and the process it profiles are stopped (a session of their own: the
+    child would otherwise hold the GPU on), and the error says so."""
     ncu = shutil.which("ncu")
     if ncu is None:
         raise ValueError("bench kernels --ncu: no `ncu` on PATH (Nsight Compute, part of the CUDA toolkit)")
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "ncu.csv")
-        proc = subprocess.run(command(ncu, log, formats), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.Popen(command(ncu, log, formats), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            text = open(log).read() if os.path.exists(log) else ""
+            raise ValueError(f"bench kernels --ncu: ncu ran past {timeout:.0f} s and was stopped with the process "
+                             f"it profiled: {(text + err).strip()[-800:]}") from None
         text = open(log).read() if os.path.exists(log) else ""
     kernels = parse(text)
     if proc.returncode != 0 or not kernels:  # ncu's own errors (==ERROR== ...) are in its log
         raise ValueError(f"bench kernels --ncu: ncu exited {proc.returncode} with no kernel read: "
-                         f"{(text + proc.stderr).strip()[-800:]}")
+                         f"{(text + err).strip()[-800:]}")
     return assign(kernels, cases(formats))
 
 

@@ -3,6 +3,7 @@ kernel, the rows told apart by the child's markers, and the child's launches run
 Triton interpreter at tiny shapes. ncu itself runs under scripts/gpu_check.sh."""
 import csv
 import io
+import os
 
 import pytest
 
@@ -71,6 +72,7 @@ def test_the_command_profiles_only_the_marked_window_with_the_clocks_left_alone(
     assert cmd[cmd.index("--clock-control") + 1] == "none"
     assert cmd[cmd.index("--profile-from-start") + 1] == "off"
     assert cmd[cmd.index("--metrics") + 1].split(",") == list(ncu.METRICS)
+    assert cmd[cmd.index("--print-units") + 1] == "base"  # bytes and seconds, not ncu's scaled units
     assert cmd[-3:] == ["-m", "strata.bench.ncu", "Q4_0,IQ3_XXS"]
 
 
@@ -78,6 +80,28 @@ def test_no_ncu_on_the_path_is_said(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ValueError, match="no `ncu` on PATH"):
         ncu.profile(["Q4_0"])
+
+
+def test_an_ncu_past_its_time_is_stopped_with_what_it_runs(tmp_path, monkeypatch):
+    """ncu and the process under it are stopped at the timeout (gpu_check.sh's own limit
+    is longer, so the error and the rows before it reach its log)."""
+    import time
+    stub = tmp_path / "ncu"
+    pid = tmp_path / "child.pid"
+    stub.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {pid}\nwait\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    t = time.monotonic()
+    with pytest.raises(ValueError, match="ncu ran past 1 s and was stopped"):
+        ncu.profile(["Q4_0"], timeout=1)
+    assert time.monotonic() - t < 30
+    child = int(pid.read_text())
+    for _ in range(50):  # the killed child is reaped by init a moment later
+        if not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"ncu's child {child} still runs")
 
 
 def test_the_child_launches_every_case_through_the_interpreter():

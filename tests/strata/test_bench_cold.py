@@ -1,0 +1,68 @@
+"""strata.bench.cold without a GPU: graph-timed calls take their operands in turn from copies
+(or disjoint expert sets) that hold three times the L2 between them, so that no replayed call
+reads a weight the L2 kept from the call before; and `bench kernels` times through it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import quant
+from strata.bench import cold
+from strata.bench import kernels as bench
+
+
+@pytest.mark.parametrize("nbytes, l2, want", [
+    (33_030_144, 50 << 20, 5),     # a Q4_0 4096 x 14336 weight on an H200's 50 MiB L2
+    (62_390_272, 50 << 20, 3),     # Q8_0's: larger than the L2, still cycled
+    (1_392_640, 50 << 20, 113),    # the 512 x 2560 Q8_0 GEMV
+    (10 << 30, 50 << 20, 2),       # never fewer than two
+])
+def test_copies_hold_three_l2s_between_them(nbytes, l2, want):
+    n = cold.copies(nbytes, l2)
+    assert n == want and n * nbytes >= cold.COLD_L2 * l2 and (n == 2 or (n - 1) * nbytes < cold.COLD_L2 * l2)
+
+
+def test_cycled_copies_are_apart_and_equal():
+    t = torch.arange(300, dtype=torch.int16).to(torch.uint8)
+    got = cold.cycled(t, 1000)
+    assert len(got) == cold.copies(300, 1000) == 10 and got[0] is t
+    assert len({c.data_ptr() for c in got}) == len(got) and all(torch.equal(c, t) for c in got)
+
+
+def test_expert_sets_are_disjoint_routings():
+    rng = np.random.default_rng(0)
+    sets = cold.expert_sets(512, 10, 21_800_000, 50 << 20, rng, device="cpu")
+    assert len(sets) == cold.copies(21_800_000, 50 << 20) == 8
+    ids = torch.cat(sets, dim=1).flatten().tolist()
+    assert all(s.shape == (1, 10) and s.dtype == torch.int32 for s in sets)
+    assert len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < 512
+    few = cold.expert_sets(16, 8, 1000, 50 << 20, rng, device="cpu")  # every disjoint set there is
+    assert len(few) == 2 and sorted(torch.cat(few, 1).flatten().tolist()) == list(range(16))
+
+
+def test_graph_ms_hands_the_variants_out_in_turn():
+    seen = []
+
+    def timer(f):  # as do_bench_cudagraph: a warm-up call, five to size the graph, then the captured ones
+        for _ in range(1 + 5 + 7):
+            f()
+        return 0.5
+    assert cold.graph_ms(lambda a, b: seen.append((a, b)), [(1, "x"), (2, "y"), (3, "z")], timer) == 0.5
+    assert seen == [(1, "x"), (2, "y"), (3, "z")] * 4 + [(1, "x")]
+
+
+def test_bench_kernels_graph_times_the_gemv_from_copies(monkeypatch):
+    """time_gemv(graph=True), which the table's GEMV rows and --tune use, hands the graph
+    copies of the weight past the (here tiny) L2, and the kernel reads each."""
+    rng = np.random.default_rng(0)
+    fmt = quant.get("Q8_0")
+    q = torch.from_numpy(rng.integers(0, 256, (4, 34), dtype=np.uint8))
+    calls = []
+    monkeypatch.setattr(cold, "l2_bytes", lambda device="cuda": 1000)
+    monkeypatch.setattr(cold, "graph_ms", lambda fn, variants, timer=None: calls.append(variants) or 1.0)
+    assert bench.time_gemv(fmt, q, torch.zeros(1, 32), graph=True) == 1.0
+    (variants,) = calls
+    assert len(variants) == cold.copies(q.numel(), 1000) == 23
+    assert variants[0][0] is q and all(torch.equal(v[0], q) for v in variants)
+    assert len({v[0].data_ptr() for v in variants}) == len(variants)
