@@ -100,13 +100,35 @@ def host_readable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and (_fake is not None or t.is_pinned())
 
 
-def register_host(t: torch.Tensor) -> bool:
+HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads the pages
+
+
+def register_host(t: torch.Tensor, read_only: bool = False) -> bool:
     """Page-lock `t`'s memory where it lies, for the GPU to read (cudaHostRegister): no
-    copy, however large. False where CUDA refuses."""
+    copy, however large. `read_only`: pages the process may not write (a file mapped
+    read-only), which CUDA registers only with cudaHostRegisterReadOnly. False where CUDA
+    refuses, its error cleared (else the next launch's check would report it)."""
     if _fake is not None:
         return True
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    flags = HOST_REGISTER_READ_ONLY if read_only else 0
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
+    if int(err) != 0:
+        _clear_cuda_error()
     return int(err) == 0
+
+
+def _clear_cuda_error() -> None:
+    """cudaGetLastError of the CUDA runtime torch loaded (torch's own binding has none): a
+    refused runtime call leaves its error for the next check to find, which torch makes
+    after every kernel launch."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((ln.split()[-1] for ln in maps if "libcudart" in ln), None)
+        if path is not None:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass  # not Linux, or a runtime linked into torch: nothing to clear from here
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:

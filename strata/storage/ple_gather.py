@@ -33,7 +33,12 @@ class InMemoryTable:
         with warnings.catch_warnings():  # a read-only mapping: torch warns, and nothing writes it
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(t.data)
-        self.host = host and self.device.type == "cuda" and kernels == "triton" and register_host(blocks)
+        self.host = host and self.device.type == "cuda" and kernels == "triton"
+        if self.host and not register_host(blocks, read_only=not t.data.flags.writeable):
+            # the placement kept the table off the GPU: copying it there is no fallback
+            raise ValueError(f"PLE table {t.name!r} ({t.nbytes / 2**30:.1f} GiB): CUDA would not page-lock "
+                             f"its memory for the GPU to read (cudaHostRegister refused); read it from the "
+                             f"file instead: --ple-io mmap or --ple-io direct")
         self.q = blocks if self.host else to_device(blocks, device)
         self.where = (f"in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name} "
                       + ("in host memory, read by the GPU over PCIe)" if self.host else f"on {self.device})"))
