@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from strata.gguf import GGUFFile
+from strata.gguf.memory import MemoryGGUF
 from strata.names import qwen4exp as qn
 from strata.nn import kv
 from strata.nn.rope import RopeScaling
@@ -240,9 +241,12 @@ def _ple(g: GGUFFile, o: Options, placement=None) -> PleChoice | None:
     t = g.tensors.get(qn.PLE_TABLE)
     if t is None and not o.ple_file and not g.get(f"{qn.ARCH}.ple.layers"):
         return None
-    if o.ple_io is None and t is not None and not o.ple_file:
-        # on a GPU where the placement keeps the table out of VRAM, its blocks stay on the host
-        host = placement is not None and placement.ple_where != "vram"
+    where = placement.ple_where if placement is not None else None  # a GPU's placement: vram, ram or drive
+    if where == "drive" and isinstance(g, MemoryGGUF):
+        where = "ram"  # a model made in memory (flash-shape) has no file to read the table from
+    if o.ple_io is None and t is not None and not o.ple_file and where != "drive":
+        # on a GPU where the placement keeps the table in RAM, its blocks stay on the host
+        host = where == "ram"
         return PleChoice(None, f"the file's blocks in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name}, "
                                f"no --ple-io: read through the mapping"
                                + (", held in host memory as the placement says)" if host else ")"), host=host)
@@ -250,6 +254,10 @@ def _ple(g: GGUFFile, o: Options, placement=None) -> PleChoice | None:
     # the model's own file, or another shard of its set (the releases keep the table alone
     # in shard 2), or --ple-gguf's
     source = find_ple(o.ple_file or g.path, opened=g)
+    if o.ple_io is None and where == "drive":  # no room in RAM beside the rest: the page cache has none either
+        return PleChoice("direct", f"{source.describe()}: the placement keeps it on the drive (no room in RAM "
+                                   f"beside the rest): --ple-io direct (no --ple-io given)",
+                         source, o.ple_io_depth, o.ple_prefetch)
     if o.ple_io is None:  # a table outside the model's file is read as a storage tier does
         return PleChoice("mmap", f"{source.describe()}: another file than the model's: --ple-io mmap "
                                  f"(no --ple-io given)", source, o.ple_io_depth, o.ple_prefetch)

@@ -104,6 +104,18 @@ def test_a_small_cards_placement_keeps_the_table_and_expert_misses_on_the_host()
     assert t.launches > 0 and model.ple.table.stats()["pcie_bytes"] == 2 * 16 * 90
 
 
+def test_a_placement_with_no_room_in_ram_keeps_a_table_made_in_memory_there():
+    """Where the placement finds no room in RAM for the PLE table, a file's table is read
+    from the drive (tests/strata/test_load_plan.py); flash-shape's is made in memory, with
+    no file to read it from, so it stays in host memory, read by the GPU over PCIe."""
+    from strata.load import Options, decide
+    from strata.runtime.trace import fake_cuda
+    g = fsm.flash_shape_memory(1, 65536)
+    with fake_cuda():
+        plan = decide(g, Options(device="cuda", kernels="triton", gpu_mem_gib=1.0, ram_gib=0.001, vram_reserve_mib=0))
+    assert plan.placement.ple_where == "drive" and plan.ple.mode is None and plan.ple.host, plan.ple
+
+
 def test_the_decode_timing_line_says_the_launches_a_step():
     from strata.load.launches import StepLaunches
     from strata.runtime.timing import StepTimer

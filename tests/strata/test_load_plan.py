@@ -81,6 +81,19 @@ def test_a_table_in_another_shard_is_found(tmp_path):
     assert (direct.ple.mode, direct.ple.depth, direct.ple.source.rows) == ("direct", 2, 40)
 
 
+@pytest.mark.parametrize("where, mode, host", [("vram", None, False), ("ram", None, True), ("drive", "direct", False)])
+def test_the_ple_table_goes_where_the_gpus_placement_puts_it(flash_tiny_gguf, where, mode, host):
+    """No --ple-io on a GPU: the table's blocks in VRAM, in host memory read over PCIe, or,
+    where the placement found no room in RAM, read from the drive with direct I/O (never
+    held in host memory, nor copied to the GPU)."""
+    from types import SimpleNamespace
+
+    from strata.load.plan import _ple
+    got = _ple(flash_tiny_gguf, Options(device="cuda", kernels="triton"), SimpleNamespace(ple_where=where))
+    assert (got.mode, got.host) == (mode, host), got
+    assert ("keeps it on the drive" in got.why) == (where == "drive") and ("host memory" in got.why) == host
+
+
 @pytest.mark.parametrize("native", ["0", "1"])
 def test_a_cpu_plan_says_what_the_cpus_vector_units_decided(flash_tiny_gguf, native, monkeypatch):
     """One `cpu:` line: the ISA, whether matmuls of many rows run in float32 (no bfloat16 dot
