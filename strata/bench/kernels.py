@@ -212,11 +212,8 @@ def _split_row(name: str, rng, copy: float) -> dict:
     in the same run."""
     from triton_kernels.int8 import gemv_dp4a, gemv_launch, quantize_x
     N, K = SMALL_SHAPE
-    fmt = quant.get(name)
-    raw = torch.from_numpy(random_blocks(fmt, N * K // fmt.block_elems, rng).reshape(N, -1))
-    held = layout.choose(fmt, "cuda", N * K // fmt.block_elems)
-    q = layout.place(raw, fmt, "cuda", held)
-    x8 = quantize_x(torch.from_numpy(rng.uniform(-1, 1, (1, K)).astype(np.float32)).to("cuda"))
+    q, x, held = gemv_case(quant.get(name), rng, shape=SMALL_SHAPE)
+    x8 = quantize_x(x.float())
     _, _, split, _ = gemv_launch(held, q.device, N, K)
     one = gemv_dp4a(x8, q, held, N, split=1)
     rel = float((gemv_dp4a(x8, q, held, N, split=split) - one).abs().max() / one.abs().max().clamp_min(1e-30))
