@@ -94,48 +94,6 @@ def constant(cache: dict, key, make, device) -> torch.Tensor:
     return cache[key]
 
 
-def host_readable(t: torch.Tensor) -> bool:
-    """A host tensor a GPU's kernels may read over PCIe: page-locked (pinned, or registered
-    with `register_host`); any under a fake device."""
-    return t.device.type == "cpu" and (_fake is not None or t.is_pinned())
-
-
-HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads the pages
-
-
-def register_host(t: torch.Tensor, read_only: bool = False) -> bool:
-    """Page-lock `t`'s memory where it lies, for the GPU to read (cudaHostRegister): no
-    copy, however large. `read_only`: pages the process may not write (a file mapped
-    read-only), which CUDA registers only with cudaHostRegisterReadOnly. False where CUDA
-    refuses, its error cleared (else the next launch's check would report it)."""
-    if _fake is not None:
-        return True
-    flags = HOST_REGISTER_READ_ONLY if read_only else 0
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
-    if int(err) != 0:
-        _clear_cuda_error()
-    return int(err) == 0
-
-
-def _clear_cuda_error() -> None:
-    """cudaGetLastError of the CUDA runtime torch loaded (torch's own binding has none): a
-    refused runtime call leaves its error for the next check to find, which torch makes
-    after every kernel launch."""
-    import ctypes
-    try:
-        with open("/proc/self/maps") as maps:
-            path = next((ln.split()[-1] for ln in maps if "libcudart" in ln), None)
-        if path is not None:
-            ctypes.CDLL(path).cudaGetLastError()
-    except OSError:
-        pass  # not Linux, or a runtime linked into torch: nothing to clear from here
-
-
-def pinned(t: torch.Tensor) -> torch.Tensor:
-    """`t` in page-locked host memory, which a GPU reads over PCIe (as is under a fake device)."""
-    return t if _fake is not None else t.pin_memory()
-
-
 def to_device(t: torch.Tensor, device, non_blocking: bool = False) -> torch.Tensor:
     """`t` on `device` (itself where it lies there already): the loader's and the steps'
     host-to-device copies all pass here."""

@@ -42,7 +42,8 @@ import quant
 
 from . import configs
 from .asm import asm_for, cvt_pairs
-from .backend import host_readable, is_fake, use_triton
+from .backend import is_fake, use_triton
+from .host_memory import host_readable
 from .decode import decoder, launch_args, unit, unit_table
 from .decode import table as decode_table
 from .decode.common import round_to_bf16_bits

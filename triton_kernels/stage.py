@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import host_readable, use_triton
+from .backend import use_triton
+from .host_memory import host_readable
 
 BLOCK = 1024  # words a program copies
 
@@ -131,7 +132,7 @@ def stage_rows(src, dst, ids: torch.Tensor, slots: torch.Tensor, first: int) -> 
         return stage_rows_torch(srcs, dsts, ids, slots, first)
     if dsts[0].device.type != "cpu" and any(s.device.type == "cpu" and not host_readable(s) for s in srcs):
         raise ValueError("stage_rows: a source lies in pageable host memory, which a GPU kernel cannot "
-                         "read: pin it (tensor.pin_memory(), or triton_kernels.backend.register_host)")
+                         "read: pin it (tensor.pin_memory(), or triton_kernels.host_memory)")
     n = ids.numel()
     row_bytes = [d[0].numel() * d.element_size() for d in dsts]
     if not n or not max(row_bytes):

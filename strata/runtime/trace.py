@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from triton_kernels import backend
+from triton_kernels import backend, host_memory
 from triton_kernels.library import stubbed_launches
 
 # ops that launch no kernel on a GPU (views are found by their schema)
@@ -231,7 +231,7 @@ def _async_pinned(src: torch.Tensor, args, kwargs) -> bool:
     """copy_(dst, src, non_blocking) from page-locked memory: queued, the host runs on (a
     CPU-only torch pins nothing, so under fake_cuda any host tensor counts as pinned)."""
     non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-    return bool(non_blocking) and backend.host_readable(src)
+    return bool(non_blocking) and host_memory.host_readable(src)
 
 
 def _set_item(self, key, value):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from triton_kernels import backend
+from triton_kernels import backend, host_memory
 from triton_kernels.ops import impl
 
 HALF_LIFE = 32   # steps over which an expert's count halves
@@ -174,7 +174,7 @@ class DeviceCache:
         if self.device.type == "cuda":
             # two page-locked buffers in turn: the one read above is free again
             if not hasattr(self, "_buffers"):
-                self._buffers = [backend.pinned(torch.empty(self.n_experts, dtype=torch.int64)) for _ in range(2)]
+                self._buffers = [host_memory.pinned(torch.empty(self.n_experts, dtype=torch.int64)) for _ in range(2)]
             host = self._buffers[self._turn]
             self._turn = 1 - self._turn
             host.copy_(self.routed, non_blocking=True)

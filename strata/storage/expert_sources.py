@@ -20,7 +20,7 @@ from strata.storage.expert_tier import IO_MODES
 from strata.storage.io import PAGE
 from strata.tensors import QTensor
 from triton_kernels import layout
-from triton_kernels.backend import pinned
+from triton_kernels.host_memory import lock, pinned
 
 if TYPE_CHECKING:  # only annotations name Pack; strata.storage.pack imports tensor_file from here
     from strata.storage.pack import Pack
@@ -206,9 +206,12 @@ def read_host(ts: tuple[QTensor, ...], pin: bool, fmts=None) -> tuple[torch.Tens
     allows (the page cache keeps no second copy), else a copy of the mapping; blocks made
     in memory (strata.gguf.MemoryGGUF) are taken as they are. `fmts`: the formats the
     blocks are held in; a device layout's (triton_kernels.layout) are repacked into a copy,
-    so that a GPU's kernels read them in place."""
+    so that a GPU's kernels read them in place. `pin`: page-locked for a GPU to read
+    (triton_kernels.host_memory): blocks read from the file locked where they were read,
+    the others copied into pages of their own."""
     out = []
     for t, held in zip(ts, fmts or [t.fmt for t in ts]):
+        own = False  # the blocks lie in pages of their own, which `lock` takes as they are
         try:
             path, offset = tensor_file(t)
         except ValueError:
@@ -225,9 +228,11 @@ def read_host(ts: tuple[QTensor, ...], pin: bool, fmts=None) -> tuple[torch.Tens
                 r.close()
             if got < span:
                 raise ValueError(f"{path}: the file ends inside tensor {t.name!r}; it is truncated")
-            host = torch.from_numpy(np.frombuffer(buf, np.uint8)[offset - base:offset - base + t.nbytes])
+            blocks = np.frombuffer(buf, np.uint8)[offset - base:offset - base + t.nbytes]
+            own = held.layout == t.fmt.layout and pin and lock(blocks)
+            host = torch.from_numpy(blocks)
         host = host.reshape(t.shape[0], *slab_shape(t))
         if held.layout != t.fmt.layout:
             host = layout.pack(host, t.fmt)
-        out.append(pinned(host) if pin else host)
+        out.append(pinned(host) if pin and not own else host)
     return tuple(out)

@@ -15,7 +15,8 @@ import warnings
 import torch
 
 from strata.tensors import host_tensor
-from triton_kernels.backend import choose_kernels, register_host, to_device
+from triton_kernels.backend import choose_kernels, to_device
+from triton_kernels.host_memory import lock
 from triton_kernels.ops import impl
 
 
@@ -34,7 +35,7 @@ class InMemoryTable:
             warnings.simplefilter("ignore", UserWarning)
             blocks = torch.from_numpy(t.data)
         self.host = host and self.device.type == "cuda" and kernels == "triton"
-        if self.host and not register_host(blocks, read_only=not t.data.flags.writeable):
+        if self.host and not lock(t.data, read_only=not t.data.flags.writeable):
             # the placement kept the table off the GPU: copying it there is no fallback
             raise ValueError(f"PLE table {t.name!r} ({t.nbytes / 2**30:.1f} GiB): CUDA would not page-lock "
                              f"its memory for the GPU to read (cudaHostRegister refused); read it from the "
@@ -70,9 +71,9 @@ class StoredTable:
         # on a GPU, a table in RAM that the kernel can read where it lies
         self.host = None
         if table.mode == "ram" and torch.device(device).type == "cuda" and kernels == "triton":
-            host = host_tensor(table.rows_array())
-            if register_host(host):
-                self.host = host
+            rows = table.rows_array()
+            if lock(rows):
+                self.host = host_tensor(rows)
         # the dequant scale (an FP8 table's) on the device once: ple_gather would otherwise
         # copy a Python float there at every step, a blocking copy no graph can hold
         self.scale = table.scale
