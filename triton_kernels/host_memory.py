@@ -13,8 +13,10 @@ Two ways in:
 A range is locked once however many arrays share it (CUDA refuses to register pages twice)
 and stays locked while any of them lives; when the last of them is collected it is
 unlocked, before the memory is freed (numpy calls an array's weak references before it
-lets go of its memory): freed memory left registered would make a later allocation at
-the same address fail to register, and keep its pages locked."""
+lets go of its memory) and after the GPU's queue (a kernel may still read it; during a
+graph's capture, which a wait would end, at the next lock or release): freed memory left
+registered would make a later allocation at the same address fail to register, and keep
+its pages locked."""
 from __future__ import annotations
 
 import ctypes
@@ -30,6 +32,7 @@ REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads the pa
 
 # locked ranges: start address -> [bytes, arrays alive that use it]
 _locked: dict[int, list[int]] = {}
+_deferred: list[int] = []  # ranges to unregister whose last array went during a graph's capture
 
 
 def host_readable(t: torch.Tensor) -> bool:
@@ -45,6 +48,7 @@ def lock(a: np.ndarray, read_only: bool = False) -> bool:
     error cleared (else the next launch's check would report it)."""
     if backend.faking() or a.nbytes == 0:
         return True
+    _unregister_deferred()  # memory freed during a capture may be given out again
     ptr, n = a.ctypes.data, a.nbytes
     held = next((s for s, (size, _) in _locked.items() if s <= ptr and ptr + n <= s + size), None)
     if held is None:
@@ -89,9 +93,23 @@ def _owner(a: np.ndarray) -> np.ndarray:
 def _release(start: int) -> None:
     entry = _locked[start]
     entry[1] -= 1
-    if entry[1] == 0:
-        del _locked[start]
-        _cudart().cudaHostUnregister(start)
+    if entry[1] > 0:
+        return
+    del _locked[start]
+    _deferred.append(start)
+    _unregister_deferred()
+
+
+def _unregister_deferred() -> None:
+    if not _deferred or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return  # a synchronize would end the capture: at the next lock or release
+    if torch.cuda.is_available():
+        # kernels still queued may read the pages (CUDA does not say that unregistering waits)
+        torch.cuda.synchronize()
+    for ptr in _deferred:
+        if int(_cudart().cudaHostUnregister(ptr)) != 0:
+            _clear_cuda_error()
+    _deferred.clear()
 
 
 def _cudart():

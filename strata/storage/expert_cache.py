@@ -30,6 +30,8 @@ as the host tier does, and the slots stay the decode policy's.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -70,6 +72,11 @@ class DeviceCache:
         self._pending = None  # (host copy of `routed`, its event) for the next rebalance
         self.promotions = 0
         self._side = torch.cuda.Stream(dev) if dev.type == "cuda" and backend._fake is None else None
+        if self._side is not None:
+            # promotions still copying when the cache goes: the slots' VRAM returns to the
+            # main stream's pool and the host pages are unlocked, neither of which waits
+            # for the side stream
+            weakref.finalize(self, self._side.synchronize)
 
     # -- a step: on the device only --------------------------------------------------------
 
@@ -179,7 +186,7 @@ class DeviceCache:
             self._turn = 1 - self._turn
             host.copy_(self.routed, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))  # the copy's stream, whatever device is current
             self._pending = (host, event)
         else:
             self._pending = (self.routed.clone(), None)
@@ -189,7 +196,7 @@ class DeviceCache:
 
     def counts(self) -> tuple[int, int]:
         """(slots routed, of which missed) since construction: a read of the device."""
-        routed, missed = int(self.routed.sum()), int(self.missed.sum())
+        routed, missed = torch.stack([self.routed.sum(), self.missed.sum()]).tolist()  # one wait, not two
         return routed, missed
 
     def order(self) -> list[int]:

@@ -2,8 +2,8 @@
 checked without a GPU through a stand-in for torch's CUDA runtime binding: a file mapped
 read-only is registered with cudaHostRegisterReadOnly, a refusal clears the runtime's error
 (torch checks it after every launch); a range is registered once however many arrays share
-it and unregistered when the last of them goes, so that memory freed and allocated again
-registers again; weights copied for the GPU take pages of their own size, not torch's
+it and unregistered when the last of them goes (after the GPU's queue, never inside a
+graph's capture), so that memory freed and allocated again registers again; weights copied for the GPU take pages of their own size, not torch's
 power-of-two blocks, and experts read from the file are locked where they were read; a
 PLE table the placement keeps in host memory is never copied to the GPU instead when CUDA
 refuses it: the error names the table and the flags that read it from the file."""
@@ -83,6 +83,30 @@ def test_a_range_is_registered_once_and_unregistered_when_its_last_array_goes(ru
     b = np.zeros(3 * mmap.PAGESIZE, dtype=np.uint8)
     assert host_memory.lock(b)
     assert runtime.calls[-1] == ("register", b.ctypes.data, b.nbytes, 0)
+
+
+def test_a_range_whose_arrays_go_during_a_capture_is_unregistered_after_it(runtime, monkeypatch):
+    """Unregistering waits for the GPU's queue first (a kernel may still read the pages), and
+    a wait would end a CUDA graph's capture: a range released then is unregistered at the
+    next lock or release, before any memory is registered."""
+    capturing, waits = [True], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(len(runtime.calls)))
+    a = np.zeros(2 * mmap.PAGESIZE, dtype=np.uint8)
+    ptr = a.ctypes.data
+    assert host_memory.lock(a)
+    del a
+    gc.collect()
+    assert runtime.calls == [("register", ptr, 2 * mmap.PAGESIZE, 0)] and waits == []
+    capturing[0] = False
+    b = np.ones(5 * mmap.PAGESIZE, dtype=np.uint8)
+    assert host_memory.lock(b)
+    assert runtime.calls[1:] == [("unregister", ptr), ("register", b.ctypes.data, b.nbytes, 0)]
+    assert waits == [1]  # the queue waited for before the unregistering
+    del b
+    gc.collect()
+    assert runtime.calls[-1][0] == "unregister" and waits == [1, 3]
 
 
 def test_pinned_copies_into_pages_of_its_own_size(runtime):
