@@ -111,6 +111,9 @@ def _gate_up(store, e: int, device) -> torch.Tensor:
     w13 = getattr(store, "w13", None)
     if w13 is not None:
         return w13[e].to(device=device, dtype=torch.float32)
+    if not store.blocks_kept:
+        raise ValueError(f"{store.names[0]}: experts made in memory and copied to {store.device} keep no "
+                         f"host copy of their blocks to read; compute the importance from a GGUF file")
     gate, up = store.tensors[:2]
     return torch.cat([expert_rows(gate, e, device), expert_rows(up, e, device)])
 

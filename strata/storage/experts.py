@@ -136,6 +136,14 @@ class ExpertStore(torch.nn.Module):
                 self._free = list(range(n))
             else:
                 self.compact = True
+        if not on_cpu and not all(_in_file(t) for t in ts):
+            # blocks made in memory (strata.gguf.MemoryGGUF: flash-shape) were copied where the
+            # tier holds them: keeping them too would hold the experts twice in host RAM
+            self.tensors = tuple(QTensor(t.name, t.fmt, t.shape, np.broadcast_to(np.zeros(1, np.uint8), t.data.shape))
+                                 for t in ts)
+            self.blocks_kept = False
+
+    blocks_kept = True  # `tensors` hold the blocks (strata.imatrix reads them)
 
     def _held(self, t: QTensor) -> quant.Format:
         if self.kernels != "triton":
@@ -453,6 +461,14 @@ def _few_tokens(x, weights, ids, w13, w2):
 _FEW_TOKENS = Compiled(_few_tokens, "the dense experts' decode", dynamic=False)
 # tokens up to this take _few_tokens (each reads its k experts' weights; more tokens share them in the loop)
 FEW_TOKENS = 4
+
+
+def _in_file(t: QTensor) -> bool:
+    try:
+        tensor_file(t)
+    except ValueError:
+        return False
+    return True
 
 
 def _experts_of(t: QTensor, experts: range) -> QTensor:

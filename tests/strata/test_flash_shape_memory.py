@@ -85,12 +85,23 @@ def test_bench_model_flash_shape_on_the_cpu(monkeypatch):
                      rf"\w+: expert hit rate n/a .*, {NUM} hits and 0.0 misses a token", out), out
 
 
-def test_a_small_cards_placement_keeps_the_table_and_expert_misses_on_the_host():
+def test_a_small_cards_placement_keeps_the_table_and_expert_misses_on_the_host(monkeypatch):
     """flash-shape:1 on fake CUDA held to a card of 1 GiB: the placement takes a cache of
     the experts over pinned host memory and leaves the PLE table in host memory, read by the
-    GPU over PCIe; a decode step reads nothing on the host."""
+    GPU over PCIe; a decode step reads nothing on the host. The tiers copy the experts'
+    blocks where they hold them, so the store keeps only their formats and shapes, not the
+    blocks made for it (at flash-shape, 50 GiB of host RAM twice over); and a trace, on zeros
+    that stand in for the blocks, repacks none of them into the device layout."""
+    from strata.imatrix import _gate_up
     from strata.load import Options, build, decide
     from strata.runtime.trace import fake_cuda, trace
+    from strata.storage import expert_sources
+    real_pack = expert_sources.layout.pack
+
+    def pack(q, fmt):  # host memory's bytes, not a fake device's shapes
+        assert q.device.type != "cpu", "a trace repacked blocks in host memory"
+        return real_pack(q, fmt)
+    monkeypatch.setattr(expert_sources.layout, "pack", pack)
     g = fsm.flash_shape_memory(1, 65536)
     with fake_cuda():
         plan = decide(g, Options(device="cuda", kernels="triton", gpu_mem_gib=1.0, ram_gib=64, vram_reserve_mib=0))
@@ -102,6 +113,12 @@ def test_a_small_cards_placement_keeps_the_table_and_expert_misses_on_the_host()
         trace(lambda: model(torch.tensor([1]), state))
         t = trace(lambda: model(torch.tensor([4]), state))
     assert t.launches > 0 and model.ple.table.stats()["pcie_bytes"] == 2 * 16 * 90
+    store = model.layers[0].moe.experts
+    assert any(f.layout != "gguf" for f in store.fmts), store.fmts  # the layout a trace would have packed
+    assert not store.blocks_kept and all(t.data.strides == (0, 0) for t in store.tensors)
+    assert [t.shape for t in store.tensors] == [g.tensors[name].shape for name in store.names]
+    with pytest.raises(ValueError, match=r"ffn_gate_exps.*keep no host copy.*from a GGUF file"):
+        _gate_up(store, 0, "cpu")
 
 
 def test_a_placement_with_no_room_in_ram_keeps_a_table_made_in_memory_there():
