@@ -8,11 +8,14 @@
 #
 # It prints the two calls that carry them. SmolLM2's GGUF (94 MB) does not fit one call
 # beside the wheels, so the first call brings part1 (and gguf's wheel) and runs the steps
-# that need neither SmolLM2 nor transformers, the issues' acceptance first: the kernels
-# against the copy (2) and Flash-Next's real shape (9), then ncu (10). part1 stays on the
-# warm machine (an ignored path); the second call brings part2 and the wheels, and runs
-# the engine's steps (5, 6, 7), the device properties (1), then --tune and the rest;
-# gpu_check.sh joins the parts. gpu_check.sh writes each step's seconds to steps.txt.
+# that need neither SmolLM2 nor transformers, the issues' acceptance first: Flash-Next's
+# real shape (9, never run on a device), the kernels against the copy (2), then ncu (10).
+# part1 stays on the warm machine (an ignored path); the second call brings part2 and the
+# wheels, and runs flash-tiny's and SmolLM2's benches (6), the device properties (1, the
+# decode steps under set_sync_debug_mode("error") among them), the real shape held to a
+# 24 GiB card (11), then the rest; gpu_check.sh joins the parts and writes each step's
+# seconds to steps.txt. Each call stops at the 10-minute cap with what it wrote so far, in
+# the order the issues need it.
 # PIP=... names the pip to download with; DEST=DIR writes .whl/ and .gpu/ there instead
 # of the repository's root (where a call's carry paths start).
 set -euo pipefail
@@ -53,7 +56,7 @@ mib() { awk -v b="$1" 'BEGIN {printf "%.1f MiB", b / 1048576}'; }
 cat <<EOF
 tree $(mib "$tree"), wheels $(mib "$wheels") ($(ls "$whl" | tr '\n' ' ')), SmolLM2 in two parts: $(mib "$part1") + $(mib "$part2")
 call 1: carry [".gpu/smollm2.part1", ".whl/$(cd "$whl" && ls gguf-*.whl)"]  ($(mib $((tree + part1))))
-        command: STEPS=2,9,10 scripts/gpu_check.sh
+        command: STEPS=9,2,10 scripts/gpu_check.sh
 call 2: carry [".gpu/smollm2.part2", ".whl"]  ($(mib $((tree + part2 + wheels))))
-        command: STEPS=5,6,7,1,8,3,4 scripts/gpu_check.sh
+        command: STEPS=6,1,11,5,7,8,3,4 scripts/gpu_check.sh
 EOF

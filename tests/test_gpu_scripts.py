@@ -28,7 +28,7 @@ def _check_commands() -> list[list[str]]:
         if line.lstrip().startswith("#"):
             continue
         for m in re.finditer(r"python3 -m strata (.*?)(?=\s2>|\s\||$)", line):
-            cmd = m.group(1).replace('"$FORMATS"', formats)
+            cmd = m.group(1).replace('"$FORMATS"', formats).replace("$THREADS", "16")
             for model in (["smollm2", "flash-tiny"] if "$m" in cmd else [None]):
                 commands.append(shlex.split(cmd.replace("$m", model) if model else cmd))
     return commands

@@ -176,6 +176,9 @@ def profile(formats: list[str], timeout: float = 200) -> list[dict]:
             text = open(log).read() if os.path.exists(log) else ""
             raise ValueError(f"bench kernels --ncu: ncu ran past {timeout:.0f} s and was stopped with the process "
                              f"it profiled: {(text + err).strip()[-800:]}") from None
+        except BaseException:  # stopped from outside (Ctrl-C, timeout -s INT): ncu's session too
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         text = open(log).read() if os.path.exists(log) else ""
     kernels = parse(text)
     if proc.returncode != 0 or not kernels:  # ncu's own errors (==ERROR== ...) are in its log

@@ -82,9 +82,13 @@ def test_no_ncu_on_the_path_is_said(monkeypatch):
         ncu.profile(["Q4_0"])
 
 
-def test_an_ncu_past_its_time_is_stopped_with_what_it_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop", ["timeout", "interrupt"])
+def test_an_ncu_past_its_time_is_stopped_with_what_it_runs(tmp_path, monkeypatch, stop):
     """ncu and the process under it are stopped at the timeout (gpu_check.sh's own limit
-    is longer, so the error and the rows before it reach its log)."""
+    is longer, so the error and the rows before it reach its log), and when the bench is
+    interrupted (gpu_check.sh's `timeout -s INT`): ncu runs in a session of its own, which
+    the signal does not reach, and would hold the GPU through the next step."""
+    import signal
     import time
     stub = tmp_path / "ncu"
     pid = tmp_path / "child.pid"
@@ -92,8 +96,20 @@ def test_an_ncu_past_its_time_is_stopped_with_what_it_runs(tmp_path, monkeypatch
     stub.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     t = time.monotonic()
-    with pytest.raises(ValueError, match="ncu ran past 1 s and was stopped"):
-        ncu.profile(["Q4_0"], timeout=1)
+    if stop == "timeout":
+        with pytest.raises(ValueError, match="ncu ran past 1 s and was stopped"):
+            ncu.profile(["Q4_0"], timeout=1)
+    else:
+        def interrupt(*_):
+            raise KeyboardInterrupt
+        before = signal.signal(signal.SIGALRM, interrupt)
+        signal.alarm(1)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ncu.profile(["Q4_0"], timeout=60)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, before)
     assert time.monotonic() - t < 30
     child = int(pid.read_text())
     for _ in range(50):  # the killed child is reaped by init a moment later
