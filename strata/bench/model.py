@@ -178,10 +178,12 @@ def bench_strata(path, args, extra=None) -> dict:
                                                sync=lambda: _sync(device))
     nbytes = step_bytes(model)
     rss = _peak_rss_mib()  # before the copy's buffers
+    # what the model took of the card at its peak (a --gpu-mem budget is a claim about it)
+    vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))  # bytes/s
     step_s = 1 / statistics.fmean(tg)
     return {"engine": "strata", "pp": pp, "tg": tg, "load_s": load_s, "peak_rss_mib": rss,
-            "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),
+            "peak_vram_mib": vram, "vocab": vocab, "dtype": str(args.dtype).replace("torch.", ""), "device": str(device),
             "kernels": model.kernels, "step_bytes": nbytes, "copy_bytes_per_s": copy,
             "step_read_bytes_per_s": nbytes / step_s, "fraction_of_copy": nbytes / step_s / copy, "spec": spec,
             "profile": profile, "invariant": inv, "extra": extra(model, args) if extra else None,
@@ -274,11 +276,13 @@ def run(args, path, hf_dir=None) -> int:
     if inv:
         cols.append(("vs_plain", "x plain strata"))
     for k in ("device", "kernels", "step_bytes", "copy_bytes_per_s", "step_read_bytes_per_s", "fraction_of_copy",
-              "first_step_s"):
+              "first_step_s", "peak_vram_mib"):
         result[k] = ours[k]
     table = markdown(rows, cols) + (
         f"\n\nStrata: {ours['dtype']} on {ours['device']} ({ours['kernels']} kernels), load {ours['load_s']:.1f} s, "
-        f"peak RSS {ours['peak_rss_mib']:.0f} MiB; a decode step reads {ours['step_bytes'] / 2**20:.1f} MiB of "
+        f"peak RSS {ours['peak_rss_mib']:.0f} MiB"
+        + (f", peak VRAM {ours['peak_vram_mib']:.0f} MiB (torch's allocations)" if ours["peak_vram_mib"] is not None
+           else "") + f"; a decode step reads {ours['step_bytes'] / 2**20:.1f} MiB of "
         f"weights: {ours['step_read_bytes_per_s'] / 1e9:.1f} GB/s, {ours['fraction_of_copy']:.1%} of the "
         f"{ours['copy_bytes_per_s'] / 1e9:.0f} GB/s a copy moves on {ours['device']} (read + written); a tg run's "
         f"first step, untimed there (on CUDA it captures the decode graph), took {ours['first_step_s'] * 1e3:.1f} ms")
