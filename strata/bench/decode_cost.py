@@ -1,5 +1,5 @@
-"""What a decoded token costs besides its time, for `strata bench model`: the kernels a
-step launches on a GPU (strata.load.launches: traced once, on fake CUDA), and what the
+"""What a decoded token costs besides its time, for `strata bench model`: the weight bytes
+a step reads (`step_bytes`), the kernels a step launches on a GPU (strata.load.launches: traced once, on fake CUDA), and what the
 storage tiers did during the tg runs: bytes over PCIe a token (expert misses copied or
 read from pinned host memory, PLE rows read from host memory) against the host-to-device
 copy rate measured in the same run, and the expert cache's hit rate."""
@@ -8,6 +8,20 @@ from __future__ import annotations
 import time
 
 import torch
+
+
+def step_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every matmul's weight as held, and per MoE
+    layer top-k experts (a token's; more when a batch routes to more)."""
+    from strata.nn import QuantLinear
+    from strata.nn.moe import MoE
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.mode != "parts":
+            total += m.held_bytes()
+        elif isinstance(m, MoE):
+            total += m.top_k * m.experts.expert_bytes
+    return total
 
 
 def counters(model) -> dict:

@@ -47,20 +47,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every matmul's weight as held, and per MoE
-    layer top-k experts (a token's; more when a batch routes to more)."""
-    from strata.nn import QuantLinear
-    from strata.nn.moe import MoE
-    total = 0
-    for m in model.modules():
-        if isinstance(m, QuantLinear) and m.mode != "parts":
-            total += m.held_bytes()
-        elif isinstance(m, MoE):
-            total += m.top_k * m.experts.expert_bytes
-    return total
-
-
 def _need_llama_cpp() -> None:
     import importlib.util
     if importlib.util.find_spec("llama_cpp") is None:
@@ -176,10 +162,9 @@ def bench_strata(path, args, extra=None) -> dict:
         profile = profile_bench.decode_profile(model, _tokens(16, vocab, 400),
                                                _tokens(4 + args.profile_steps, vocab, 500),
                                                sync=lambda: _sync(device))
-    nbytes = step_bytes(model)
+    nbytes = decode_cost.step_bytes(model)
     rss = _peak_rss_mib()  # before the copy's buffers
-    # what the model took of the card at its peak (a --gpu-mem budget is a claim about it)
-    vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    vram = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None  # --gpu-mem's claim
     copy = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))  # bytes/s
     step_s = 1 / statistics.fmean(tg)
     return {"engine": "strata", "pp": pp, "tg": tg, "load_s": load_s, "peak_rss_mib": rss,
@@ -278,11 +263,10 @@ def run(args, path, hf_dir=None) -> int:
     for k in ("device", "kernels", "step_bytes", "copy_bytes_per_s", "step_read_bytes_per_s", "fraction_of_copy",
               "first_step_s", "peak_vram_mib"):
         result[k] = ours[k]
+    vram = "" if ours["peak_vram_mib"] is None else f", peak VRAM {ours['peak_vram_mib']:.0f} MiB (torch's allocations)"
     table = markdown(rows, cols) + (
         f"\n\nStrata: {ours['dtype']} on {ours['device']} ({ours['kernels']} kernels), load {ours['load_s']:.1f} s, "
-        f"peak RSS {ours['peak_rss_mib']:.0f} MiB"
-        + (f", peak VRAM {ours['peak_vram_mib']:.0f} MiB (torch's allocations)" if ours["peak_vram_mib"] is not None
-           else "") + f"; a decode step reads {ours['step_bytes'] / 2**20:.1f} MiB of "
+        f"peak RSS {ours['peak_rss_mib']:.0f} MiB{vram}; a decode step reads {ours['step_bytes'] / 2**20:.1f} MiB of "
         f"weights: {ours['step_read_bytes_per_s'] / 1e9:.1f} GB/s, {ours['fraction_of_copy']:.1%} of the "
         f"{ours['copy_bytes_per_s'] / 1e9:.0f} GB/s a copy moves on {ours['device']} (read + written); a tg run's "
         f"first step, untimed there (on CUDA it captures the decode graph), took {ours['first_step_s'] * 1e3:.1f} ms")

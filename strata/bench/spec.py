@@ -94,7 +94,7 @@ def measure(model, n: int, context: list[int], steps: list[int], sync=lambda: No
     med = statistics.median
     stores = [layer.moe.experts for layer in model.layers]
     expert_bytes = sum(s.expert_bytes for s in stores) / len(stores)
-    from strata.bench.model import step_bytes
+    from strata.bench.decode_cost import step_bytes
     dense = step_bytes(model) - sum(layer.moe.top_k * s.expert_bytes for layer, s in zip(model.layers, stores))
     dense -= step_bytes(model.mtp)  # the head's weights are no part of a trunk step
     # a draft reads the head (its block's dense weights and top-k experts), the output mixer and lm_head

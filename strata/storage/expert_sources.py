@@ -42,6 +42,15 @@ def tensor_file(t: QTensor) -> tuple[Path, int]:
     return Path(x.filename), t.data.ctypes.data - x.ctypes.data + x.offset
 
 
+def in_file(t: QTensor) -> bool:
+    """Whether `t`'s blocks are a view of a GGUF file's mapping (not made in memory)."""
+    try:
+        tensor_file(t)
+    except ValueError:
+        return False
+    return True
+
+
 class SpanReader:
     """Equal-length byte spans of one file, read in one batch: `direct` by a PageReader
     (O_DIRECT pages at `depth`, each page once), `mmap` by one batched MADV_WILLNEED over

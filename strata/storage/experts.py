@@ -30,6 +30,7 @@ from strata.storage.expert_sources import (
     HostSource,
     PackedSource,
     Source,
+    in_file,
     read_host,
     slab_shape,
     slabs,
@@ -136,7 +137,7 @@ class ExpertStore(torch.nn.Module):
                 self._free = list(range(n))
             else:
                 self.compact = True
-        if not on_cpu and not all(_in_file(t) for t in ts):
+        if not on_cpu and not all(in_file(t) for t in ts):
             # blocks made in memory (strata.gguf.MemoryGGUF: flash-shape) were copied where the
             # tier holds them: keeping them too would hold the experts twice in host RAM
             self.tensors = tuple(QTensor(t.name, t.fmt, t.shape, np.broadcast_to(np.zeros(1, np.uint8), t.data.shape))
@@ -461,14 +462,6 @@ def _few_tokens(x, weights, ids, w13, w2):
 _FEW_TOKENS = Compiled(_few_tokens, "the dense experts' decode", dynamic=False)
 # tokens up to this take _few_tokens (each reads its k experts' weights; more tokens share them in the loop)
 FEW_TOKENS = 4
-
-
-def _in_file(t: QTensor) -> bool:
-    try:
-        tensor_file(t)
-    except ValueError:
-        return False
-    return True
 
 
 def _experts_of(t: QTensor, experts: range) -> QTensor:
