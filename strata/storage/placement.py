@@ -8,8 +8,9 @@ The rules, in order (decode reads experts most, so they come first):
    norms), a layer split in equal runs, the output on the last GPU, and the KV cache of
    its attention layers for the context. What is left is for experts.
 2. Routed experts: resident on their layer's GPU when all fit; else a cache of N slots a
-   layer in VRAM, its misses copied from pinned host RAM when all experts fit 90% of the
-   RAM, else read from the drive (the pack, or the GGUF in place).
+   layer in VRAM, beside room for one layer's experts that a prompt's batch fetches, its
+   misses copied from pinned host RAM when all experts fit 90% of the RAM, else read from
+   the drive (the pack, or the GGUF in place).
 3. The PLE table (Flash-Next): in VRAM on the GPU of the PLE layer when it fits beside the
    experts, else in RAM (`--ple-io ram`) when it fits beside what RAM holds, else read
    from the drive a page a row (`--ple-io direct`; `mmap` where the page cache keeps it).
@@ -29,6 +30,7 @@ from strata.storage.io import PAGE, gib
 from strata.names.qwen4exp import EXPERT_TENSOR, PLE_ROWS_PER_TOKEN, PLE_TABLE, TOKEN_EMBD
 
 GiB = 2**30
+PREFILL_TOKENS = 512  # a prompt's batch (strata.runtime.generate's ubatch, bench model's pp512)
 
 
 @dataclass
@@ -173,6 +175,11 @@ class Placement:
     def hit_rate(self) -> float:
         return min(1.0, self.slots / self.shape.n_experts) if self.shape.n_experts else 1.0
 
+    @property
+    def fetch_bytes(self) -> int:
+        """VRAM a GPU keeps for the experts a prompt fetches (a cache tier's), or 0."""
+        return prompt_fetch_bytes(self.shape) if self.expert_backing != "vram" else 0
+
     def per_token(self) -> tuple[float, float]:
         """(PCIe bytes, drive bytes) a decoded token moves."""
         s = self.shape
@@ -190,11 +197,12 @@ class Placement:
         usable = m.gpu_bytes - m.reserve_bytes
         out = [f"placement of {s.name} on {m.describe()}, context {self.ctx:,} tokens:"]
         for i, (lr, dense) in enumerate(zip(self.gpu_layers, self.gpu_dense)):
-            held = dense + self.slots * s.expert_bytes * len(lr)
+            held = dense + self.slots * s.expert_bytes * len(lr) + self.fetch_bytes
             if self.ple_where == "vram" and s.ple_layer in lr:
                 held += s.ple_bytes
             out.append(f"  GPU {i}: layers {lr.start}-{lr.stop - 1}: dense weights, KV{' and output' if i == m.gpus - 1 else ''} "
                        f"{gib(dense)}, experts {gib(self.slots * s.expert_bytes * len(lr))}"
+                       f"{f', a prompt fetching experts {gib(self.fetch_bytes)}' if self.fetch_bytes else ''}"
                        f"{', PLE table ' + gib(s.ple_bytes) if self.ple_where == 'vram' and s.ple_layer in lr else ''}"
                        f" = {gib(held)} of {gib(usable)}")
         exp = ("none (a dense model)" if not s.n_experts else
@@ -232,6 +240,12 @@ def this_machine(device: str = "cuda", reserve_mib: int = 1024, gpu_gib: float |
     return Machine(1, gpu, ram, reserve_mib * 2**20)
 
 
+def prompt_fetch_bytes(s: ModelShape) -> int:
+    """The experts of one layer that a prompt's PREFILL_TOKENS tokens route to, at most all
+    of them: what a cache tier fetches into VRAM for a batch longer than a decode step."""
+    return min(s.n_experts, PREFILL_TOKENS * s.top_k) * s.expert_bytes
+
+
 def place(shape: ModelShape, machine: Machine, ctx: int = 32768, pack_exists: bool = False) -> Placement:
     """The placement (see the module's docstring for the rules)."""
     s, m = shape, machine
@@ -255,6 +269,11 @@ def place(shape: ModelShape, machine: Machine, ctx: int = 32768, pack_exists: bo
     # experts: what the fullest GPU has left, per layer it holds
     room = min(usable - d for d in dense)
     slots = min(s.n_experts, int(room // max(s.expert_bytes * per, 1))) if s.n_experts else 0
+    # a cache leaves room for the experts a batch longer than a decode step fetches, a layer
+    # at a time (a prompt's PREFILL_TOKENS tokens route to nearly all of them)
+    fetch = prompt_fetch_bytes(s)
+    if slots < s.n_experts:  # (a card too small for both keeps one slot: its prompts fetch what they can)
+        slots = max(min(slots, 1), int((room - fetch) // max(s.expert_bytes * per, 1)))
     if not s.n_experts:
         tier, backing = "device", "vram"
     elif slots >= s.n_experts:
@@ -264,11 +283,13 @@ def place(shape: ModelShape, machine: Machine, ctx: int = 32768, pack_exists: bo
     else:
         if s.experts_total <= 0.9 * m.ram_bytes:
             backing, src = "host", "host"
-            why.append(f"{slots} of {s.n_experts} experts a layer fit the VRAM left ({gib(room)} a GPU); all "
-                       f"experts fit 90% of the host RAM, so misses come from pinned RAM over PCIe")
+            why.append(f"{slots} of {s.n_experts} experts a layer fit the VRAM left ({gib(room)} a GPU, "
+                       f"{gib(fetch)} of it kept for a prompt's fetched experts); all experts fit 90% of the "
+                       f"host RAM, so misses come from pinned RAM over PCIe")
         else:
             backing, src = "drive", ("packed" if pack_exists else "file")
-            why.append(f"{slots} of {s.n_experts} experts a layer fit the VRAM left ({gib(room)} a GPU); the "
+            why.append(f"{slots} of {s.n_experts} experts a layer fit the VRAM left ({gib(room)} a GPU, "
+                       f"{gib(fetch)} of it kept for a prompt's fetched experts); the "
                        f"experts ({gib(s.experts_total)}) do not fit 90% of the host RAM, so misses are read "
                        f"from the drive ({'the pack' if pack_exists else 'the GGUF in place; `strata pack` makes one read an expert'}; "
                        f"counted as all missing the page cache, which keeps some)")

@@ -109,14 +109,18 @@ def test_placement_for_the_rtx_4090_box():
     m = Machine(1, 24 * GiB, 46 * GiB, 1536 * 2**20)  # seeds/004's box
     p = place(flash_next(), m)
     assert p.expert_tier.startswith("cache:") and 0 < p.slots < 512
-    held = p.gpu_dense[0] + p.slots * p.shape.expert_bytes * 48
-    assert held <= m.gpu_bytes - m.reserve_bytes < held + 48 * p.shape.expert_bytes  # as many slots as fit
+    # as many slots as fit beside the dense weights and one layer's experts that a prompt
+    # fetches (its 512 tokens route to all 512 experts: 1.04 GiB)
+    assert p.fetch_bytes == 512 * p.shape.expert_bytes
+    held = p.gpu_dense[0] + p.slots * p.shape.expert_bytes * 48 + p.fetch_bytes
+    assert held <= m.gpu_bytes - m.reserve_bytes < held + 48 * p.shape.expert_bytes
     assert p.expert_backing == "drive" and p.ple_where == "ram"  # 50 GiB of experts > 90% of 46 GiB
     pcie, drive = p.per_token()
     assert pcie == pytest.approx((1 - p.slots / 512) * 48 * 10 * p.shape.expert_bytes
                                  + 16 * 90 + p.shape.embedding_row_bytes)
     assert drive > 0
     assert any("VRAM" in line and "cache:" in line for line in p.lines())
+    assert "a prompt fetching experts 1.0 GiB = " in p.lines()[1], p.lines()[1]
 
 
 def test_placement_for_eight_h200s_holds_everything_in_vram():
