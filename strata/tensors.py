@@ -13,6 +13,12 @@ if TYPE_CHECKING:  # torch at first use: `strata quantize` (numpy alone) never i
     import torch
 
 
+def stand_in(shape: tuple[int, int]) -> np.ndarray:
+    """uint8 blocks of `shape` with no memory behind them (one zero byte seen everywhere):
+    a tensor's size and shape where its bytes are not held."""
+    return np.broadcast_to(np.zeros(1, np.uint8), shape)
+
+
 def host_tensor(a: np.ndarray) -> torch.Tensor:
     """A contiguous torch view of blocks `a` (a copy only where `a` is strided). A file's
     blocks are a read-only mapping, which torch warns about: nothing writes them."""

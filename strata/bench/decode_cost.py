@@ -1,8 +1,9 @@
 """What a decoded token costs besides its time, for `strata bench model`: the weight bytes
-a step reads (`step_bytes`), the kernels a step launches on a GPU (strata.load.launches: traced once, on fake CUDA), and what the
-storage tiers did during the tg runs: bytes over PCIe a token (expert misses copied or
-read from pinned host memory, PLE rows read from host memory) against the host-to-device
-copy rate measured in the same run, and the expert cache's hit rate."""
+a step reads (`step_bytes`), the kernels a step launches on a GPU (strata.load.launches:
+traced once, on fake CUDA), and what the storage tiers did during the tg runs: bytes over
+PCIe a token (expert misses copied or read from pinned host memory, PLE rows read from
+host memory) against the host-to-device copy rate measured in the same run, and the
+expert cache's hit rate."""
 from __future__ import annotations
 
 import time

@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 import quant
-from strata.tensors import QTensor
+from strata.tensors import QTensor, stand_in
 
 from .reader import GGUFFile
 
@@ -26,11 +26,6 @@ def _untouched_zeros(shape: tuple[int, int]) -> np.ndarray:
     noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve
     return np.frombuffer(mmap.mmap(-1, n, flags=flags), np.uint8)[:shape[0] * shape[1]].reshape(shape)
-
-
-def _stand_in(rows: int, row_bytes: int) -> np.ndarray:
-    # one zero byte seen (rows, row_bytes) times: the size and shape of the blocks, no memory
-    return np.broadcast_to(np.zeros(1, np.uint8), (rows, row_bytes))
 
 
 class MemoryGGUF(GGUFFile):
@@ -54,7 +49,7 @@ class MemoryGGUF(GGUFFile):
         for tname, (fmt_name, shape) in shapes.items():
             fmt = quant.get(fmt_name)
             rows = int(np.prod(shape[:-1], dtype=np.int64))
-            self.tensors[tname] = QTensor(tname, fmt, tuple(shape), _stand_in(rows, fmt.row_bytes(shape[-1])))
+            self.tensors[tname] = QTensor(tname, fmt, tuple(shape), stand_in((rows, fmt.row_bytes(shape[-1]))))
 
     def tensor(self, name: str) -> QTensor:
         t = super().tensor(name)  # a missing name: GGUFFile's error

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from strata.gguf import GGUFFile
-from strata.gguf.memory import MemoryGGUF
 from strata.names import qwen4exp as qn
 from strata.nn import kv
 from strata.nn.rope import RopeScaling
+from strata.storage.expert_sources import in_file
 from strata.storage.expert_tier import parse_tier
 from triton_kernels import backend, invariant
 from triton_kernels.backend import choose_device, choose_kernels
@@ -242,8 +242,8 @@ def _ple(g: GGUFFile, o: Options, placement=None) -> PleChoice | None:
     if t is None and not o.ple_file and not g.get(f"{qn.ARCH}.ple.layers"):
         return None
     where = placement.ple_where if placement is not None else None  # a GPU's placement: vram, ram or drive
-    if where == "drive" and isinstance(g, MemoryGGUF):
-        where = "ram"  # a model made in memory (flash-shape) has no file to read the table from
+    if where == "drive" and t is not None and not o.ple_file and not in_file(t):
+        where = "ram"  # a table made in memory (flash-shape) has no file to read it from
     if o.ple_io is None and t is not None and not o.ple_file and where != "drive":
         # on a GPU where the placement keeps the table in RAM, its blocks stay on the host
         host = where == "ram"

@@ -39,7 +39,7 @@ from strata.storage.expert_sources import (
 from strata.storage.expert_cache import DeviceCache
 from strata.storage.expert_tier import ExpertTier, parse_tier
 from strata.storage.pack import Pack, default_pack_dir
-from strata.tensors import QTensor
+from strata.tensors import QTensor, stand_in
 from triton_kernels import invariant, layout
 from triton_kernels.cpu import compiled
 from triton_kernels.backend import choose_kernels, to_device, upcast
@@ -140,8 +140,7 @@ class ExpertStore(torch.nn.Module):
         if not on_cpu and not all(in_file(t) for t in ts):
             # blocks made in memory (strata.gguf.MemoryGGUF: flash-shape) were copied where the
             # tier holds them: keeping them too would hold the experts twice in host RAM
-            self.tensors = tuple(QTensor(t.name, t.fmt, t.shape, np.broadcast_to(np.zeros(1, np.uint8), t.data.shape))
-                                 for t in ts)
+            self.tensors = tuple(QTensor(t.name, t.fmt, t.shape, stand_in(t.data.shape)) for t in ts)
             self.blocks_kept = False
 
     blocks_kept = True  # `tensors` hold the blocks (strata.imatrix reads them)
