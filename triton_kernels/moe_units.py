@@ -115,17 +115,20 @@ def _down_units_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return
     e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
-    slot = slot.to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     first = e * down_se + tl.minimum(rows, H - 1).to(tl.int64) * down_sr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the slots held across the loop stay int32, widened where used: held as int64 they
+    # cost up to 28 registers, and ptxas 12.8 (Triton 3.6) spilled IQ2_XXS's in the loop
     for k0 in range(0, I, STEP):
         offs_k = k0 + tl.arange(0, STEP)
-        a = tl.load(h_ptr + slot[:, None] * stride_h + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        a = tl.load(h_ptr + slot.to(tl.int64)[:, None] * stride_h + offs_k[None, :], mask=m_mask[:, None],
+                    other=0.0)
         w = unit_tile(wd_ptr, tab_ptr, first, k0 // UW, STEP // UW, UNIT, UW, UPB, BLOCK_HW, ZERO, OFFSET,
                       BODY, ASM)
         acc = tl.dot(a.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=INPUT_PRECISION)
     # the routing weight scales the expert's output, as in transformers
+    slot = slot.to(tl.int64)
     rw = tl.load(rw_ptr + slot, mask=m_mask, other=0.0)
     out = out_ptr + slot[:, None] * stride_o + rows[None, :]
     tl.store(out, acc * rw[:, None], mask=m_mask[:, None] & (rows < H)[None, :])
