@@ -89,7 +89,7 @@ class DecodeGraph:
         self.pos.fill_(c.length)
         if self.graph is not None:
             self.graph.replay()
-            out = self.out
+            out = self.out.clone()  # the caller's: the next replay rewrites the graph's
         else:
             out = step(self.model, self.tok, self.pos, c)
         c.length += 1

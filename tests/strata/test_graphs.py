@@ -48,6 +48,23 @@ def test_a_graph_holds_the_rope_rows_it_reads(model):
     assert rope.cos is not cos and g.rope_rows[0] is cos and g.rope_rows[1] is sin
 
 
+def test_the_logits_a_replay_returns_outlive_the_next_replay(model):
+    """A replay writes the graph's one output buffer: what a caller holds is its own."""
+    cache = model.new_cache(16)
+    model([1, 504], cache)
+    g = DecodeGraph(model, cache)
+
+    class Replay:  # a captured graph's replay: the step again, into the same buffer
+        def replay(self):
+            g.out.copy_(torch.randn_like(g.out))
+
+    g.out, g.graph = torch.zeros(1, 8), Replay()
+    first = g(42)
+    kept = first.clone()
+    second = g(43)
+    assert torch.equal(first, kept) and torch.equal(second, g.out) and second is not g.out
+
+
 def test_decode_on_cuda_takes_the_graph_only_where_it_can(model, monkeypatch):
     # on the CPU the model decodes eagerly; a graph is made for CUDA caches only
     cache = model.new_cache(8)
