@@ -127,7 +127,19 @@ def choose_device(device: str | None) -> str:
                          f"CUDA build {torch.version.cuda or 'none'}); use --device cpu")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"--device {device!r}: expected cpu or cuda[:N]")
+    if dev.type == "cuda" and dev.index is not None and _fake is None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: torch sees {torch.cuda.device_count()} GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return str(dev)
+
+
+def use_device(device: str) -> None:
+    """Make a command's GPU the process's current one: Triton launches on the current
+    device's stream and a CUDA graph captures on it, so cuda:1 with cuda:0 current would
+    launch on the wrong card. One process, one GPU (strata.dist's ranks set theirs)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None and _fake is None:
+        torch.cuda.set_device(dev)
 
 
 def choose_kernels(kernels: str | None, device) -> str:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from strata.cli.args import DTYPES
     from triton_kernels import configs
-    from triton_kernels.backend import choose_device, cpu_compile_mode, interpreter_on
+    from triton_kernels.backend import choose_device, cpu_compile_mode, interpreter_on, use_device
     try:
         cpu_compile_mode()  # a misspelt STRATA_CPU_COMPILE is named now, not in the first step
     except ValueError as e:
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"strata: {e}", file=sys.stderr)
             return 2
+        use_device(args.device)
     elif args.command == "plan" and args.device is None:  # a plan may be for another machine
         args.device = "cuda" if args.gpu_mem else choose_device(None)
     interpret = getattr(args, "kernels", None) == "triton" and str(args.device).startswith("cpu")

@@ -92,6 +92,25 @@ def test_device_cuda_without_a_gpu_says_so():
     assert "--device cuda: torch sees no GPU here" in r.stderr and "--device cpu" in r.stderr
 
 
+def test_device_cuda_n_is_checked_and_made_current(monkeypatch):
+    """cuda:N past torch's GPUs is named with the ones there are; a command's cuda:N is
+    made current, for Triton's launches and graph captures follow the current device."""
+    import torch
+
+    from triton_kernels import backend
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    with pytest.raises(ValueError, match=r"--device cuda:2: torch sees 2 GPU\(s\), cuda:0 to cuda:1"):
+        backend.choose_device("cuda:2")
+    assert backend.choose_device("cuda:1") == "cuda:1"
+    backend.use_device("cuda")    # no index: the current one stays
+    backend.use_device("cpu")
+    backend.use_device("cuda:1")
+    assert made == [torch.device("cuda:1")]
+
+
 def test_generate_says_where_and_with_which_kernels(smollm2_gguf):
     r = strata("generate", "hi", "--device", "cpu", "--kernels", "torch", "--temperature", "0", "-n", "2")
     assert r.returncode == 0, r.stderr
