@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import invariant
-from .backend import use_triton
+from .backend import backend_name, use_triton
 from .conv import causal_conv_torch, conv_taps
 from .hyperconn import hc_norm_torch
 
@@ -38,24 +38,31 @@ def _ple_mix_kernel(x_ptr, k_ptr, v_ptr, wk_ptr, wq_ptr, wc_ptr, taps_ptr, win_p
     s = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BH)
     live = h < H
-    c = s * H + h  # the stream's channels
-    C = tl.num_programs(0) * H
+    C = tl.num_programs(0).to(tl.int64) * H
+    # the stream's rows: a 64-bit base a program and 32-bit offsets a lane (64-bit channel
+    # numbers a lane cost registers: at Flash-Next's width ptxas 12.8 spilled them)
+    x_s, k_s, out_s = x_ptr + s * H, k_ptr + s * H, out_ptr + s * H
+    win, new_win, taps = win_ptr + s * H * SPAN, new_win_ptr + s * H * SPAN, taps_ptr + s * H * K
     # the window moved on where it is to land (in place: onto itself), then token by token
     # there, each channel's row one lane's (conv_taps reads an element before it writes it)
     for j in tl.static_range(SPAN):
-        tl.store(new_win_ptr + c * SPAN + j, tl.load(win_ptr + c * SPAN + j, mask=live, other=0.0), mask=live)
+        tl.store(new_win + h * SPAN + j, tl.load(win + h * SPAN + j, mask=live, other=0.0), mask=live)
     for t in range(T):
-        k = tl.load(k_ptr + t * C + c, mask=live, other=0.0)
-        x = tl.load(x_ptr + t * C + c, mask=live, other=0.0)
-        kn = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) / H + eps)) * tl.load(wk_ptr + c, mask=live, other=0.0)
-        qn = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)) * tl.load(wq_ptr + c, mask=live, other=0.0)
+        row = t * C
+        k = tl.load(k_s + row + h, mask=live, other=0.0)
+        x = tl.load(x_s + row + h, mask=live, other=0.0)
+        kn = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) / H + eps)) * tl.load(wk_ptr + s * H + h, mask=live,
+                                                                                 other=0.0)
+        qn = x * (1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / H + eps)) * tl.load(wq_ptr + s * H + h, mask=live,
+                                                                                 other=0.0)
         g = tl.sum(kn * qn, axis=0) / root
         sign = tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0))
         g = tl.sqrt_rn(tl.maximum(tl.abs(g), 1e-6)) * sign
         gv = (1.0 / (1.0 + tl.exp(-g))) * tl.load(v_ptr + t * H + h, mask=live, other=0.0)
-        nc = gv * (1.0 / tl.sqrt_rn(tl.sum(gv * gv, axis=0) / H + eps)) * tl.load(wc_ptr + c, mask=live, other=0.0)
-        y = conv_taps(nc, new_win_ptr, taps_ptr, new_win_ptr, c, live, SPAN, K, DIL)  # conv_step's taps, in order
-        tl.store(out_ptr + t * C + c, (x + gv) + y * (1.0 / (1.0 + tl.exp(-y))), mask=live)
+        nc = gv * (1.0 / tl.sqrt_rn(tl.sum(gv * gv, axis=0) / H + eps)) * tl.load(wc_ptr + s * H + h, mask=live,
+                                                                                    other=0.0)
+        y = conv_taps(nc, new_win, taps, new_win, h, live, SPAN, K, DIL)  # conv_step's taps, in order
+        tl.store(out_s + row + h, (x + gv) + y * (1.0 / (1.0 + tl.exp(-y))), mask=live)
 
 
 def _check(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, dilation):
@@ -93,11 +100,20 @@ def ple_mix(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.T
     out, new = torch.empty_like(x), window if in_place else torch.empty_like(window)
     args = [t.contiguous() for t in (x, k, v, norm_key, norm_query, norm_conv, taps, window)]
     bh = triton.next_power_of_2(H)
-    # a whole stream a program: 8 warps from 2048 channels (202 registers a thread at 4, 110
-    # at 8 for sm_90), 16 past 4096
     _ple_mix_kernel[(streams,)](*args, out, new, x.shape[0], H, eps, float(H ** 0.5), SPAN=window.shape[1], K=Kt,
-                                DIL=dilation, BH=bh, num_warps=4 if bh < 2048 else 8 if bh <= 4096 else 16)
+                                DIL=dilation, BH=bh, num_warps=mix_warps(bh))
     return out, new
+
+
+def mix_warps(bh: int) -> int:
+    """A whole stream a program, four channels a lane up to a program's 1024 lanes: a
+    decode step's launch is a few programs (a stream each), so its time is one program's
+    chain of loads and sums, and a lane's channels are registers held across them.
+    Flash-Next's 2560 channels (a tile of 4096): 32 warps, 56-64 registers a thread on
+    sm_90; at 8 warps 206-255, and ptxas 12.8 (Triton 3.6) spilled. Past a tile of 4096
+    a lane's channels outgrow its 64 registers and spill."""
+    lanes = 64 if backend_name() == "hip" else 32
+    return max(4, min(bh // 4, 1024) // lanes)
 
 
 def ple_mix_torch(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.Tensor,
