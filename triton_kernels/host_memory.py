@@ -60,7 +60,7 @@ def lock(a: np.ndarray, read_only: bool = False) -> bool:
         _locked[held] = [n, 0]
     _locked[held][1] += 1
     # at exit the process's end frees everything, CUDA's state first
-    weakref.finalize(_owner(a), _release, held).atexit = False
+    weakref.finalize(owner(a), _release, held).atexit = False
     return True
 
 
@@ -81,10 +81,10 @@ def pinned(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _owner(a: np.ndarray) -> np.ndarray:
+def owner(a: np.ndarray) -> np.ndarray:
     """The array whose collection frees (or unmaps) `a`'s memory: the last array down its
     chain of bases (numpy points a view at the owner of the memory, or at the mapping or
-    buffer it wraps)."""
+    buffer it wraps). A view of a file's np.memmap: that memmap."""
     while isinstance(a.base, np.ndarray):
         a = a.base
     return a

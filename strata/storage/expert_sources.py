@@ -21,7 +21,7 @@ from strata.storage.io import PAGE
 from strata.tensors import QTensor
 from triton_kernels import layout
 from triton_kernels.backend import faking
-from triton_kernels.host_memory import lock, pinned
+from triton_kernels.host_memory import lock, owner, pinned
 
 if TYPE_CHECKING:  # only annotations name Pack; strata.storage.pack imports tensor_file from here
     from strata.storage.pack import Pack
@@ -32,9 +32,7 @@ if TYPE_CHECKING:  # only annotations name Pack; strata.storage.pack imports ten
 def tensor_file(t: QTensor) -> tuple[Path, int]:
     """(file, byte offset) of a tensor opened from a GGUF: its data is a view of the
     reader's np.memmap, whose address maps to the file's offset `memmap.offset`."""
-    x = t.data
-    while isinstance(x.base, np.ndarray):
-        x = x.base
+    x = owner(t.data)
     if not isinstance(x, np.memmap) or x.filename is None:
         raise ValueError(f"tensor {t.name!r} is not a view of a file (built in memory?): the host, "
                          f"packed and file expert tiers read it from its GGUF; open the model with "

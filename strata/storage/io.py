@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from triton_kernels.host_memory import owner
+
 PAGE = mmap.PAGESIZE
 # one direct read covers at most this many adjacent pages, so that a long run of pages
 # (a prefill's neighbouring rows) still spreads over the pool's threads
@@ -149,9 +151,7 @@ def advise_random(view: np.ndarray) -> bool:
     reads its own page, not the readahead window around it (read_ahead_kb: 128 KiB by
     default, 8 MiB on some virtual disks). For a table whose rows are read one at a time
     from the mapping (the token embedding). False where `view` maps no file."""
-    base = view
-    while isinstance(base.base, np.ndarray):
-        base = base.base
+    base = owner(view)
     mm = getattr(base, "_mmap", None)
     if not isinstance(base, np.memmap) or not isinstance(mm, mmap.mmap) or view.nbytes == 0:
         return False
