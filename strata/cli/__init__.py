@@ -124,9 +124,12 @@ def _bench(args) -> int:
                 from strata.storage.io import mem_available
                 need, have = sum(t.nbytes for t in memory.tensors.values()), mem_available()
                 if have and need > 0.9 * have:  # on the CPU every block is made in RAM
-                    raise ValueError(f"{args.model}: {need / 2**30:.1f} GiB of blocks, more than 90% of the "
-                                     f"{have / 2**30:.1f} GiB of RAM available; give fewer layers "
-                                     f"(flash-shape:1) or a smaller PLE table (--rows 65536)")
+                    ple = max(t.nbytes for t in memory.tensors.values())  # the PLE table, by far
+                    layers = memory.get(f"{memory.get('general.architecture')}.block_count")
+                    fewer = "" if layers == 1 else " or fewer layers (flash-shape:1)"
+                    raise ValueError(f"{args.model}: {need / 2**30:.1f} GiB of blocks ({ple / 2**30:.1f} GiB "
+                                     f"the PLE table's), more than 90% of the {have / 2**30:.1f} GiB of RAM "
+                                     f"available; give a smaller PLE table (--rows 65536){fewer}")
             from strata.bench import model
             return model.run(args, memory)
         if args.rows is not None:

@@ -51,6 +51,20 @@ def _cli(*argv) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
+def test_bench_model_says_what_to_shrink_when_the_blocks_would_not_fit_in_ram(monkeypatch):
+    """On the CPU every block is made in RAM: past 90% of what is available the command
+    stops before making any, with the PLE table's share, and names fewer layers only
+    where there are more than one."""
+    from strata.storage import io as sio
+    monkeypatch.setattr(sio, "mem_available", lambda: 2**30)
+    rc, _, err = _cli("bench", "model", "-m", "flash-shape:1", "--device", "cpu")
+    m = re.search(rf"flash-shape:1: {NUM} GiB of blocks \({NUM} GiB the PLE table's\), more than 90% of the 1.0 "
+                  rf"GiB of RAM available; give a smaller PLE table \(--rows 65536\)\n", err)
+    assert rc == 2 and m and 26 < float(m[2]) < float(m[1]), err
+    rc, _, err = _cli("bench", "model", "-m", "flash-shape:2", "--rows", 65536, "--device", "cpu")
+    assert rc == 2 and "(--rows 65536) or fewer layers (flash-shape:1)" in err, err
+
+
 @pytest.mark.slow  # 14 s alone on 2 cores, 30-36 s beside other jobs
 def test_bench_model_flash_shape_on_the_cpu(monkeypatch):
     """`strata bench model -m flash-shape:1 --rows 65536 --device cpu`: the plan lines, a row
