@@ -222,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="directory for experts.bin and experts.txt (default: packs/<model> in the Strata cache)")
 
     pl = sub.add_parser("plan", help="what sits where, what a prompt reads from the drive, the drive's speed")
-    pl.add_argument("model", help="a known model, a .gguf path, or flash-next[:EXPERT_TYPE] (the real "
-                                   "shapes, no file: with --gpu-mem, --gpus and --ram)")
+    pl.add_argument("model", help="a known model, a .gguf path, flash-next[:EXPERT_TYPE] (the real "
+                                   "shapes, no file: with --gpu-mem, --gpus and --ram), or flash-shape[:LAYERS] "
+                                   "(bench model's, made in memory)")
     pl.add_argument("--device", default=None,
                     help="cpu or cuda[:N]: where the model would compute (default: cuda when torch sees one)")
     pl.add_argument("--gpu-mem", type=float, default=None, metavar="GIB",

@@ -8,17 +8,22 @@ from strata.cli.args import load_options
 from strata.hub import resolve_model
 
 
+def _gguf(model: str):
+    """`model` opened: flash-shape[:LAYERS] as `strata bench model` builds it (in memory,
+    its blocks made when read: a plan reads none), else a known model or a .gguf path."""
+    from strata.gguf import open_gguf
+    from strata.hub import in_memory
+    memory = in_memory(model)
+    return memory if memory is not None else open_gguf(resolve_model(model))
+
+
 def _placement(args):
     """`strata plan --device cuda`: the placement on a machine with GPUs (this one, or the
     one --gpu-mem, --gpus and --ram describe), for a GGUF or a known shape (flash-next)."""
     from strata.storage import io
     from strata.storage import placement as pl
     name, _, experts = args.model.partition(":")
-    if name in pl.SHAPES:
-        shape = pl.SHAPES[name](experts or "IQ3_XXS")
-    else:
-        from strata.gguf import open_gguf
-        shape = pl.shape_of(open_gguf(resolve_model(args.model)))
+    shape = pl.SHAPES[name](experts or "IQ3_XXS") if name in pl.SHAPES else pl.shape_of(_gguf(args.model))
     if args.gpu_mem:
         gpu = int(args.gpu_mem * pl.GiB)
     else:
@@ -38,11 +43,7 @@ def _ranks(args) -> int:
     from strata.storage import placement as pl
     from strata.storage import ranks
     name, _, experts = args.model.partition(":")
-    if name in pl.SHAPES:
-        shape = pl.SHAPES[name](experts or "IQ3_XXS")
-    else:
-        from strata.gguf import open_gguf
-        shape = pl.shape_of(open_gguf(resolve_model(args.model)))
+    shape = pl.SHAPES[name](experts or "IQ3_XXS") if name in pl.SHAPES else pl.shape_of(_gguf(args.model))
     layout = Layout(args.ep, args.pp, 0, parse_split(args.layer_split))
     layout.layers(shape.n_layers), layout.experts(max(shape.n_experts, args.ep))  # a bad split, named
     gpu = int(args.gpu_mem * pl.GiB) - args.vram_reserve_mib * 2**20 if args.gpu_mem else None
@@ -54,7 +55,6 @@ def _ranks(args) -> int:
 def plan(args) -> int:
     """`strata plan MODEL`: on a GPU (or for one), the placement; on the CPU, the plan a
     start would make (strata.load.decide), with the drive's reads."""
-    from strata.gguf import open_gguf
     from strata.load import decide
     from strata.storage import placement as pl
     from strata.storage.plan import measure_drive, save_drive
@@ -66,14 +66,17 @@ def plan(args) -> int:
                           "ple": p.ple_where, "per_token_bytes": p.per_token()}, indent=1)
               if args.json else "\n".join(p.lines()))
         return 0
-    path = resolve_model(args.model)
+    g = _gguf(args.model)
+    on_drive = pl.shape_of(g).on_drive  # flash-shape: made in memory, nothing read from a drive
+    if not on_drive and (args.remeasure or args.json):
+        raise ValueError(f"--remeasure, --json: the drive's reads; {args.model} is made in memory and reads none")
     if args.remeasure:
-        save_drive(measure_drive(path))
-    lp = decide(open_gguf(path), load_options(args))
+        save_drive(measure_drive(g.path))
+    lp = decide(g, load_options(args))
     if args.json:
         print(json.dumps(lp.drive_plan().as_dict(), indent=1))
     else:
-        print("\n".join(lp.lines()))
+        print("\n".join(lp.lines(drive=on_drive)))
     return 0
 
 

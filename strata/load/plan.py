@@ -242,13 +242,18 @@ def _ple(g: GGUFFile, o: Options, placement=None) -> PleChoice | None:
     if t is None and not o.ple_file and not g.get(f"{qn.ARCH}.ple.layers"):
         return None
     where = placement.ple_where if placement is not None else None  # a GPU's placement: vram, ram or drive
-    if where == "drive" and t is not None and not o.ple_file and not in_file(t):
-        where = "ram"  # a table made in memory (flash-shape) has no file to read it from
-    if o.ple_io is None and t is not None and not o.ple_file and where != "drive":
+    # a table made in memory (flash-shape) has no file to read it from: its blocks stay
+    # where they were made (the placement refuses to put it on a drive)
+    made = t is not None and not o.ple_file and not in_file(t)
+    if made and o.ple_io in ("mmap", "direct"):
+        raise ValueError(f"--ple-io {o.ple_io}: {g.path}'s PLE table is made in memory, with no file to read "
+                         f"it from; leave --ple-io out")
+    if (o.ple_io is None or made) and t is not None and not o.ple_file and where != "drive":
         # on a GPU where the placement keeps the table in RAM, its blocks stay on the host
         host = where == "ram"
-        return PleChoice(None, f"the file's blocks in memory ({t.nbytes / 2**20:.0f} MiB {t.fmt.name}, "
-                               f"no --ple-io: read through the mapping"
+        size = f"{t.nbytes / 2**20:.0f} MiB {t.fmt.name}"
+        return PleChoice(None, (f"its blocks made in memory ({size}, no file" if made else
+                                f"the file's blocks in memory ({size}, no --ple-io: read through the mapping")
                                + (", held in host memory as the placement says)" if host else ")"), host=host)
     from strata.storage.ple_source import find_ple
     # the model's own file, or another shard of its set (the releases keep the table alone

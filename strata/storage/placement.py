@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import quant
 from strata.storage.io import PAGE, gib
 from strata.names.qwen4exp import EXPERT_TENSOR, PLE_ROWS_PER_TOKEN, PLE_TABLE, TOKEN_EMBD
+from strata.storage.expert_sources import in_file
 
 GiB = 2**30
 PREFILL_TOKENS = 512  # a prompt's batch (strata.runtime.generate's ubatch, bench model's pp512)
@@ -52,6 +53,7 @@ class ModelShape:
     dim: int = 0                # the hidden size (what --ep/--pp send a token: strata.storage.ranks)
     streams: int = 1            # hyper-connection streams between layers
     vocab: int = 0
+    on_drive: bool = True       # False: made in memory (flash-shape), no file to read a part from
 
     @property
     def experts_total(self) -> int:
@@ -138,7 +140,8 @@ def shape_of(g) -> ModelShape:
         ple_rows=ple.shape[0] if ple is not None else 0,
         ple_row_bytes=int(ple.data.shape[-1]) if ple is not None else 0,
         dim=int(g.get(f"{a}.embedding_length", 0)), streams=int(g.get(f"{a}.hyper_connection.count", 1) or 1),
-        vocab=emb.shape[0] if emb is not None else 0)
+        vocab=emb.shape[0] if emb is not None else 0,
+        on_drive=all(in_file(t) for t in g.tensors.values()))
 
 
 def size_text(n: float, digits: int = 1) -> str:
@@ -246,6 +249,15 @@ def prompt_fetch_bytes(s: ModelShape) -> int:
     return min(s.n_experts, PREFILL_TOKENS * s.top_k) * s.expert_bytes
 
 
+def _in_memory_needs_ram(s: ModelShape, part: str, need: int, ram: int) -> None:
+    """A part that fits neither VRAM nor RAM is read from the drive, which a model made in
+    memory does not have: it stops here, not at the first read."""
+    if not s.on_drive:
+        raise ValueError(f"{s.name} is made in memory, with no file to read from: its {part} ({gib(need)}) "
+                         f"need the VRAM or 90% of the host RAM left ({gib(max(ram, 0))}); give more --ram, "
+                         f"a larger --gpu-mem, or a smaller model (flash-shape:LAYERS, --rows)")
+
+
 def place(shape: ModelShape, machine: Machine, ctx: int = 32768, pack_exists: bool = False) -> Placement:
     """The placement (see the module's docstring for the rules)."""
     s, m = shape, machine
@@ -287,6 +299,7 @@ def place(shape: ModelShape, machine: Machine, ctx: int = 32768, pack_exists: bo
                        f"{gib(fetch)} of it kept for a prompt's fetched experts); all experts fit 90% of the "
                        f"host RAM, so misses come from pinned RAM over PCIe")
         else:
+            _in_memory_needs_ram(s, "experts", s.experts_total, m.ram_bytes)
             backing, src = "drive", ("packed" if pack_exists else "file")
             why.append(f"{slots} of {s.n_experts} experts a layer fit the VRAM left ({gib(room)} a GPU, "
                        f"{gib(fetch)} of it kept for a prompt's fetched experts); the "
@@ -307,6 +320,7 @@ def place(shape: ModelShape, machine: Machine, ctx: int = 32768, pack_exists: bo
             why.append(f"the PLE table fits 90% of the RAM left ({gib(ram_left)}): rows gathered on the host, "
                        f"{PLE_ROWS_PER_TOKEN} a token over PCIe")
         else:
+            _in_memory_needs_ram(s, "PLE table", s.ple_bytes, ram_left)
             ple = "drive"
             why.append(f"the PLE table ({gib(s.ple_bytes)}) fits neither VRAM nor the RAM left "
                        f"({gib(max(ram_left, 0))}): its rows are read from the drive, announced a step ahead")

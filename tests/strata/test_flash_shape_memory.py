@@ -78,7 +78,7 @@ def test_bench_model_flash_shape_on_the_cpu(monkeypatch):
     finally:
         torch.set_num_threads(n_threads)
     assert rc == 0, err
-    assert "strata: plan: qwen4exp on cpu" in err and "PLE table: the file's blocks in memory (6 MiB IQ4_NL" in err
+    assert "strata: plan: qwen4exp on cpu" in err and "PLE table: its blocks made in memory (6 MiB IQ4_NL, no file)" in err
     for test in ("pp4", "tg2"):
         m = re.search(rf"\| strata \| flash-shape-1l-65536rows-16x2-512v \(in memory\) \|\s+1 \|\s+{test} \|"
                       rf"\s+{NUM} ± {NUM} \|", out)
@@ -135,16 +135,40 @@ def test_a_small_cards_placement_keeps_the_table_and_expert_misses_on_the_host(m
         _gate_up(store, 0, "cpu")
 
 
-def test_a_placement_with_no_room_in_ram_keeps_a_table_made_in_memory_there():
-    """Where the placement finds no room in RAM for the PLE table, a file's table is read
-    from the drive (tests/strata/test_load_plan.py); flash-shape's is made in memory, with
-    no file to read it from, so it stays in host memory, read by the GPU over PCIe."""
+def test_a_placement_with_no_room_for_a_model_made_in_memory_stops_there(flash_tiny_gguf):
+    """Where the placement finds no room in VRAM or RAM for a part, a file's is read from
+    the drive (tests/strata/test_load_plan.py); flash-shape's is made in memory, with no
+    file to read it from, so the placement stops, naming the part, not the first read."""
+    import dataclasses
+
+    from strata.convert.flash_shape import REAL
     from strata.load import Options, decide
     from strata.runtime.trace import fake_cuda
+    from strata.storage import placement as pl
     g = fsm.flash_shape_memory(1, 65536)
-    with fake_cuda():
-        plan = decide(g, Options(device="cuda", kernels="triton", gpu_mem_gib=1.0, ram_gib=0.001, vram_reserve_mib=0))
-    assert plan.placement.ple_where == "drive" and plan.ple.mode is None and plan.ple.host, plan.ple
+    shape = pl.shape_of(g)
+    assert not shape.on_drive
+    with fake_cuda(), pytest.raises(ValueError, match=r"Flash-Shape 1L is made in memory, with no file to read "
+                                                      r"from: its experts \(1\.0 GiB\) need the VRAM or 90% of the "
+                                                      r"host RAM left \(0\.0 GiB\); give more --ram"):
+        decide(g, Options(device="cuda", kernels="triton", gpu_mem_gib=1.0, ram_gib=0.001, vram_reserve_mib=0))
+    real_table = dataclasses.replace(shape, ple_rows=REAL["ple_rows"])  # 26.8 GiB: neither 8 GiB of VRAM nor 1 of RAM
+    with pytest.raises(ValueError, match=r"its PLE table \(26\.8 GiB\)"):
+        pl.place(real_table, pl.Machine(1, 8 * 2**30, 2**30, 0))
+    assert pl.place(real_table, pl.Machine(1, 8 * 2**30, 64 * 2**30, 0)).ple_where == "ram"
+    assert pl.shape_of(flash_tiny_gguf).on_drive  # a file's model
+
+
+def test_plan_takes_flash_shape_as_bench_model_builds_it():
+    """`strata plan flash-shape[:LAYERS]`: the placement `bench model -m flash-shape`
+    would make on that card, or on the CPU the load plan without a drive's reads."""
+    rc, out, err = _cli("plan", "flash-shape", "--gpu-mem", 24, "--ram", 100)
+    assert rc == 0, err
+    assert "placement of Flash-Shape 48L on 1 x 24.0 GiB GPU" in out and re.search(r"--experts cache:\d+:host", out), out
+    rc, out, err = _cli("plan", "flash-shape:1", "--device", "cpu")
+    assert rc == 0 and "PLE table: its blocks made in memory (27466 MiB IQ4_NL, no file)" in out, (out, err)
+    rc, _, err = _cli("plan", "flash-shape:1", "--device", "cpu", "--json")
+    assert rc == 2 and "flash-shape:1 is made in memory and reads none" in err, err
 
 
 def test_the_decode_timing_line_says_the_launches_a_step():
