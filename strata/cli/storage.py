@@ -19,7 +19,8 @@ def _gguf(model: str):
 
 def _placement(args):
     """`strata plan --device cuda`: the placement on a machine with GPUs (this one, or the
-    one --gpu-mem, --gpus and --ram describe), for a GGUF or a known shape (flash-next)."""
+    one --gpu-mem, --gpus and --ram describe), for a GGUF, a known shape (flash-next) or
+    flash-shape[:LAYERS]."""
     from strata.storage import io
     from strata.storage import placement as pl
     name, _, experts = args.model.partition(":")
