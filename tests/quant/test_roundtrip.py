@@ -250,11 +250,17 @@ def test_kquant_round_trip_within_bound(name):
     prop()
 
 
-# IQ4_NL, IQ4_XS: every weight takes the value nearest to x/dl under its stored scale
-# dl (IQ4_XS: d * (ls - 32) a sub-block). Inside the span of the 16 values that is within
-# half the widest gap (24/2 = 12) of x/dl; outside it, the nearest end. So, with
-# r = x/dl, |x - w| <= |dl| (12 + dist(r, [-127, 113])) + 2^-22 (|x| + 127 |dl|)
-# (float32 division and product), and |x| where dl = 0.
+# IQ4_NL, IQ4_XS: every weight takes the value nearest to x/dl' under the scale dl' the
+# search found, which is stored rounded: dl = fp16(d) (IQ4_XS: fp16(d) (ls - 32) a
+# sub-block), as llama.cpp places and stores them. Inside the span of the 16 values that
+# is within half the widest gap (24/2 = 12) of x/dl'; outside it, the nearest end. With
+# r = x/dl, |r - x/dl'| <= |x| delta / (|dl| (|dl| - delta)), delta = |dl - dl'| <=
+# 2^-10 |dl| + 2^-20 (fp16's half ulp, or its subnormal step times |ls - 32| <= 32); so
+# |x - w| <= |dl| (12 + dist(r, [-127, 113])) + 2 |x| delta / (|dl| - delta)
+# + 2^-22 (|x| + 127 |dl|) (float32 division and product); |x| where dl = 0, and where the
+# rounding is as large as the scale (delta >= |dl| / 2) no more than |x| + 127 |dl|.
+# (A placement at the unrounded scale may take the far value of a gap: x = 804.75 under
+# dl = 7.9695 is r = 100.979, nearer 89 than 113, and took 113: an error of 12.02 |dl|.)
 
 @pytest.mark.parametrize("name", ["IQ4_NL", "IQ4_XS"])
 def test_iq4_round_trip_within_bound(name):
@@ -268,6 +274,8 @@ def test_iq4_round_trip_within_bound(name):
     @example(np.r_[np.full(224, 1e-4), np.linspace(-40, 30, 32)].astype(np.float32).reshape(-1, fmt.block_elems))
     @example(np.array([[1e-7] * 31 + [-2e-6]], np.float32).reshape(-1, fmt.block_elems) if name == "IQ4_NL"
              else np.zeros((1, 256), np.float32))
+    @example(np.r_[np.zeros(219), [739, 967, 804.75, -954, -996], np.zeros(26), [705, 718, 737, 840, 878, 1000]]
+             .astype(np.float32).reshape(-1, fmt.block_elems))  # 804.75 takes the far end of its gap
     def prop(x):
         q = fmt.quantize(x)
         deq = fmt.dequantize(q).astype(np.float64)
@@ -275,11 +283,15 @@ def test_iq4_round_trip_within_bound(name):
             dl = np.repeat(iq4.xs_sub_scales(q).astype(np.float64), 32, axis=1)
         else:
             dl = np.repeat(quant.format.fp16_to_f32(q[:, :2]).astype(np.float64), 32, axis=1)
+        adl, ax = np.abs(dl), np.abs(x).astype(np.float64)
+        delta = 2.0 ** -10 * adl + 2.0 ** -20
+        fine = delta < adl / 2
         with np.errstate(divide="ignore", invalid="ignore"):
             r = np.where(dl == 0, 0.0, x / dl)
+            moved = np.where(fine, 2 * ax * delta / np.where(fine, adl - delta, 1.0), 0.0)
         outside = np.maximum(0, np.maximum(r - 113, -127 - r))
-        bound = np.where(dl == 0, np.abs(x),
-                         np.abs(dl) * (12 + outside) + 2.0 ** -22 * (np.abs(x) + 127 * np.abs(dl)))
+        bound = np.where(dl == 0, ax, np.where(fine, adl * (12 + outside) + moved, ax + 127 * adl)
+                         + 2.0 ** -22 * (ax + 127 * adl))
         assert (np.abs(x - deq) <= bound).all()
     prop()
 
