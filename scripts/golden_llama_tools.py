@@ -8,8 +8,9 @@ test_imatrix.py and test_quantize.py.
 The tools are llama-perplexity, llama-imatrix and llama-quantize of the llama.cpp that the
 llama-cpp-python 0.3.36 sdist vendors (the llama.cpp Strata compares itself with), built for
 this CPU. Each runs on SmolLM2-135M-Instruct Q4_1 (strata.hub) over the first 20,000
-characters of strata.perplexity.stdlib_text() (`stdlib.txt`), 2 chunks of 128 tokens, 2
-threads; what it prints and the files it writes are read back here and kept, small, in
+characters of strata.perplexity.stdlib_text() (`stdlib.txt`, kept as
+tests/data/llama_tools_text.txt), 2 chunks of 128 tokens, 2 threads; what it prints and
+the files it writes are read back here and kept, small, in
 tests/data/llama_tools_golden.json and tests/data/llama_imatrix.npz:
 
 - perplexity: the "[i]ppl" line and the final "PPL = x +/- y" of a plain run; the file
@@ -53,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 OUT_JSON = ROOT / "tests" / "data" / "llama_tools_golden.json"
 OUT_NPZ = ROOT / "tests" / "data" / "llama_imatrix.npz"
 OUT_MOE_NPZ = ROOT / "tests" / "data" / "llama_imatrix_moe.npz"
+# the text the tools read, kept: docstrings move between Python versions, the tests' text must not
+OUT_TEXT = ROOT / "tests" / "data" / "llama_tools_text.txt"
 
 TEXT_CHARS = 20000
 N_CTX, N_CHUNKS, THREADS = 128, 2, 2
@@ -300,19 +303,19 @@ def main() -> None:
     OUT_JSON.write_text(json.dumps(golden, ensure_ascii=False, separators=(",", ":")) + "\n")
     np.savez_compressed(OUT_NPZ, **arrays)
     np.savez_compressed(OUT_MOE_NPZ, **moe_arrays)
-    print(f"wrote {OUT_JSON} ({OUT_JSON.stat().st_size} bytes) and {OUT_NPZ} ({OUT_NPZ.stat().st_size} bytes)",
+    OUT_TEXT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUT_TEXT}, {OUT_JSON} ({OUT_JSON.stat().st_size} bytes) and {OUT_NPZ} ({OUT_NPZ.stat().st_size} bytes)",
           file=sys.stderr)
 
 
 def only(bins: Path, parts: set[str]) -> None:
     """Some parts again (the quantize mixes after FTYPES grew, ...), the rest as it was."""
     from strata.hub import pull_smollm2, synth_flash_tiny
-    from strata.perplexity import stdlib_text
     golden = json.loads(OUT_JSON.read_text())
     smollm2, flash_tiny = pull_smollm2(), synth_flash_tiny()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        (work / TEXT_NAME).write_text(stdlib_text()[:TEXT_CHARS], encoding="utf-8")
+        (work / TEXT_NAME).write_text(OUT_TEXT.read_text(encoding="utf-8"), encoding="utf-8")  # the kept parts
         if "imatrix_moe" in parts:
             print("llama-imatrix (flash-tiny) ...", file=sys.stderr)
             golden["imatrix_moe"], moe_arrays = moe_imatrix_golden(bins, flash_tiny, work)

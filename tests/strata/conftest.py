@@ -23,6 +23,21 @@ def smollm2_tokenizer(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
+def llama_tools_text():
+    """The text llama-perplexity and llama-imatrix read for the golden data (the first
+    20,000 characters of strata.perplexity.stdlib_text() on Python 3.11), kept as a file:
+    docstrings move between Python versions."""
+    import json
+    from pathlib import Path
+
+    from strata.perplexity import text_sha256
+    data = Path(__file__).resolve().parents[1] / "data"
+    text = (data / "llama_tools_text.txt").read_text(encoding="utf-8")
+    assert text_sha256(text) == json.loads((data / "llama_tools_golden.json").read_text())["text"]["sha256"]
+    return text
+
+
+@pytest.fixture(scope="session")
 def flash_tiny_gguf():
     """flash-tiny (built into the cache on first use), opened."""
     from strata.hub import synth_flash_tiny

@@ -17,7 +17,6 @@ from strata.imatrix import (
     read_imatrix,
     write_imatrix,
 )
-from strata.perplexity import stdlib_text
 
 N_CTX, N_CHUNKS = 128, 2
 WEIGHTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -35,8 +34,8 @@ def llama_arrays():
 
 
 @pytest.fixture(scope="module")
-def tokens(smollm2_tokenizer):
-    return smollm2_tokenizer.encode(stdlib_text()[:20000], parse_special=False)
+def tokens(smollm2_tokenizer, llama_tools_text):
+    return smollm2_tokenizer.encode(llama_tools_text, parse_special=False)
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +155,10 @@ def flash_tiny_f32(flash_tiny_gguf):
 
 
 @pytest.fixture(scope="module")
-def moe_imatrix(flash_tiny_f32, flash_tiny_gguf):
+def moe_imatrix(flash_tiny_f32, flash_tiny_gguf, llama_tools_text):
     from strata.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(flash_tiny_gguf)
-    tokens = tok.encode(stdlib_text()[:20000], parse_special=False)
+    tokens = tok.encode(llama_tools_text, parse_special=False)
     return compute_imatrix(flash_tiny_f32, tokens, N_CTX, N_CHUNKS, tok.bos_id if tok.add_bos else None,
                            datasets=MOE["metadata"]["imatrix.datasets"]["value"])
 

@@ -1,5 +1,6 @@
 """strata.perplexity: llama-perplexity's PPL and KL divergence, on SmolLM2 over 2 chunks of
-128 tokens of the standard-library text (63 scored a chunk), against what llama-perplexity
+128 tokens of the standard-library text (tests/data/llama_tools_text.txt; 63 scored a
+chunk), against what llama-perplexity
 itself printed and wrote for the same text (tests/data/llama_tools_golden.json, from
 scripts/golden_llama_tools.py); the top-k file's KL divergence over 2 chunks of 64."""
 import hashlib
@@ -21,7 +22,6 @@ from strata.perplexity import (
     perplexity,
     save_logits,
     stdlib_text,
-    text_sha256,
 )
 
 N_CTX, N_CHUNKS = 128, 2
@@ -46,12 +46,9 @@ def text():
 
 
 @pytest.fixture(scope="module")
-def tokens(text, smollm2_tokenizer):
-    assert text_sha256(text[:20000]) == GOLDEN["text"]["sha256"], (
-        "the standard-library text differs from the one llama-perplexity read (another Python's "
-        "docstrings?): rerun scripts/golden_llama_tools.py")
+def tokens(llama_tools_text, smollm2_tokenizer):
     assert (GOLDEN["n_ctx"], GOLDEN["n_chunks"]) == (N_CTX, N_CHUNKS)
-    return smollm2_tokenizer.encode(text[:20000], parse_special=False)
+    return smollm2_tokenizer.encode(llama_tools_text, parse_special=False)
 
 
 @pytest.fixture(scope="module")
