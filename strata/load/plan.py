@@ -217,7 +217,8 @@ def _rest_bytes(g: GGUFFile) -> int:
 
 
 def _experts(g: GGUFFile, o: Options, device: str, machine) -> tuple[ExpertChoice | None, object | None]:
-    if not any(n.endswith(qn.MOE["gate_exps"]) for n in g.tensors):
+    gate = next((t for n, t in g.tensors.items() if n.endswith(qn.MOE["gate_exps"])), None)
+    if gate is None:
         return None, None
     from strata.storage.pack import PACK_INDEX, default_pack_dir
     # the pack is the model's, named after its file: `strata pack` puts the MTP sidecar's
@@ -227,8 +228,9 @@ def _experts(g: GGUFFile, o: Options, device: str, machine) -> tuple[ExpertChoic
     if o.experts:
         return ExpertChoice(str(parse_tier(o.experts)) if o.experts != "blocks" else "blocks", "given", **kw), None
     if not device.startswith("cuda"):
-        return ExpertChoice(None, "dense copies while STRATA_DENSE_MIB lasts, else the blocks in the "
-                                  "mapped file (the page cache holds them)", **kw), None
+        held = ("the blocks in the mapped file (the page cache holds them)" if in_file(gate)
+                else "the blocks made in memory")
+        return ExpertChoice(None, f"dense copies while STRATA_DENSE_MIB lasts, else {held}", **kw), None
     # a GPU without --experts: what fits VRAM, then RAM, then the drive (the placement)
     from strata.storage import placement as pl
     pack = Path(kw["experts_dir"]) / PACK_INDEX

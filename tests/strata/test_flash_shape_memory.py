@@ -167,6 +167,7 @@ def test_plan_takes_flash_shape_as_bench_model_builds_it():
     assert "placement of Flash-Shape 48L on 1 x 24.0 GiB GPU" in out and re.search(r"--experts cache:\d+:host", out), out
     rc, out, err = _cli("plan", "flash-shape:1", "--device", "cpu")
     assert rc == 0 and "PLE table: its blocks made in memory (27466 MiB IQ4_NL, no file)" in out, (out, err)
+    assert "--experts default: dense copies while STRATA_DENSE_MIB lasts, else the blocks made in memory" in out
     rc, _, err = _cli("plan", "flash-shape:1", "--device", "cpu", "--json")
     assert rc == 2 and "flash-shape:1 is made in memory and reads none" in err, err
 
