@@ -133,6 +133,16 @@ def choose_device(device: str | None) -> str:
     return str(dev)
 
 
+def check_current(device) -> None:
+    """Refuse a model on cuda:N while another GPU is current: Triton would launch its
+    kernels on the current one (use_device makes a command's GPU current; a notebook
+    calls torch.cuda.set_device)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None and _fake is None and torch.cuda.current_device() != dev.index:
+        raise ValueError(f"device {dev}: the current CUDA device is cuda:{torch.cuda.current_device()}, and "
+                         f"Triton launches on the current one; call torch.cuda.set_device({dev.index}) first")
+
+
 def use_device(device: str) -> None:
     """Make a command's GPU the process's current one: Triton launches on the current
     device's stream and a CUDA graph captures on it, so cuda:1 with cuda:0 current would

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from strata.gguf import GGUFError, GGUFFile, open_gguf
-from triton_kernels import invariant
+from triton_kernels import backend, invariant
 
 from .plan import ExpertChoice, LoadPlan, Options, PleChoice, decide
 
@@ -17,6 +17,7 @@ def build(plan: LoadPlan):
     if plan.arch not in LOADERS:
         raise GGUFError(f"{plan.gguf.path}: architecture {plan.arch!r} is not supported "
                         f"(supported: {', '.join(LOADERS)})")
+    backend.check_current(plan.device)
     if plan.options.threads:
         torch.set_num_threads(plan.options.threads)
     if plan.options.batch_invariant is not None:  # process-wide, as the thread count

@@ -111,6 +111,25 @@ def test_device_cuda_n_is_checked_and_made_current(monkeypatch):
     assert made == [torch.device("cuda:1")]
 
 
+def test_a_model_on_another_gpu_than_the_current_one_is_refused(monkeypatch, smollm2_gguf):
+    """A library load on cuda:N with another GPU current is refused before anything is
+    built, saying what to call: Triton would launch on the current GPU."""
+    import torch
+
+    from strata.load import Options, build, decide
+    from triton_kernels import backend
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    backend.check_current("cuda:0"), backend.check_current("cuda"), backend.check_current("cpu")
+    with pytest.raises(ValueError, match=r"device cuda:1: the current CUDA device is cuda:0, and Triton launches "
+                                         r"on the current one; call torch.cuda.set_device\(1\) first"):
+        backend.check_current("cuda:1")
+    plan = decide(smollm2_gguf, Options(device="cpu"))
+    seen = []
+    monkeypatch.setattr(backend, "check_current", seen.append)
+    build(plan)
+    assert seen == [plan.device]
+
+
 def test_generate_says_where_and_with_which_kernels(smollm2_gguf):
     r = strata("generate", "hi", "--device", "cpu", "--kernels", "torch", "--temperature", "0", "-n", "2")
     assert r.returncode == 0, r.stderr
