@@ -124,7 +124,8 @@ def _bench(args) -> int:
                 from strata.storage.io import mem_available
                 need, have = sum(t.nbytes for t in memory.tensors.values()), mem_available()
                 if have and need > 0.9 * have:  # on the CPU every block is made in RAM
-                    ple = max(t.nbytes for t in memory.tensors.values())  # the PLE table, by far
+                    from strata.names.qwen4exp import PLE_TABLE
+                    ple = memory.tensors[PLE_TABLE].nbytes
                     layers = memory.get(f"{memory.get('general.architecture')}.block_count")
                     fewer = "" if layers == 1 else " or fewer layers (flash-shape:1)"
                     raise ValueError(f"{args.model}: {need / 2**30:.1f} GiB of blocks ({ple / 2**30:.1f} GiB "

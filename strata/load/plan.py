@@ -250,7 +250,7 @@ def _ple(g: GGUFFile, o: Options, placement=None) -> PleChoice | None:
     if made and o.ple_io in ("mmap", "direct"):
         raise ValueError(f"--ple-io {o.ple_io}: {g.path}'s PLE table is made in memory, with no file to read "
                          f"it from; leave --ple-io out")
-    if (o.ple_io is None or made) and t is not None and not o.ple_file and where != "drive":
+    if made or (o.ple_io is None and t is not None and not o.ple_file and where != "drive"):
         # on a GPU where the placement keeps the table in RAM, its blocks stay on the host
         host = where == "ram"
         size = f"{t.nbytes / 2**20:.0f} MiB {t.fmt.name}"
