@@ -50,6 +50,18 @@ def _gated_gemv_kernel(g_ptr, u_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_gm
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = gated_rows(g_ptr, u_ptr, q_ptr, tab_ptr, pid_m, offs_n, M, N, K, stride_gm, stride_um,
+                     DECODE, QK, SILU, ROUND, BLOCK_M, BLOCK_N, BLOCK_K)
+    gemv_store(out_ptr, acc, pid_m, offs_n, offs_n < N, M, stride_om, BLOCK_M)
+
+
+@triton.jit
+def gated_rows(g_ptr, u_ptr, q_ptr, tab_ptr, pid_m, offs_n, M, N, K, stride_gm, stride_um,
+               DECODE: tl.constexpr, QK: tl.constexpr, SILU: tl.constexpr, ROUND: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program of the gated GEMV: its BLOCK_M rows of act(g) * u (rounded as ROUND) times
+    the weight rows offs_n, [BLOCK_M, BLOCK_N] float32 (also the MoE down launch's extra
+    programs: triton_kernels.moe, `pair`)."""
     n_mask = offs_n < N
     rows = tl.arange(0, BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -62,7 +74,7 @@ def _gated_gemv_kernel(g_ptr, u_ptr, q_ptr, tab_ptr, out_ptr, M, N, K, stride_gm
             xr = rounded(gate(g, u, SILU), ROUND)  # silu_mul's or sigmoid_mul's own expression, as the input's dtype
             part = tl.sum(w * xr[None, :], axis=1)
             acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
-    gemv_store(out_ptr, acc, pid_m, offs_n, n_mask, M, stride_om, BLOCK_M)
+    return acc
 
 
 def _check(g, u, dtype):

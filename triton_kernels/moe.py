@@ -83,13 +83,13 @@ from .asm import asm_for
 from .backend import backend_name, device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
-from .gated_gemv import ROUNDING, rounded
+from .gated_gemv import ROUNDING, gated_qmatmul_torch, gated_rows, rounded
 from .gemv_pair import dp4a_launch, one_row_path
 from .int8 import Q8X, dot_units, gemv_launch, int8_buffers, quantize_x, row_start, row_sums, store_groups
 from . import moe_units
 from .moe_align import aligns_in_one_launch, moe_align_block_size
 from .moe_units import block_slots, suffixed, token_of
-from .qmatmul import qmatmul_torch
+from .qmatmul import choose_path as choose_qmatmul_path, gemv_tiles, qmatmul_torch
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -248,11 +248,22 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, tab_g_ptr, tab_u_ptr, h_ptr,
 def _down_kernel(h_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr,
                  sorted_ptr, expert_ids_ptr, n_post_ptr,
                  n_slots, H, I, stride_h, down_se, down_sr, stride_o,
+                 g2_ptr, u2_ptr, q2_ptr, tab2_ptr, out2_ptr, N2, K2, blocks,
                  DECODE: tl.constexpr, QK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                 PAIR: tl.constexpr, DECODE2: tl.constexpr, QK2: tl.constexpr, ROUND2: tl.constexpr,
+                 BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    if PAIR and pid_m >= blocks:  # the shared expert's down GEMV (`pair`): gated_gemv's programs
+        p = (pid_m - blocks) * tl.num_programs(1) + pid_n
+        if p * BLOCK_N2 < N2:
+            offs = p.to(tl.int64) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+            acc = gated_rows(g2_ptr, u2_ptr, q2_ptr, tab2_ptr, 0, offs, 1, N2, K2, 0, 0,
+                             DECODE2, QK2, True, ROUND2, 1, BLOCK_N2, BLOCK_K2)
+            tl.store(out2_ptr + offs[None, :], rounded(acc, ROUND2), mask=(offs < N2)[None, :])
+        return
     if pid_m * BLOCK_M >= tl.load(n_post_ptr):
         return
     e, slot, m_mask = block_slots(sorted_ptr, expert_ids_ptr, pid_m, n_slots, BLOCK_M)
@@ -379,12 +390,18 @@ def _down_dp4a_kernel(hq_ptr, hd_ptr, hs_ptr, wd_ptr, tab_ptr, rw_ptr, out_ptr, 
 MOE_DP4A_WARPS = 4
 
 
-def down_pair_path(fmt_down, fmt2, device, N2: int, K2: int) -> bool:
-    """Whether the shared expert's down GEMV, (N2, K2) in fmt2 on the dp4a path, runs in
-    the routed experts' dp4a down launch (moe(pair=)): fmt_down with int8 units, the GEMV
-    splitting no K, and at the down kernel's warps (so that each keeps its own bits)."""
-    fmt2 = quant.get(fmt2)
-    return (unit(quant.get(fmt_down)) is not None and one_row_path(fmt2, device, N2, K2) == "dp4a"
+def down_pair_path(fmt_down, fmt2, device, N2: int, K2: int, path: str = "dp4a") -> bool:
+    """Whether the shared expert's down GEMV, (N2, K2) in fmt2, runs in the routed experts'
+    down launch of `path` (moe(pair=)), each keeping its own bits: on the dp4a path, fmt_down
+    with int8 units and the GEMV dp4a, splitting no K, at the down kernel's warps; on the
+    dot path of float experts (fmt_down without int8 units: the per-weight down kernel),
+    the gated float GEMV (triton_kernels.gated_gemv) at the down kernel's warps."""
+    fmt_down, fmt2 = quant.get(fmt_down), quant.get(fmt2)
+    if path == "dot":
+        return (unit(fmt_down) is None and choose_qmatmul_path(fmt2, 1) == "gemv" and K2 % fmt2.block_elems == 0
+                and configs.float_gemv_warps(fmt2.name, device)
+                == configs.num_warps("moe_down", fmt_down.name, device, "dot_num_warps"))
+    return (path == "dp4a" and unit(fmt_down) is not None and one_row_path(fmt2, device, N2, K2) == "dp4a"
             and gemv_launch(fmt2, device, N2, K2)[3] == MOE_DP4A_WARPS)
 
 
@@ -433,10 +450,30 @@ def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
         MASK=I % block_k != 0, ASM=asm, **cx2, num_warps=MOE_DP4A_WARPS)
 
 
+# the float down kernel without a pair
+_NO_FLOAT_PAIR = dict(PAIR=False, DECODE2=None, QK2=1, ROUND2=0, BLOCK_N2=1, BLOCK_K2=1)
+
 # gemv_pair.dp4a_launch's constexprs as the down kernel names its second weight's
 _TWO = {"BLOCK_HW": "HW2", "BLOCK_N2": "BLOCK_N2", "BLOCK_U": "BLOCK_U2"}
 _NO_DOWN_PAIR = dict(PAIR=False, UNIT2=None, UW2=1, UPB2=1, HW2=1, ZERO2=0, OFFSET2=0, BODY2=0, BLOCK_N2=1,
                      BLOCK_U2=1, MASK2=False, ROUND2=0)
+
+
+def _check_pair(pair: tuple, path: str, slots: bool, fmt_down: quant.Format, device) -> None:
+    product, q2, fmt2, N2, dtype2, out2 = pair
+    gated = isinstance(product, tuple)
+    rows = product if gated else (product,)
+    K2 = rows[0].shape[-1]
+    if (not slots or path != ("dot" if gated else "dp4a")
+            or not down_pair_path(fmt_down, fmt2, device, N2, K2, path)):
+        raise ValueError(f"moe: a shared expert's down GEMV ({quant.get(fmt2).name}, {N2} rows) joins only "
+                         f"a {'dot' if gated else 'dp4a'} call that keeps its slots, where down_pair_path says "
+                         f"so (path {path})")
+    if any(r.dtype != torch.float32 or tuple(r.shape) != (1, K2) or r.stride(-1) != 1 for r in rows) \
+            or tuple(out2.shape) != (1, N2) or out2.dtype != torch.float32 or not out2.is_contiguous():
+        raise ValueError(f"moe: pair's input rows must be (1, {K2}) float32 with unit column stride and out2 "
+                         f"(1, {N2}) contiguous float32; got {[tuple(r.shape) for r in rows]} and "
+                         f"{tuple(out2.shape)} {out2.dtype}")
 
 
 def _expert_strides(w: torch.Tensor, fmt: quant.Format, what: str) -> tuple[int, int]:
@@ -555,7 +592,9 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
     pair: (product (1, K2) float32, q2, fmt2, N2, dtype2, out2 (1, N2) float32), on the
     dp4a path with `slots` where down_pair_path says so: the shared expert's down GEMV
     of its SwiGLU product runs in the down launch's extra programs and writes out2, the
-    bits QuantLinear.gated gives (gemv_dp4a's, rounded to dtype2), a launch fewer.
+    bits QuantLinear.gated gives (gemv_dp4a's, rounded to dtype2), a launch fewer. On the
+    dot path of float experts ((g, u) (1, K2) float32 in the product's place) the gated
+    GEMV of silu(g) * u likewise (gated_gemv's programs, its bits).
 
     path: "dot" (aligned blocks, tl.dot) or "dp4a" (int8 x, one GEMV a slot); None takes
     dp4a for at most MOE_DP4A_MAX_TOKENS tokens when all three formats have int8 units.
@@ -569,7 +608,8 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
     if not use_triton(x):
         if pair is not None:  # the shared expert's down GEMV as QuantLinear.gated's torch form
             product, q2, fmt2, N2, dtype2, out2 = pair
-            out2.copy_(qmatmul_torch(product, q2, fmt2, n=N2).to(dtype2))
+            out2.copy_(gated_qmatmul_torch(*product, q2, fmt2, True, dtype2) if isinstance(product, tuple)
+                       else qmatmul_torch(product, q2, fmt2, n=N2).to(dtype2))
         return moe_torch(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
     n_slots = T * k
     has_units = all(unit(f) is not None for f in (fmt_gate, fmt_up, fmt_down))
@@ -581,10 +621,8 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         names = [f.name for f in (fmt_gate, fmt_up, fmt_down) if unit(f) is None]
         raise ValueError(f"moe: path='dp4a' needs int8 unit decodes; {', '.join(names)} "
                          f"has none (use path='dot')")
-    if pair is not None and (path != "dp4a" or not slots or not down_pair_path(
-            fmt_down, pair[2], x.device, pair[3], pair[0].shape[1])):
-        raise ValueError(f"moe: a shared expert's down GEMV ({quant.get(pair[2]).name}, {pair[3]} rows) joins only "
-                         f"a dp4a call that keeps its slots, where down_pair_path says so (path {path})")
+    if pair is not None:
+        _check_pair(pair, path, slots, fmt_down, x.device)
     if path == "dp4a":
         if tiles is not None and (len(tiles) != 2 or tiles[1] < 64
                                   or any(t < 1 or t & (t - 1) for t in tiles)):
@@ -643,13 +681,22 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
             num_warps=configs.num_warps("moe_gate_up", fmt_gate.name, dev, "dot_num_warps"))
-        _down_kernel[(blocks, triton.cdiv(H, block_n))](
+        grid_n = triton.cdiv(H, block_n)
+        two, extra, cx2 = (h,) * 5 + (0, 0), 0, _NO_FLOAT_PAIR
+        if pair is not None:  # the shared expert's gated down GEMV's programs in extra blocks
+            (g2, u2), q2, fmt2, N2, dtype2, out2 = pair
+            fmt2 = quant.get(fmt2)
+            _, block_n2, block_k2 = gemv_tiles(N2, dev, fmt2)
+            two, extra = (g2, u2, q2, table(fmt2, dev), out2, N2, g2.shape[1]), triton.cdiv(triton.cdiv(N2, block_n2), grid_n)
+            cx2 = dict(PAIR=True, DECODE2=decoder(fmt2), QK2=fmt2.block_elems, ROUND2=ROUNDING[dtype2],
+                       BLOCK_N2=block_n2, BLOCK_K2=block_k2)
+        _down_kernel[(blocks + extra, grid_n)](
             h, w_down, table(fmt_down, dev), rw, per_slot,
             sorted_ids, expert_ids, n_post, n_slots, H, I, h.stride(0),
-            down_se, down_sr, per_slot.stride(0),
+            down_se, down_sr, per_slot.stride(0), *two, blocks,
             DECODE=decoder(fmt_down), QK=fmt_down.block_elems,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+            DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, **cx2,
             num_warps=configs.num_warps("moe_down", fmt_down.name, dev, "dot_num_warps"))
     return _slot_sum(per_slot.view(T, k, H), slots, out_dtype)
 

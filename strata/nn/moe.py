@@ -110,14 +110,17 @@ class MoE(torch.nn.Module):
             weights, ids, local, slot, *aligned, product = self.route_align(
                 logits, self.top_k, self.norm_topk, block_m, **plan, swiglu=(g, u) if shared else None)
         # the shared expert's down GEMV in the routed experts' down launch where it fits
-        # (moe.down_pair_path: both dp4a, the GEMV unsplit at the down kernel's warps)
-        sd = self.shared_down
-        down = (shared and sd.mode == "triton" and choose_moe_path(*self.experts.fmts, 1) == "dp4a"
-                and down_pair_path(self.experts.fmts[2], sd.fmt, sd.blocks.device, sd.out_features, sd.in_features))
+        # (moe.down_pair_path: both dp4a, the GEMV unsplit, or float experts and the gated
+        # float GEMV, at the down kernel's warps): its product, or its gate and up rows
+        sd, path = self.shared_down, choose_moe_path(*self.experts.fmts, 1)
+        rows = product if shared else (g, u)
+        down = (sd.mode == "triton" and path == ("dp4a" if shared else "dot")
+                and down_pair_path(self.experts.fmts[2], sd.fmt, sd.blocks.device, sd.out_features, sd.in_features,
+                                   path))
         out2 = torch.empty((1, sd.out_features), dtype=torch.float32, device=x.device) if down else None
         routed = self.experts(x.float(), weights, ids, slots=True, plan=(local, slot, (*aligned, block_m) if block_m
                                                                          else None),
-                              pair=(product, sd.blocks, sd.fmt, sd.out_features, sd.dtype, out2) if down else None)
+                              pair=(rows, sd.blocks, sd.fmt, sd.out_features, sd.dtype, out2) if down else None)
         if down:
             return routed, gate, out2
         return self._finish(routed, None, g, u, gate, product if shared else None)

@@ -144,6 +144,51 @@ def test_a_step_routed_by_route_align_equals_the_resident_tier_and_counts_the_sa
     assert ref.route_plan(1, 2) is None  # resident on the CPU: the store counts on the host
 
 
+def _launches(step):
+    """step()'s result and its Triton launches, counted by kernel (the interpreter's)."""
+    import collections
+
+    import triton.runtime.interpreter as interpreter
+    run = interpreter.InterpretedFunction.run
+    counts = collections.Counter()
+
+    def counted(self, *args, **kwargs):
+        counts[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+    interpreter.InterpretedFunction.run = counted
+    try:
+        return step(), counts
+    finally:
+        interpreter.InterpretedFunction.run = run
+
+
+def _requant(g, name: str, fmt: str) -> QTensor:
+    """Layer 0's MoE weight `name` (strata.names.qwen4exp.MOE) of flash-tiny in fmt."""
+    from strata.names import qwen4exp as n
+    t = g.tensor(n.blk(0, n.MOE[name]))
+    f = quant.get(fmt)
+    return QTensor(t.name, f, t.shape, f.quantize(t.numpy().reshape(-1, t.shape[-1])))
+
+
+def _planned_and_apart(g, layer, proj_fmts, down_fmt):
+    """The MoE of flash-tiny's layer 0 over a cache:4:host store of `layer`'s experts, its
+    projection in proj_fmts and the shared expert's down in down_fmt: (the one-token
+    step's parts with the store's plan, its launches; the same without the plan)."""
+    from strata.names import qwen4exp as n
+    from strata.nn.linear import QuantLinear
+    from strata.nn.moe import MoE
+    E, shared = layer[0].shape[0], g.tensor(n.blk(0, n.MOE["shexp_gate"])).shape[0]
+    store = ex.ExpertStore(*layer, torch.float32, "cpu", None, "cache:4:host", kernels="triton", top_k=2)
+    proj = QuantLinear([_requant(g, w, f) for w, f in zip(("router", "shexp_router", "shexp_gate", "shexp_up"),
+                                                         proj_fmts)], kernels="triton")
+    moe = MoE(proj, store, E, 2, shared, QuantLinear(_requant(g, "shexp_down", down_fmt), kernels="triton"))
+    x = torch.randn(1, proj.in_features, generator=torch.Generator().manual_seed(3))
+    store.rebalance()
+    with_plan = _launches(lambda: moe.parts(x))
+    store.route_plan = lambda *a: None  # the separate launches
+    return moe, with_plan, _launches(lambda: moe.parts(x))
+
+
 @pytest.mark.parametrize("proj_fmts", [("Q4_0",) * 4, ("F32",) * 4, ("F32", "F32", "Q4_0", "Q4_0")])
 def test_the_routers_launch_takes_its_gemv_and_the_shared_experts_swiglu_with_their_bits(flash_tiny_gguf, layer,
                                                                                          proj_fmts):
@@ -155,43 +200,8 @@ def test_the_routers_launch_takes_its_gemv_and_the_shared_experts_swiglu_with_th
     dp4a) runs the shared expert's down GEMV (moe(pair=)), where the step without a plan
     launches the GEMVs, route, cache_lookup and silu_mul apart: the MoE's parts are the
     same bits, in fewer launches."""
-    import collections
-
-    import triton.runtime.interpreter as interpreter
-
-    from strata.names import qwen4exp as n
-    from strata.nn.linear import QuantLinear
-    from strata.nn.moe import MoE
-    run = interpreter.InterpretedFunction.run
-
-    def launches(step):  # the step's result and its Triton launches, counted by kernel
-        counts = collections.Counter()
-
-        def counted(self, *args, **kwargs):
-            counts[self.fn.__name__] += 1
-            return run(self, *args, **kwargs)
-        interpreter.InterpretedFunction.run = counted
-        try:
-            return step(), counts
-        finally:
-            interpreter.InterpretedFunction.run = run
-
-    def requant(name, fmt):
-        t = flash_tiny_gguf.tensor(n.blk(0, n.MOE[name]))
-        f = quant.get(fmt)
-        return QTensor(t.name, f, t.shape, f.quantize(t.numpy().reshape(-1, t.shape[-1])))
-
-    E, shared = layer[0].shape[0], flash_tiny_gguf.tensor(n.blk(0, n.MOE["shexp_gate"])).shape[0]
-    store = ex.ExpertStore(*layer, torch.float32, "cpu", None, "cache:4:host", kernels="triton", top_k=2)
-    proj = QuantLinear([requant(w, f) for w, f in zip(("router", "shexp_router", "shexp_gate", "shexp_up"), proj_fmts)],
-                       kernels="triton")
-    moe = MoE(proj, store, E, 2, shared, QuantLinear(requant("shexp_down", "Q4_0"), kernels="triton"))
+    moe, (with_plan, fused), (without, apart) = _planned_and_apart(flash_tiny_gguf, layer, proj_fmts, "Q4_0")
     assert moe.shared_down.product_apart(1)
-    x = torch.randn(1, proj.in_features, generator=torch.Generator().manual_seed(3))
-    store.rebalance()
-    with_plan, fused = launches(lambda: moe.parts(x))
-    store.route_plan = lambda *a: None  # the separate launches
-    without, apart = launches(lambda: moe.parts(x))
     routing = "_router_gemv_kernel" if proj_fmts[0] == "Q4_0" else "_router_gemv_float_kernel"
     assert fused[routing] == 1 and not {"_silu_mul_kernel", "_route_kernel"} & set(fused), fused
     assert apart["_silu_mul_kernel"] == 1 and sum(fused.values()) < sum(apart.values()), (fused, apart)
@@ -199,5 +209,20 @@ def test_the_routers_launch_takes_its_gemv_and_the_shared_experts_swiglu_with_th
     # the router's launch, the shared expert's Q4_0 down in the routed experts' down launch
     assert fused["_gemv_dp4a_kernel"] == 0 and fused["_gemv_kernel"] == 0, fused
     assert apart["_gemv_dp4a_kernel"] >= 1, apart
+    for a, b in zip(with_plan, without):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["F32", "BF16"])
+def test_float_experts_down_launch_takes_the_shared_experts_gated_down_gemv_with_its_bits(flash_tiny_gguf, fmt):
+    """Float experts (the MoE's dot path, its per-weight down kernel) with a float shared
+    expert, as flash-tiny's BF16 file holds them: the one-token step's routed experts' down
+    launch runs the shared expert's gated down GEMV too (moe(pair=): gated_gemv's
+    programs), where the step without a plan launches it apart; the same bits."""
+    layer = tuple(_requant(flash_tiny_gguf, w, fmt) for w in ("gate_exps", "up_exps", "down_exps"))
+    moe, (with_plan, fused), (without, apart) = _planned_and_apart(flash_tiny_gguf, layer, (fmt,) * 4, fmt)
+    assert not moe.shared_down.product_apart(1)
+    assert fused["_down_kernel"] == 1 and "_gated_gemv_kernel" not in fused, fused
+    assert apart["_gated_gemv_kernel"] == 1, apart
     for a, b in zip(with_plan, without):
         assert torch.equal(a, b)

@@ -423,6 +423,37 @@ def test_the_shared_experts_down_gemv_in_the_down_launch_gives_its_bits_on_the_g
     assert torch.equal(out2, qmatmul(product, q2, f2, n=H).to(torch.bfloat16).float())
 
 
+def test_the_shared_experts_gated_down_gemv_in_the_float_down_launch_gives_its_bits_on_the_gpu():
+    """moe(pair=) of BF16 experts (the dot path's per-weight down kernel, as flash-tiny's
+    file holds them, at Flash-Next's widths): the routed slots' rows are the call's without
+    the pair, out2 the shared expert's gated down GEMV as QuantLinear.gated runs it
+    (gated_qmatmul's launch, rounded to bfloat16), where a GPU's reductions follow the
+    launch's layout."""
+    from triton_kernels.gated_gemv import gated_qmatmul
+    from triton_kernels.moe import down_pair_path
+    rng = np.random.default_rng(12)
+    E, H, I = 8, 2560, 640
+    f = quant.get("BF16")
+
+    def w(shape):
+        return torch.from_numpy(f.quantize(rng.standard_normal((int(np.prod(shape[:-1])), shape[-1]))
+                                           .astype(np.float32) / 50).reshape(*shape[:-1], -1)).cuda()
+    wg, wu, wd, q2 = w((E, I, H)), w((E, I, H)), w((E, H, I)), w((H, I))
+    x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32)).cuda()
+    row = torch.from_numpy(rng.standard_normal((1, 2 * I)).astype(np.float32)).cuda()
+    g, u = row[:, :I], row[:, I:]
+    ids = torch.tensor([[1, 5, 6]]).cuda()
+    weights = torch.tensor([[0.5, 0.3, 0.2]]).cuda()
+    if not down_pair_path(f, f, x.device, H, I, "dot"):
+        pytest.skip("this GPU's BF16 GEMV runs other warps than the MoE's down kernel: no shared launch to "
+                    "check (moe.down_pair_path)")
+    args = (wg, wu, wd, f, f, f, weights, ids)
+    out2 = torch.empty(1, H, device="cuda")
+    got = moe(x, *args, path="dot", slots=True, pair=((g, u), q2, f, H, torch.bfloat16, out2))
+    assert torch.equal(got, moe(x, *args, path="dot", slots=True))
+    assert torch.equal(out2, gated_qmatmul(g, u, q2, f, True, torch.bfloat16).float())
+
+
 @pytest.mark.cuda(ci="CI checks the staged path's bits (tests/strata/test_expert_cache.py, the cache tier "
                      "against the resident one) and moe()'s refusal of pageable host weights "
                      "(test_moe.py); a kernel reading pinned host memory needs a GPU")

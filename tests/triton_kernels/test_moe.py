@@ -701,6 +701,38 @@ def test_the_shared_experts_down_gemv_joins_the_down_launch_with_its_own_bits(fm
         moe(x, *args, path="dp4a", pair=(product, q2, f2, n2, dtype2, out2))
 
 
+@settings(max_examples=examples(6), deadline=None)
+@given(fmts=st.sampled_from([("BF16", "BF16", "BF16"), ("F16", "F16", "F32")]),
+       fmt2=st.sampled_from(["BF16", "F16", "F32", "FP8_E4M3"]), n2=st.integers(1, 96), kb2=st.integers(1, 3),
+       dtype2=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2 ** 32 - 1))
+def test_the_shared_experts_gated_down_gemv_joins_the_float_down_launch_with_its_own_bits(fmts, fmt2, n2, kb2,
+                                                                                        dtype2, seed):
+    """moe(pair=) of float experts (the dot path's per-weight down kernel): the routed
+    slots' rows are the call's without the pair, and out2 is the shared expert's down GEMV
+    of silu(g) * u as QuantLinear.gated runs it (gated_qmatmul's launch, rounded to
+    dtype2), from the down launch's extra programs. g and u are column ranges of one row,
+    as the router's output holds them."""
+    from triton_kernels.gated_gemv import gated_qmatmul
+    from triton_kernels.moe import down_pair_path
+    fmts = tuple(quant.get(f) for f in fmts)
+    x, wg, wu, wd, rng = make(fmts, 3, 64, 64, 1, seed)
+    ids = torch.from_numpy(rng.integers(0, 3, (1, 2)))
+    weights = routing_weights(rng, 1, 2)
+    K2 = 32 * kb2
+    f2 = quant.get(fmt2)
+    q2 = torch.from_numpy(quantized(f2, (n2, K2), rng).reshape(n2, -1))
+    row = torch.from_numpy(rng.standard_normal((1, 3 * K2)).astype(np.float32))
+    g, u = row[:, K2:2 * K2], row[:, 2 * K2:]
+    assert down_pair_path(fmts[2], f2, x.device, n2, K2, "dot")
+    args = (torch.from_numpy(wg), torch.from_numpy(wu), torch.from_numpy(wd), *fmts, weights, ids)
+    out2 = torch.empty(1, n2)
+    got = moe(x, *args, path="dot", slots=True, pair=((g, u), q2, f2, n2, dtype2, out2))
+    assert torch.equal(got, moe(x, *args, path="dot", slots=True))
+    assert torch.equal(out2, gated_qmatmul(g, u, q2, f2, True, dtype2).float())
+    with pytest.raises(ValueError, match="joins only a dot call that keeps its slots"):
+        moe(x, *args, path="dot", pair=((g, u), q2, f2, n2, dtype2, out2))
+
+
 def test_weights_in_host_memory_must_be_pinned():
     """With x on a GPU, moe() takes weights in pinned host memory (read over PCIe; on a
     device, test_cuda.py checks their bits and `strata bench kernels` times it), and refuses

@@ -333,8 +333,10 @@ def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, asm: str = "ptx")
         return Spec(moe._gate_up_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk), -(-N // bn))
     sig, cx = _sig("h_ptr:*fp32,wd_ptr:*u8,tab_ptr:*u8,rw_ptr:*fp32,out_ptr:*fp32,"
                    "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
-                   "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32",
-                   DECODE=decoder(fmt), QK=fmt.block_elems, **common)
+                   "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32,g2_ptr:*fp32,u2_ptr:*fp32,"
+                   "q2_ptr:*u8,tab2_ptr:*u8,out2_ptr:*fp32,N2:i32,K2:i32,blocks:i32",
+                   DECODE=decoder(fmt), QK=fmt.block_elems, **common,
+                   **moe._NO_FLOAT_PAIR)  # the routed experts alone
     return Spec(moe._down_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
 
 
