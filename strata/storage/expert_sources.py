@@ -138,6 +138,22 @@ class HostSource(Source):
         idx = torch.as_tensor(experts, dtype=torch.long)
         return tuple(t.index_select(0, idx) for t in self.tensors)
 
+    def fetch_to(self, experts: list[int], device) -> tuple[torch.Tensor, ...]:
+        """fetch's blocks made on `device` straight from the host tensors, a run of
+        consecutive experts one asynchronous copy: `fetch` gathers into a new pageable
+        tensor, whose copy to a GPU waits for it and moves through the driver's staging
+        buffers, where the (pinned) host tensors copy at the PCIe rate, the host free."""
+        out = tuple(torch.empty((len(experts), *t.shape[1:]), dtype=t.dtype, device=device) for t in self.tensors)
+        i = 0
+        while i < len(experts):
+            j = i + 1
+            while j < len(experts) and experts[j] == experts[j - 1] + 1:
+                j += 1
+            for o, t in zip(out, self.tensors):
+                o[i:j].copy_(t[experts[i]:experts[i] + j - i], non_blocking=True)
+            i = j
+        return out
+
     def describe(self) -> str:
         return "host RAM"
 

@@ -42,7 +42,7 @@ from strata.storage.pack import Pack, default_pack_dir
 from strata.tensors import QTensor, stand_in
 from triton_kernels import invariant, layout
 from triton_kernels.cpu import compiled
-from triton_kernels.backend import choose_kernels, to_device, upcast
+from triton_kernels.backend import choose_kernels, upcast
 from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.moe import block_m_for, choose_path
 from triton_kernels.ops import impl
@@ -341,13 +341,14 @@ class ExpertStore(torch.nn.Module):
 
     def _fetch(self, experts: list[int]) -> tuple[torch.Tensor, ...]:
         t = time.perf_counter()
-        ws = self.source.fetch(experts)
-        # host memory holds the blocks as the kernels read them (read_host); a drive's
-        # arrive in GGUF order and are repacked where they land
-        from_host = isinstance(self.source, HostSource)
-        ws = tuple(to_device(w, self.device, non_blocking=True) if from_host else
-                   layout.place(w, t.fmt, self.device, held, non_blocking=True)
-                   for w, t, held in zip(ws, self.tensors, self.fmts))
+        # host memory holds the blocks as the kernels read them (read_host), copied from
+        # where they lie; a drive's arrive in GGUF order and are repacked where they land
+        if isinstance(self.source, HostSource):
+            on_cpu = torch.device(self.device).type == "cpu"
+            ws = self.source.fetch(experts) if on_cpu else self.source.fetch_to(experts, self.device)
+        else:
+            ws = tuple(layout.place(w, t.fmt, self.device, held, non_blocking=True)
+                       for w, t, held in zip(self.source.fetch(experts), self.tensors, self.fmts))
         self._counts["fetch_s"] += time.perf_counter() - t
         self._counts["bytes"] += len(experts) * self.expert_bytes
         return ws

@@ -8,6 +8,9 @@ import argparse
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.tiers import examples
 
 import quant
 from strata.cli.args import add_expert_args, load_options
@@ -111,6 +114,19 @@ def _small_gguf(path, layers=2, E=6, H=64, inter=32, seed=0):
                                np.ones((1, H), np.float32).view(np.uint8)))
     return write_gguf(path, "qwen4exp", {"qwen4exp.block_count": layers, "qwen4exp.expert_count": E,
                                          "qwen4exp.expert_used_count": 2}, tensors)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(chosen=st.sets(st.integers(0, 11), max_size=12), seed=st.integers(0, 2 ** 32 - 1))
+def test_host_experts_copied_from_where_they_lie_are_the_gathered_ones(chosen, seed):
+    """HostSource.fetch_to (a GPU's copies from pinned host memory, a run of consecutive
+    experts one copy) gives fetch's blocks for any sorted set of experts; here to the CPU."""
+    from strata.storage.expert_sources import HostSource
+    g = torch.Generator().manual_seed(seed)
+    src = HostSource(tuple(torch.randint(0, 256, (12, r, 18), dtype=torch.uint8, generator=g) for r in (3, 3, 2)))
+    experts = sorted(chosen)
+    for a, b in zip(src.fetch_to(experts, "cpu"), src.fetch(experts)):
+        assert a.shape == b.shape and torch.equal(a, b)
 
 
 def test_pack_round_trip_and_index(tmp_path):
