@@ -161,6 +161,11 @@ def choose_kernels(kernels: str | None, device) -> str:
         return "triton" if dev.type == "cuda" else "torch"
     if kernels not in KERNELS:
         raise ValueError(f"--kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+    if kernels == "torch" and dev.type == "cuda":
+        # its int4 and dense weights are the CPU's forms, held where the CPU reads them, and
+        # its routing reads the device on the host, which no CUDA graph can hold
+        raise ValueError(f"--kernels torch --device {device}: the torch path is the CPU's; on a GPU the "
+                         f"Triton kernels run (drop --kernels, or use --device cpu)")
     if kernels == "triton" and dev.type == "cpu" and not interpreter_on():
         raise ValueError("--kernels triton on the CPU runs the Triton interpreter, which must be on "
                          "before triton is imported: set TRITON_INTERPRET=1 (the command line does "

@@ -17,6 +17,7 @@ This is the `llama` architecture's step; Flash-Next's is strata.runtime.graphs_q
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,10 @@ class DecodeGraph:
     """`step` for one cache, captured as a CUDA graph (on CUDA) or run as is (elsewhere)."""
 
     def __init__(self, model, cache):
-        self.model, self.cache = model, cache
+        # the cache holds its graph (cache.graph); the graph refers back weakly, so that a
+        # finished request's cache frees its KV rows and the graph's pool at once, not at
+        # the next cycle collection (as graphs_qwen4exp's states do)
+        self.model, self._cache = model, weakref.ref(cache)
         dev = cache.k.device
         self.capacity = cache.k.shape[2]
         model.rope_table(self.capacity)
@@ -80,11 +84,14 @@ class DecodeGraph:
                     step(model, self.tok, self.pos, cache)
             torch.cuda.current_stream(dev).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # captured on the warm-up's stream: what a launcher keeps a stream (the zeroed
+            # counts of int8.zeroed_counts) was made and zeroed by the warm-up, not in the
+            # capture, where a zeroing is only recorded
+            with torch.cuda.graph(self.graph, stream=side):
                 self.out = step(model, self.tok, self.pos, cache)
 
     def __call__(self, tok: int) -> torch.Tensor:
-        c = self.cache
+        c = self._cache()
         self.tok.fill_(tok)
         self.pos.fill_(c.length)
         if self.graph is not None:

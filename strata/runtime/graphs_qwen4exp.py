@@ -435,7 +435,11 @@ class Qwen4ExpGraph:
         for c, was in zip(counters, counted):
             c.update(was)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # on the warm-up's stream: what a launcher keeps a stream (int8.zeroed_counts: the
+        # router's and split K's counts) was made and zeroed by the warm-up, where made in
+        # the capture its zeroing would only be recorded, and a graph that never replays
+        # would leave it unzeroed for every later one
+        with torch.cuda.graph(self.graph, stream=side):
             self.out = step(self.model, self.tok, self.pos, self.state, self.prev)
         # what one step adds (not times: a replay's are not the capture's), then undone
         self.counts = [{k: v - was[k] for k, v in c.items() if k in was and not k.endswith("_s")

@@ -146,5 +146,8 @@ def test_choosing_kernels_is_one_decision():
         assert choose_kernels(None, "cuda") == "triton"
     with pytest.raises(ValueError, match="--kernels 'cuda'"):
         choose_kernels("cuda", "cpu")
+    # the torch path's weights are the CPU's forms: on a GPU it would stop at its first matmul
+    with pytest.raises(ValueError, match=r"--kernels torch --device cuda: the torch path is the CPU's.*drop --kernels"):
+        choose_kernels("torch", "cuda")
     assert interpreter_on()  # the suite's: Triton on the CPU is allowed under it
     assert choose_kernels("triton", "cpu") == "triton"

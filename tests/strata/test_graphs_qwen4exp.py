@@ -342,7 +342,8 @@ def test_the_capture_and_its_replays_on_a_stand_in_for_cuda(model, graphs_on_the
         return g.out
 
     @contextlib.contextmanager
-    def graph(g):
+    def graph(g, stream=None):
+        assert isinstance(stream, Stream)  # captured on the warm-up's stream, as the warm-up made its counts
         _Captured.now = g
         yield
         _Captured.now = None
