@@ -10,7 +10,7 @@ from typing import Callable
 from triton_kernels import invariant
 
 from .sampling import Sampler, SamplingParams
-from .spec import SpecStats, Speculator, can_draft
+from .spec import SpecStats, Speculator, can_draft, prefill
 from . import timing
 from .text import TextOut
 from .timing import StepTimer
@@ -67,7 +67,7 @@ def generate(model, tokenizer, prompt_ids: list[int], params: SamplingParams,
             raise ValueError("images take a sequence from its first token: give generate() a new cache")
         vision.prepare(cache, prompt_ids, list(images))
     for i in range(0, len(prompt_ids), ubatch):
-        logits = model(prompt_ids[i:i + ubatch], cache, last_only=True)
+        logits = prefill(model, prompt_ids[i:i + ubatch], cache)
     t1 = time.perf_counter()
     timer = StepTimer(model) if timing.enabled() else None
     out: list[int] = []

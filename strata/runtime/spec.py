@@ -35,6 +35,16 @@ def can_draft(model) -> bool:
     return getattr(model, "mtp", None) is not None
 
 
+def prefill(model, ids: list[int], state) -> torch.Tensor:
+    """model(ids, state, last_only=True) for a chunk of a prompt. A one-token chunk of a
+    model that drafts runs as its decode steps do (batch-invariant: invariant.decoding), so
+    that on a GPU it captures the CUDA graph those steps replay, where a capture in the
+    other mode would be made again at the first step."""
+    from triton_kernels import invariant
+    with invariant.decoding(len(ids) == 1 and can_draft(model)):
+        return model(ids, state, last_only=True)
+
+
 def check(model, n: int) -> None:
     """Speculative decoding of up to `n` drafts needs a model with an MTP head."""
     if n < 0:

@@ -27,7 +27,7 @@ from strata.dist import RankLost
 from strata.runtime import timing
 from strata.runtime.prefix_cache import PrefixCache
 from strata.runtime.sampling import Sampler, SamplingParams
-from strata.runtime.spec import Speculator, can_draft, check as check_spec
+from strata.runtime.spec import Speculator, can_draft, check as check_spec, prefill
 from strata.runtime.text import TextOut
 from triton_kernels import invariant
 
@@ -179,7 +179,7 @@ class Engine:
         whole = P // a * a  # the prompt's whole chunks: what the conversation cache may keep
         slot.keep = None
         for s in range(reused, P, a):
-            slot.logits = self.model(req.prompt[s:s + a], cache, last_only=True)[-1]
+            slot.logits = prefill(self.model, req.prompt[s:s + a], cache)[-1]
             if s + a == whole and whole > reused and not getattr(cache, "rewindable", True):
                 slot.keep = (key[:whole], cache.copy())  # a recurrent state cannot be cut back later
         self.stats["prompt_tokens"] += len(req.prompt)

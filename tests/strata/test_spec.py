@@ -189,6 +189,28 @@ def test_sampled_step_draws_the_first_token_from_the_target():
     assert float((freq - p[0]).abs().max()) < 5 * (0.25 / 4000) ** 0.5
 
 
+def test_a_prompts_one_token_chunk_runs_as_the_decode_steps():
+    """spec.prefill: a one-token chunk of a model that drafts computes batch-invariant, as
+    its decode steps (on a GPU it then captures the graph they replay, once, not a graph of
+    the other mode first); longer chunks and models without a draft head as before."""
+    from strata.runtime.spec import prefill
+    from triton_kernels import invariant
+
+    class Model:
+        def __init__(self, mtp):
+            self.mtp, self.seen = mtp, []
+
+        def __call__(self, ids, state, last_only=False):
+            self.seen.append((len(ids), invariant.enabled()))
+            return torch.zeros(1, 4)
+    drafts, plain = Model(object()), Model(None)
+    for m in (drafts, plain):
+        for ids in ([7], [7, 8, 9]):
+            prefill(m, ids, None)
+    assert drafts.seen == [(1, True), (3, False)] and plain.seen == [(1, False), (3, False)]
+    assert not invariant.enabled()  # as it was after
+
+
 def test_spec_without_an_mtp_head_names_the_flag(smollm2_bf16):
     with pytest.raises(ValueError, match=r"--spec 4: .*llama.*no MTP head"):
         check(smollm2_bf16, 4)
