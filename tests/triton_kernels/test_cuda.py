@@ -394,6 +394,41 @@ def test_the_pairs_launch_gives_each_gemvs_bits_on_the_gpu(ffmt, dfmt, nf, nd):
             assert torch.equal(got, want), (ffmt, dfmt, dtype)
 
 
+def test_the_last_program_reductions_hold_over_many_graph_replays():
+    """The launches that finish a reduction in their last program to count itself in (split
+    K's sum, int8._sum_split; the router GEMV's routing, router_gemv) captured in one CUDA
+    graph, on the warm-up's stream as the engine captures, and replayed 500 times: every
+    replay gives the eager launches' bits, and the counts are left at zero (a program that
+    saw a stale count would skip the sum, or route twice)."""
+    from triton_kernels import int8
+    from triton_kernels.router_gemv import path, router_gemv
+    rng = np.random.default_rng(5)
+    f, E, K = quant.get("Q4_0"), 512, 2560
+    q = torch.from_numpy(f.quantize(rng.standard_normal((E + 1, K)).astype(np.float32) / 50).reshape(-1)).cuda()
+    qs = torch.from_numpy(f.quantize(rng.standard_normal((640, K)).astype(np.float32) / 50).reshape(-1)).cuda()
+    x = torch.from_numpy(rng.standard_normal((1, K)).astype(np.float32)).cuda()
+    if path(f, q.device, E + 1, K) is None:
+        pytest.skip("this GPU splits the router's dp4a GEMV: its launch stays apart (router_gemv.path)")
+
+    def step():
+        x8 = quantize_x(x)
+        return gemv_dp4a(x8, qs, f, 640, split=4), router_gemv(x, q, f, E + 1, 10, True, 0, E, E)[:3]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        want = step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        got = step()
+    for i in range(500):
+        g.replay()
+        assert torch.equal(got[0], want[0]), i
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), i
+    torch.cuda.synchronize()
+    assert all(not c.any() for c in int8._COUNTS.values())
+
+
 def test_the_shared_experts_down_gemv_in_the_down_launch_gives_its_bits_on_the_gpu():
     """moe(pair=) on the device at Flash-Next's widths (IQ3_XXS gate/up and IQ4_NL down of
     640 x 2560 experts, the shared expert's Q4_0 down of 2560 x 640): the routed slots'
