@@ -28,6 +28,7 @@ kernels, and says why (the load's plan prints it).
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 
 import torch
@@ -40,8 +41,21 @@ FLA_VERSION = "0.6.0"
 
 @functools.cache
 def fla_installed() -> bool:
-    """fla-core importable (its import is slow: it is not imported to answer this)."""
+    """fla-core installed (its import is slow: it is not imported to answer this)."""
     return importlib.util.find_spec("fla") is not None
+
+
+@functools.cache
+def fla_import_error() -> str | None:
+    """Why fla-core's gated delta rule kernels, installed, do not import (a dependency
+    missing: wheels installed with --no-deps; a Triton it does not take), or None. Asked
+    only where a load would run them, which imports them anyway."""
+    try:
+        importlib.import_module("fla.ops.gated_delta_rule.fused_recurrent")
+        importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception as e:  # noqa: BLE001 - any failure of a third party's import falls back, saying why
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    return None
 
 
 def deltanet_path(device, kernels: str) -> tuple[str, str]:
@@ -55,6 +69,9 @@ def _path(device_type: str, kernels: str) -> tuple[str, str]:
         return "strata", f"{kernels} kernels on {device_type}"
     if not fla_installed():
         return "strata", "Triton step, torch chunks for prefill: fla-core not installed (pip install strata-engine[cuda])"
+    broken = fla_import_error()
+    if broken is not None:
+        return "strata", f"Triton step, torch chunks for prefill: fla-core is installed but does not import ({broken})"
     return "fla-core", f"fla-core {FLA_VERSION}: fused recurrent for decode, chunked for prefill"
 
 

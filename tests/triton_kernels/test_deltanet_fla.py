@@ -123,3 +123,28 @@ def test_on_the_gpu_fla_chunks_match_strata_chunked():
     step_state = s0.cuda()
     o_step = recurrent(*(x.cuda() for x in (q, k, v, g, beta)), step_state, deltanet_step_fla).cpu().double()
     assert rel(o_step, o64) < 2 ** -14 and rel(step_state.cpu().double(), s64) < 2 ** -14
+
+
+def test_an_fla_that_does_not_import_falls_back_saying_why(monkeypatch):
+    """fla-core installed but failing to import (a dependency missing where wheels were
+    installed with --no-deps, a Triton it does not take): a GPU load runs Strata's DeltaNet
+    kernels and its plan line says why, where every DeltaNet layer's forward would raise."""
+    import importlib
+
+    from triton_kernels import deltanet_fla
+    real = importlib.import_module
+
+    def import_module(name, package=None):
+        if name.startswith("fla."):
+            raise ModuleNotFoundError("No module named 'einops'")
+        return real(name, package)
+    for f in (deltanet_fla.fla_import_error, deltanet_fla._path):
+        f.cache_clear()
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    try:
+        kernels, why = deltanet_path("cuda", "triton")
+        assert kernels == "strata" and "fla-core is installed but does not import (ModuleNotFoundError: " \
+            "No module named 'einops')" in why, why
+    finally:
+        for f in (deltanet_fla.fla_import_error, deltanet_fla._path):
+            f.cache_clear()
