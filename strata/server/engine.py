@@ -30,6 +30,7 @@ from strata.runtime.sampling import Sampler, SamplingParams
 from strata.runtime.spec import Speculator, can_draft, check as check_spec, prefill
 from strata.runtime.text import TextOut
 from triton_kernels import invariant
+from triton_kernels.backend import use_device
 
 log = logging.getLogger("strata.server")
 
@@ -128,6 +129,11 @@ class Engine:
     # --- the engine thread ----------------------------------------------------------
     def run(self, until_idle: bool = False) -> None:
         """The engine loop; returns on close(), or with `until_idle` once nothing is left."""
+        # the model's GPU current in this thread too: a thread starts on cuda:0, and Triton
+        # launches on the current device (triton_kernels.backend.use_device)
+        device = getattr(self.model, "device", None)
+        if isinstance(device, torch.device):
+            use_device(str(device))
         while not self._stop:
             self._admit()
             active = [s for s in self.slots if s.req is not None]

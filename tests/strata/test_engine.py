@@ -122,3 +122,24 @@ def test_a_recurrent_model_reuses_whole_prompt_chunks_with_the_same_answer(flash
     again = run(cached, second)
     assert again.cached_tokens == 16 and cached.prefix.hits == 1
     assert again.tokens == run(cold, second).tokens and len(again.tokens) == 3
+
+
+def test_the_engine_thread_makes_the_models_gpu_current(monkeypatch):
+    """A thread starts with cuda:0 current, and Triton launches on the current device: the
+    engine's thread makes its model's GPU current before its first step (serve --device
+    cuda:1 would launch on the other card). Checked with set_device recorded, no GPU."""
+    import threading
+    import types
+
+    import torch
+
+    from triton_kernels import backend
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((torch.device(d), threading.current_thread().name)))
+    monkeypatch.setattr(backend, "_fake", None)
+    model = types.SimpleNamespace(device=torch.device("cuda", 1), cfg=types.SimpleNamespace(context_length=64))
+    engine = Engine(model, None, slots=1, start_thread=False)
+    t = threading.Thread(target=engine.run, kwargs={"until_idle": True}, name="engine-under-test")
+    t.start()
+    t.join(10)
+    assert seen == [(torch.device("cuda", 1), "engine-under-test")]
