@@ -40,6 +40,7 @@ import quant
 from .backend import use_triton
 from .decode import decoder, table
 from .dequant import dequantize_torch
+from .hc_down import Down, down_both_torch, parts_both, stream_scale
 from .int8 import GROUP, Q8X, attach, int8_buffers, store_groups
 
 BLOCK = 1024  # columns a program of hc_combine and hc_write
@@ -81,12 +82,19 @@ def _combine_kernel(up_ptr, xn_ptr, out_ptr, S, H, BS: tl.constexpr, BLOCK_H: tl
 
 @triton.jit
 def _mix_kernel(both_ptr, w_ptr, tab_ptr, xn_ptr, out_ptr, inj_ptr, q_ptr, d_ptr, s_ptr, R, C, S, H,
+                ss_ptr, wn_ptr, eps,
                 BR: tl.constexpr, BC: tl.constexpr, BLOCK_H: tl.constexpr, QUANT: tl.constexpr,
-                DECODE: tl.constexpr, QK: tl.constexpr):
+                DECODE: tl.constexpr, QK: tl.constexpr, PARTS: tl.constexpr):
+    # PARTS: 0, both and xn as given; else both_ptr holds hc_down's partial sums of PARTS
+    # chunks a stream, xn_ptr the streams y (ss_ptr their chunks' sums of squares, wn_ptr
+    # the norm's weight): both and xn made here (triton_kernels.hc_down)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     r = tl.arange(0, BR)
-    v = tl.load(both_ptr + t * C + r, mask=r < R, other=0.0) / S
+    if PARTS == 0:
+        v = tl.load(both_ptr + t * C + r, mask=r < R, other=0.0) / S
+    else:
+        v = parts_both(both_ptr, ss_ptr, t, r, r < R, S, H, C, eps, PARTS) / S
     a = v * (1.0 / (1.0 + tl.exp(-v)))  # _gates_kernel's silu, recomputed by each program
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     live = h < H
@@ -101,6 +109,8 @@ def _mix_kernel(both_ptr, w_ptr, tab_ptr, xn_ptr, out_ptr, inj_ptr, q_ptr, d_ptr
             w = DECODE(w_ptr, tab_ptr, blk, tl.broadcast_to((r % QK)[None, :], (BLOCK_H, BR)), wmask)
         u = tl.sum(w * a[None, :], axis=1)
         xn = tl.load(xn_ptr + t * S * H + s * H + h, mask=live, other=0.0)
+        if PARTS != 0:  # store_norm's expression
+            xn = xn * stream_scale(ss_ptr, t, s, S, H, eps, PARTS) * tl.load(wn_ptr + s * H + h, mask=live, other=0.0)
         acc += xn / (1.0 + tl.exp(-u))
     y = acc / S
     tl.store(out_ptr + t * H + h, y, mask=live)
@@ -110,7 +120,10 @@ def _mix_kernel(both_ptr, w_ptr, tab_ptr, xn_ptr, out_ptr, inj_ptr, q_ptr, d_ptr
     if hb == 0:  # the injection weights: _gates_kernel's, once a row
         c = tl.arange(0, BC)
         n = C - R
-        vi = tl.load(both_ptr + t * C + R + c, mask=c < n, other=0.0) / S
+        if PARTS == 0:
+            vi = tl.load(both_ptr + t * C + R + c, mask=c < n, other=0.0) / S
+        else:
+            vi = parts_both(both_ptr, ss_ptr, t, R + c, c < n, S, H, C, eps, PARTS) / S
         tl.store(inj_ptr + t * n + c, 2.0 * (1.0 / (1.0 + tl.exp(-vi))), mask=c < n)
 
 
@@ -241,12 +254,17 @@ def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
     `quantize` (and H a multiple of 32) the launch also writes the input as
     int8.quantize_x would, attached to it (int8.attach): the block's dp4a projections then
     launch no quantize_x."""
+    down = both if isinstance(both, Down) else None
+    if down is not None:  # hc_down's sums: both and xn made in the launch
+        both, xn = down.part, down.y
+        if down.w.shape[0] != streams:
+            raise ValueError(f"hc_mix: hc_down's sums are of {down.w.shape[0]} streams, not {streams}")
     _f32("hc_mix", both, xn)
     if fmt is None:
         _f32("hc_mix", w_up)
     if not use_triton(xn):
-        return hc_mix_torch(both, w_up, xn, rank, streams, fmt=fmt)
-    T, C = both.shape
+        return hc_mix_torch(down if down is not None else both, w_up, xn, rank, streams, fmt=fmt)
+    T, C = both.shape[0], both.shape[-1]
     SH = xn.shape[-1]
     H = SH // streams
     if C not in (rank, rank + streams):
@@ -262,10 +280,12 @@ def hc_mix(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
         bh = min(triton.next_power_of_2(H), max(GROUP if quantize else 16, MIX_TILE // br))
         # a whole tile at 4 warps (32 weights a thread) held 128 registers and spilled 8 bytes
         # a thread on sm_90 at Flash-Next's shape; at 8 warps 106 and none
+        parts = (down.ss, down.w.contiguous(), down.eps) if down is not None else (both, both, 0.0)
         _mix_kernel[(T, triton.cdiv(H, bh))](both, w_up, table(fmt, w_up.device) if qk else w_up, xn, out, inj,
-                                             *x8, rank, C, streams, H, BR=br,
+                                             *x8, rank, C, streams, H, *parts, BR=br,
                                              BC=triton.next_power_of_2(max(C - rank, 1)), BLOCK_H=bh,
                                              QUANT=quantize, DECODE=decode, QK=qk,
+                                             PARTS=down.chunks if down is not None else 0,
                                              num_warps=8 if bh * br >= MIX_TILE else 4)
     return (attach(out, Q8X(*x8)) if quantize else out), inj
 
@@ -287,7 +307,10 @@ def _up_weight(name: str, w_up: torch.Tensor, fmt, rows: int, rank: int):
 def hc_mix_torch(both: torch.Tensor, w_up: torch.Tensor, xn: torch.Tensor, rank: int,
                  streams: int, quantize: bool = False, fmt: str | quant.Format | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hc_mix in torch (`quantize` is the Triton launch's alone)."""
+    """hc_mix in torch (`quantize` is the Triton launch's alone); `both` may be hc_down's
+    Down (then xn is made from it)."""
+    if isinstance(both, Down):
+        both, xn = down_both_torch(both)
     if fmt is not None:
         w_up = dequantize_torch(w_up, quant.get(fmt), torch.float32, compiled=False).reshape(-1, rank)
     a, inj = hc_gates_torch(both, rank, streams)

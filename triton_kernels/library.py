@@ -29,6 +29,7 @@ from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet
 from .dequant import dequantize
 from .gated_gemv import gated_qmatmul
 from .gemv_pair import gemv_pair
+from .hc_down import Down, hc_down
 from .hc_moe_write import hc_write_moe
 from .hyperconn import hc_combine, hc_gates, hc_mix, hc_norm, hc_write, hc_write_norm
 from .moe import moe, route
@@ -258,6 +259,13 @@ def _hc_write_moe(x: Tensor, routed: Tensor, gate: Tensor, shared: Tensor, inj: 
     return hc_write_moe(x, routed, gate, shared, inj, w, eps)
 
 
+def _hc_down(x: Tensor, w: Tensor, eps: float, q: Tensor, fmt: str, N: int, out: Optional[Tensor],
+             routed: Optional[Tensor], gate: Optional[Tensor], shared: Optional[Tensor],
+             inj: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    y, d = hc_down(x, w, eps, q, fmt, N, (routed, gate, shared) if routed is not None else out, inj)
+    return (y.clone() if y is x else y), d.ss, d.part  # (an op's output may not alias its input)
+
+
 def _ple_mix(x: Tensor, k: Tensor, v: Tensor, norm_key: Tensor, norm_query: Tensor, norm_conv: Tensor,
              taps: Tensor, window: Tensor, streams: int, eps: float, dilation: int) -> tuple[Tensor, Tensor]:
     return ple_mix(x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation)
@@ -285,9 +293,14 @@ def _gated_add(a: Tensor, gate: Tensor, b: Tensor) -> Tensor:
 
 
 for _name, _f in (("hc_norm", _hc_norm), ("hc_gates", _hc_gates), ("hc_combine", _hc_combine), ("hc_mix", _hc_mix),
-                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("hc_write_moe", _hc_write_moe), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("norm_rope2", _norm_rope2), ("silu_mul", _silu_mul), ("sigmoid_mul", _sigmoid_mul),
+                  ("hc_write", _hc_write), ("hc_write_norm", _hc_write_norm), ("hc_write_moe", _hc_write_moe), ("hc_down", _hc_down), ("ple_mix", _ple_mix), ("norm_rope", _norm_rope), ("norm_rope2", _norm_rope2), ("silu_mul", _silu_mul), ("sigmoid_mul", _sigmoid_mul),
                   ("gated_add", _gated_add)):
     OPS[_name] = _register(_name, _f)
+
+
+def _down_out(r, w, eps):
+    y, ss, part = r
+    return y, Down(y, ss, part, w, eps)
 
 
 def _fmt(f) -> str:
@@ -376,6 +389,9 @@ _CALLS = {
         OPS["hc_mix"](both, w_up, xn, rank, streams, None if fmt is None else _fmt(fmt)),
     "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0, quantize=False:
         OPS["hc_write_moe"](x, routed, gate, shared, inj, w, eps),
+    "hc_down": lambda x, w, eps, q, fmt, N, out=None, inj=None: _down_out(
+        OPS["hc_down"](x, w, eps, q, _fmt(fmt), N, out if isinstance(out, Tensor) else None,
+                       *(out if isinstance(out, (tuple, list)) else (None, None, None)), inj), w, eps),
     "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation,
                       in_place=False: _window_out(
         OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation), window,

@@ -26,6 +26,7 @@ from .qsa import qsa_attention, qsa_attention_torch, qsa_pool, qsa_pool_torch, q
 from .rope import norm_rope, norm_rope2, norm_rope2_torch, norm_rope_torch
 from .shared_expert import gated_add, gated_add_torch, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
 from .gated_gemv import gated_qmatmul, gated_qmatmul_torch
+from .hc_down import hc_down, hc_down_torch
 from .hc_moe_write import hc_write_moe, hc_write_moe_torch
 from .route_align import route_align, route_align_torch
 from .router_gemv import router_gemv, router_gemv_torch
@@ -61,6 +62,7 @@ OPS = {
     "hc_write": (hc_write, hc_write_torch),
     "hc_write_norm": (hc_write_norm, hc_write_norm_torch),
     "hc_write_moe": (hc_write_moe, hc_write_moe_torch),
+    "hc_down": (hc_down, hc_down_torch),
     "norm_rope": (norm_rope, norm_rope_torch),
     "norm_rope2": (norm_rope2, norm_rope2_torch),
     "silu_mul": (silu_mul, silu_mul_torch),

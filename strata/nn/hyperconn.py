@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels.dequant import dequantize_torch
+from triton_kernels.hc_down import Down, takes as hc_down_takes
 from triton_kernels.hyperconn import hc_norm_torch, hc_write_torch
+from triton_kernels.qmatmul import choose_path
 from triton_kernels.ops import impl
 
 from .linear import QuantLinear
@@ -58,10 +60,16 @@ class HyperConnection(torch.nn.Module):
             return self._read_kernels(x, xn)
         return read(x, self.norm, self.down, self.up, self.streams, self.rank, self.eps, self.injects)
 
-    def _read_kernels(self, x: torch.Tensor, xn: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _read_kernels(self, x: torch.Tensor, xn) -> tuple[torch.Tensor, torch.Tensor | None]:
         S, rank = self.streams, self.rank
-        if xn is None:  # on a GPU quantized too, for the down projection (as write_and_norm's)
+        if xn is None and self.joins_down(x.shape[0]):  # the norm and the down GEMV in one launch
+            d = self.down
+            _, xn = impl("hc_down", "triton")(x.float(), self.norm, self.eps, d.blocks, d.fmt, d.out_features)
+        elif xn is None:  # on a GPU quantized too, for the down projection (as write_and_norm's)
             xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps, quantize=x.is_cuda)
+        if isinstance(xn, Down):  # hc_down's sums: the mix finishes the norm and the projection
+            inp, inj = impl("hc_mix", "triton")(xn, self.up_w, None, rank, S, quantize=x.is_cuda, fmt=self.up_fmt)
+            return inp, (inj if self.injects else None)
         if self.up_w is not None:  # gates, up and combine in one launch
             # on a GPU the launch also quantizes the input for the block's dp4a projections
             inp, inj = impl("hc_mix", "triton")(self.down(xn), self.up_w, xn, rank, S, quantize=xn.is_cuda,
@@ -70,6 +78,16 @@ class HyperConnection(torch.nn.Module):
         a, inj = impl("hc_gates", "triton")(self.down(xn), rank, S)
         inp = impl("hc_combine", "triton")(self.up(a), xn, S)
         return inp, (inj if self.injects else None)
+
+    def joins_down(self, rows: int) -> bool:
+        """Whether a read of `rows` tokens takes its norm and down GEMV in the launch that
+        writes the streams, or reads them (triton_kernels.hc_down: the down weight's dp4a
+        GEMV, the mix's launch with its up weight; not while torch.compile traces, whose
+        ops are the registered ones)."""
+        d = self.down
+        return (d.kernels == "triton" and d.mode == "triton" and self.up_w is not None
+                and choose_path(d.fmt, rows) == "dp4a" and not torch.compiler.is_compiling()
+                and hc_down_takes(d.fmt, d.blocks.device, d.out_features, self.streams, self.width))
 
     def write(self, x: torch.Tensor, out, weights: torch.Tensor) -> torch.Tensor:
         """x + out injected into every stream by its weight. `out` may be a MoE block's
@@ -86,6 +104,10 @@ class HyperConnection(torch.nn.Module):
         next block's connection (its `read(x, xn)`), in the same launch; (x, None) in torch.
         `out` as `write`'s."""
         if self.down.kernels == "triton":
+            if then.joins_down(x.shape[0]):  # then's down GEMV in the write's launch (hc_down)
+                d = then.down
+                return impl("hc_down", "triton")(x.float(), then.norm, then.eps, d.blocks, d.fmt, d.out_features, out,
+                                                 weights)
             # on a GPU the launch also quantizes the norm for then's dp4a down projection
             q = x.is_cuda
             if isinstance(out, tuple):

@@ -435,10 +435,8 @@ class Qwen4ExpGraph:
         for c, was in zip(counters, counted):
             c.update(was)
         self.graph = torch.cuda.CUDAGraph()
-        # on the warm-up's stream: what a launcher keeps a stream (int8.zeroed_counts: the
-        # router's and split K's counts) was made and zeroed by the warm-up, where made in
-        # the capture its zeroing would only be recorded, and a graph that never replays
-        # would leave it unzeroed for every later one
+        # on the warm-up's stream, whose counts (int8.zeroed_counts) the warm-up made and
+        # zeroed: made in a capture, their zeroing is only recorded (graphs.DecodeGraph)
         with torch.cuda.graph(self.graph, stream=side):
             self.out = step(self.model, self.tok, self.pos, self.state, self.prev)
         # what one step adds (not times: a replay's are not the capture's), then undone

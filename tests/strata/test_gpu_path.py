@@ -65,7 +65,10 @@ def tiny_mixed(tmp_path_factory):
     shared expert gate and up in Q8_0 beside the F32 routers and layer 3's Q, K and V in
     Q8_0 beside the F32 indexer rows (a released file's mix: a float and a dp4a GEMV in
     one launch, gemv_pair), layer 1's hyper-connection up weights in Q4_0 (decoded inside
-    hc_mix), the output in Q8_0 (the dp4a GEMV); the rest F32 (the float kernels)."""
+    hc_mix), its and layer 2's attention connection's down and inject weights in Q8_0 (the read after
+    the PLE block, a write and a MoE block's write each with the next read's down GEMV in
+    its launch: triton_kernels.hc_down), the output in Q8_0 (the dp4a GEMV); the rest F32
+    (the float kernels)."""
     src = open_gguf(synth_flash_tiny(quiet=True))
     n = 4
     meta = src.typed_metadata()
@@ -75,6 +78,8 @@ def tiny_mixed(tmp_path_factory):
     assert max(meta[f"{src.arch}.ple.layers"][0]) < n and not all(meta[f"{src.arch}.attention.recurrent_layers"][0])
     to = {"output.weight": "Q8_0", "blk.1.ffn_down_shexp.weight": "Q8_0", "blk.3.attn_output.weight": "Q8_0",
           "blk.1.hc_attn_up.weight": "Q4_0", "blk.1.hc_ffn_up.weight": "Q4_0",
+          **{f"blk.{i}.hc_{b}_{w}.weight": "Q8_0" for i, b in ((1, "attn"), (1, "ffn"), (2, "attn"))
+             for w in ("down", "inject")},
           **{f"blk.1.ffn_{w}_shexp.weight": "Q8_0" for w in ("gate", "up")},
           **{f"blk.3.attn_{w}.weight": "Q8_0" for w in ("q", "k", "v")}}
     for i, fmt in ((1, "Q8_0"), (2, "Q4_0")):
@@ -147,10 +152,12 @@ def test_flash_tiny_with_triton_kernels_gives_the_torch_logits(tiny_mixed):
     print("flash-tiny bound ratios", rels)
     assert max(rels) <= REL, rels
     ops = {c["op"] for c in calls}
-    assert {"qmatmul", "route", "moe", "ngram_ids", "ple_gather"} <= ops, ops
+    assert {"qmatmul", "route", "moe", "ngram_ids", "ple_gather", "hc_down"} <= ops, ops
+    modes = {c["kwargs"].get("out") is None and len(c["args"]) < 7 for c in calls if c["op"] == "hc_down"}
+    assert modes == {True, False}, modes  # a read (after the PLE block) and writes
     _compiles(calls, ("_gemv_dp4a_kernel", "_gate_up_dp4a_kernel", "_down_dp4a_kernel", "_gate_up_kernel",
                       "_down_kernel", "_gate_up_units_kernel", "_down_units_kernel", "_route_kernel",
-                      "_ngram_ids_kernel", "_gemv_kernel", "_gemm_kernel"))
+                      "_ngram_ids_kernel", "_gemv_kernel", "_gemm_kernel", "_hc_down_kernel"))
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import torch
 import quant
 
 from .. import ops
+from ..hc_down import Down
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -47,6 +48,8 @@ def _encode(v):
         return {"torch_dtype": str(v).replace("torch.", "")}
     if isinstance(v, (list, tuple)):
         return {"seq": [_encode(x) for x in v]}
+    if isinstance(v, Down):  # hc_down's sums, which hc_mix takes
+        return {"down": [_encode(x) for x in (v.y, v.ss, v.part, v.w)], "eps": v.eps}
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     raise TypeError(f"cannot record an argument of type {type(v).__name__}")
@@ -63,6 +66,8 @@ def _decode(v):
         return quant.get(v["format"])
     if "torch_dtype" in v:
         return _DTYPES[v["torch_dtype"]]
+    if "down" in v:
+        return Down(*(_decode(x) for x in v["down"]), v["eps"])
     return [_decode(x) for x in v["seq"]]
 
 
