@@ -261,8 +261,8 @@ def _hc_write_moe(x: Tensor, routed: Tensor, gate: Tensor, shared: Tensor, inj: 
 
 def _hc_down(x: Tensor, w: Tensor, eps: float, q: Tensor, fmt: str, N: int, out: Optional[Tensor],
              routed: Optional[Tensor], gate: Optional[Tensor], shared: Optional[Tensor],
-             inj: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    y, d = hc_down(x, w, eps, q, fmt, N, (routed, gate, shared) if routed is not None else out, inj)
+             inj: Optional[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    y, d = hc_down(x, w, eps, q, fmt, N, (routed, gate, shared) if routed is not None else out, inj, dtype)
     return (y.clone() if y is x else y), d.ss, d.part  # (an op's output may not alias its input)
 
 
@@ -389,9 +389,9 @@ _CALLS = {
         OPS["hc_mix"](both, w_up, xn, rank, streams, None if fmt is None else _fmt(fmt)),
     "hc_write_moe": lambda x, routed, gate, shared, inj, w=None, eps=0.0, quantize=False:
         OPS["hc_write_moe"](x, routed, gate, shared, inj, w, eps),
-    "hc_down": lambda x, w, eps, q, fmt, N, out=None, inj=None: _down_out(
+    "hc_down": lambda x, w, eps, q, fmt, N, out=None, inj=None, dtype=torch.float32: _down_out(
         OPS["hc_down"](x, w, eps, q, _fmt(fmt), N, out if isinstance(out, Tensor) else None,
-                       *(out if isinstance(out, (tuple, list)) else (None, None, None)), inj), w, eps),
+                       *(out if isinstance(out, (tuple, list)) else (None, None, None)), inj, dtype), w, eps),
     "ple_mix": lambda x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation,
                       in_place=False: _window_out(
         OPS["ple_mix"](x, k, v, norm_key, norm_query, norm_conv, taps, window, streams, eps, dilation), window,

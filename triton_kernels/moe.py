@@ -461,7 +461,7 @@ _NO_DOWN_PAIR = dict(PAIR=False, UNIT2=None, UW2=1, UPB2=1, HW2=1, ZERO2=0, OFFS
 
 def _check_pair(pair: tuple, path: str, slots: bool, fmt_down: quant.Format, device) -> None:
     product, q2, fmt2, N2, dtype2, out2 = pair
-    gated = isinstance(product, tuple)
+    gated = isinstance(product, (tuple, list))
     rows = product if gated else (product,)
     K2 = rows[0].shape[-1]
     if (not slots or path != ("dot" if gated else "dp4a")
@@ -608,7 +608,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
     if not use_triton(x):
         if pair is not None:  # the shared expert's down GEMV as QuantLinear.gated's torch form
             product, q2, fmt2, N2, dtype2, out2 = pair
-            out2.copy_(gated_qmatmul_torch(*product, q2, fmt2, True, dtype2) if isinstance(product, tuple)
+            out2.copy_(gated_qmatmul_torch(*product, q2, fmt2, True, dtype2) if isinstance(product, (tuple, list))
                        else qmatmul_torch(product, q2, fmt2, n=N2).to(dtype2))
         return moe_torch(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
     n_slots = T * k

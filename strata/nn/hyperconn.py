@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from triton_kernels.dequant import dequantize_torch
 from triton_kernels.hc_down import Down, takes as hc_down_takes
 from triton_kernels.hyperconn import hc_norm_torch, hc_write_torch
-from triton_kernels.qmatmul import choose_path
 from triton_kernels.ops import impl
 
 from .linear import QuantLinear
@@ -64,7 +63,8 @@ class HyperConnection(torch.nn.Module):
         S, rank = self.streams, self.rank
         if xn is None and self.joins_down(x.shape[0]):  # the norm and the down GEMV in one launch
             d = self.down
-            _, xn = impl("hc_down", "triton")(x.float(), self.norm, self.eps, d.blocks, d.fmt, d.out_features)
+            _, xn = impl("hc_down", "triton")(x.float(), self.norm, self.eps, d.blocks, d.fmt, d.out_features,
+                                              dtype=d.dtype)
         elif xn is None:  # on a GPU quantized too, for the down projection (as write_and_norm's)
             xn = impl("hc_norm", "triton")(x.float(), self.norm, self.eps, quantize=x.is_cuda)
         if isinstance(xn, Down):  # hc_down's sums: the mix finishes the norm and the projection
@@ -81,13 +81,13 @@ class HyperConnection(torch.nn.Module):
 
     def joins_down(self, rows: int) -> bool:
         """Whether a read of `rows` tokens takes its norm and down GEMV in the launch that
-        writes the streams, or reads them (triton_kernels.hc_down: the down weight's dp4a
-        GEMV, the mix's launch with its up weight; not while torch.compile traces, whose
-        ops are the registered ones)."""
+        writes the streams, or reads them (triton_kernels.hc_down: where the down weight
+        runs a GEMV, dp4a or float, and the mix's launch its up weight; not while
+        torch.compile traces, whose ops are the registered ones)."""
         d = self.down
         return (d.kernels == "triton" and d.mode == "triton" and self.up_w is not None
-                and choose_path(d.fmt, rows) == "dp4a" and not torch.compiler.is_compiling()
-                and hc_down_takes(d.fmt, d.blocks.device, d.out_features, self.streams, self.width))
+                and not torch.compiler.is_compiling()
+                and hc_down_takes(d.fmt, d.blocks.device, d.out_features, self.streams, self.width, rows))
 
     def write(self, x: torch.Tensor, out, weights: torch.Tensor) -> torch.Tensor:
         """x + out injected into every stream by its weight. `out` may be a MoE block's
@@ -107,7 +107,7 @@ class HyperConnection(torch.nn.Module):
             if then.joins_down(x.shape[0]):  # then's down GEMV in the write's launch (hc_down)
                 d = then.down
                 return impl("hc_down", "triton")(x.float(), then.norm, then.eps, d.blocks, d.fmt, d.out_features, out,
-                                                 weights)
+                                                 weights, dtype=d.dtype)
             # on a GPU the launch also quantizes the norm for then's dp4a down projection
             q = x.is_cuda
             if isinstance(out, tuple):

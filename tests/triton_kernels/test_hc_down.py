@@ -4,9 +4,11 @@
 - the write is hc_write's bits (a read writes nothing: y is x), a MoE block's parts'
   within hc_write_moe's torch bound;
 - each chunk's sum of y^2 within gamma(BH) of its float64 value;
-- each chunk's rows' sums are a dp4a GEMV of BH columns (of w * y rounded to int8 per 32
-  as quantize_x rounds it): within that GEMV's bound (tests/triton_kernels/test_int8.py,
-  K = BH), against float64 from the int8 and the decoded weight;
+- each chunk's rows' sums are a GEMV of BH columns of w * y: the dp4a one (w * y rounded
+  to int8 per 32 as quantize_x rounds it) within its bound (tests/triton_kernels/
+  test_int8.py, K = BH), the float one (w * y rounded to the GEMV's dtype) within
+  gamma(BH) of the products' magnitudes, against float64 from those inputs and the
+  decoded weight;
 - hc_mix finishes both and the normed streams from the sums: within hc_mix's bound grown
   by the norm's scale's and the sums' roundings (the test's docstring).
 Each row is its own programs': the first token alone gives the batch's first row.
@@ -22,25 +24,32 @@ import quant
 from tests.tiers import examples
 from tests.triton_kernels.test_hyperconn import gamma
 from tests.triton_kernels.test_int8 import U, assert_within, reference
-from triton_kernels.hc_down import Down, chunk, down_both_torch, hc_down, hc_down_torch
+from triton_kernels.hc_down import Down, hc_down, hc_down_torch, plan
 from triton_kernels.hyperconn import hc_mix, hc_write_torch
 from triton_kernels.int8 import Q8X, quantize_x_torch
 from triton_kernels.shared_expert import gated_add_torch
 
-FORMATS = ["Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "Q6_K", "IQ3_XXS"]
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q4_K", "Q6_K", "IQ3_XXS", "BF16", "F16", "F32"]
 
 
 def _rand(rng, *shape, scale=1.0):
     return torch.from_numpy((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
-@settings(max_examples=examples(30), deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(fmt=st.sampled_from(FORMATS), T=st.integers(1, 3), S=st.integers(1, 4),
-       H=st.sampled_from([64, 128, 256, 320, 512]), N=st.integers(1, 40), mode=st.sampled_from(["read", "write", "moe"]),
+       H=st.sampled_from([64, 128, 256, 320, 512, 768]), N=st.integers(1, 40),
+       mode=st.sampled_from(["read", "write", "moe"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 2 ** 32 - 1))
-def test_hc_down_writes_and_sums_each_chunk_within_the_gemv_bound(fmt, T, S, H, N, mode, seed):
+def test_hc_down_writes_and_sums_each_chunk_within_the_gemv_bound(fmt, T, S, H, N, mode, dtype, seed):
+    """dp4a formats: each chunk within test_int8's GEMV bound at K = BH; float ones (the
+    float GEMV's input w * y rounded to dtype first, exactly as the reference takes it): a
+    sum of BH products within gamma(BH) of the sum of their magnitudes."""
     fmt = quant.get(fmt)
-    assume(S * H % fmt.block_elems == 0 and chunk(fmt, torch.device("cpu"), N, S, H) is not None)
+    cpu = torch.device("cpu")
+    assume(S * H % fmt.block_elems == 0 and plan(fmt, cpu, N, S, H, T) is not None)
+    p = plan(fmt, cpu, N, S, H, T)
+    assert p.kind == ("gemv" if fmt.block_elems == 1 else "dp4a")
     rng = np.random.default_rng(seed)
     x, w = _rand(rng, T, S * H), 1 + _rand(rng, S, H, scale=0.1)
     qn = fmt.quantize(rng.standard_normal((N, S * H)).astype(np.float32) / 10)
@@ -48,9 +57,9 @@ def test_hc_down_writes_and_sums_each_chunk_within_the_gemv_bound(fmt, T, S, H, 
     inj = torch.from_numpy(rng.uniform(0, 2, (T, S)).astype(np.float32)) if mode != "read" else None
     out = {"read": None, "write": _rand(rng, T, H),
            "moe": (_rand(rng, T, 3, H), _rand(rng, T, 1), _rand(rng, T, H))}[mode]
-    y, d = hc_down(x, w, 1e-6, q, fmt, N, out, inj)
-    yt, dt = hc_down_torch(x, w, 1e-6, q, fmt, N, out, inj)
-    bh = chunk(fmt, torch.device("cpu"), N, S, H)[0]
+    y, d = hc_down(x, w, 1e-6, q, fmt, N, out, inj, dtype)
+    yt, dt = hc_down_torch(x, w, 1e-6, q, fmt, N, out, inj, dtype)
+    bh = p.bh
     C = H // bh
     assert d.ss.shape == (T, S * C) and d.part.shape == (T, S * C, N) and d.chunks == C
     if mode == "read":
@@ -62,8 +71,21 @@ def test_hc_down_writes_and_sums_each_chunk_within_the_gemv_bound(fmt, T, S, H, 
                                    atol=1e-5 * float(x.abs().max() + 1))
     y64 = y.double().reshape(T, S * C, bh)
     assert ((d.ss.double() - (y64 ** 2).sum(-1)).abs() <= gamma(bh) * (y64 ** 2).sum(-1)).all()
-    # the chunks' sums from the launch's own y: its int8 is quantize_x's of w * y
-    z8 = quantize_x_torch((y.reshape(T, S, H) * w).reshape(T, S * H))
+    # a row's programs read no other row: the first token alone gives the batch's first row
+    one, d1 = hc_down(x[:1], w, 1e-6, q, fmt, N, None if out is None else
+                      (tuple(o[:1] for o in out) if mode == "moe" else out[:1]), None if inj is None else inj[:1],
+                      dtype)
+    assert torch.equal(one, y[:1]) and torch.equal(d1.ss, d.ss[:1]) and torch.equal(d1.part, d.part[:1])
+    # the chunks' sums from the launch's own y: w * y as its GEMV rounds it
+    z = (y.reshape(T, S, H) * w).reshape(T, S * H)
+    if p.kind == "gemv":
+        W = torch.from_numpy(fmt.dequantize(qn)).double().reshape(N, S * C, bh)
+        zc = z.to(dtype).double().reshape(T, S * C, bh)
+        ref, mag = torch.einsum("tcb,ncb->tcn", zc, W), torch.einsum("tcb,ncb->tcn", zc.abs(), W.abs())
+        for got in (d.part, dt.part):
+            assert_within(got, ref, gamma(bh) * mag + bh * 2.0 ** -149, "float chunks")
+        return
+    z8 = quantize_x_torch(z)
     groups = bh // 32
     for k in range(S * C):
         keep = torch.zeros(S * H // 32)
@@ -71,9 +93,6 @@ def test_hc_down_writes_and_sums_each_chunk_within_the_gemv_bound(fmt, T, S, H, 
         ref, _, t = reference(Q8X(z8.q, z8.d * keep, z8.s * keep), qn, fmt)
         assert_within(d.part[:, k], ref, 2 * (bh / 16 + 8) * U * t + bh * 2.0 ** -149, f"chunk {k}")
         assert_within(dt.part[:, k], ref, 2 * (bh / 16 + 8) * U * t + bh * 2.0 ** -149, f"torch chunk {k}")
-    one, d1 = hc_down(x[:1], w, 1e-6, q, fmt, N, None if out is None else
-                      (tuple(o[:1] for o in out) if mode == "moe" else out[:1]), None if inj is None else inj[:1])
-    assert torch.equal(one, y[:1]) and torch.equal(d1.ss, d.ss[:1]) and torch.equal(d1.part, d.part[:1])
 
 
 @settings(max_examples=examples(20), deadline=None)

@@ -88,7 +88,7 @@ def cases():
                           torch.rand(2, 4), torch.randn(4, 24), 1e-6)),
         ("hc_write_norm", (torch.randn(2, 4 * 24), torch.randn(2, 24), torch.rand(2, 4), torch.randn(4, 24), 1e-6)),
         ("hc_down", (torch.randn(2, 4 * 64), torch.randn(4, 64), 1e-6, blocks("Q4_0", 12, 4 * 64, rng), "Q4_0", 12,
-                     torch.randn(2, 64), None, None, None, torch.rand(2, 4))),
+                     torch.randn(2, 64), None, None, None, torch.rand(2, 4), torch.float32)),
         ("ple_mix", (torch.randn(1, 4 * 24), torch.randn(1, 4 * 24), torch.randn(1, 24), torch.randn(4 * 24),
                      torch.randn(4 * 24), torch.randn(4 * 24), torch.randn(4 * 24, 4), torch.randn(4 * 24, 9), 4,
                      1e-6, 3)),
