@@ -207,6 +207,9 @@ def _check(x, w, q, fmt, N, out, inj, dtype) -> Plan:
                          f"{None if inj is None else (inj.dtype, tuple(inj.shape))}")
     if isinstance(out, torch.Tensor) and tuple(out.shape) != (T, H):
         raise ValueError(f"hc_down: out must be ({T}, {H}), got {tuple(out.shape)}")
+    if _mode(out) == 2:  # the MoE's parts as hc_write_moe takes them (its kernel's sum is ours)
+        from .hc_moe_write import _check as check_parts  # (it imports hyperconn, which imports this)
+        check_parts(x, *out, inj, w)
     return p
 
 

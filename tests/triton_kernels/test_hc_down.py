@@ -153,3 +153,17 @@ def test_hc_mix_of_a_down_quantizes_its_output_as_quantize_x_does(T, S, C, R, se
              _rand(rng, T, S * C, R + S), 1 + _rand(rng, S, H, scale=0.1), 1e-6)
     y, _ = hc_mix(d, _rand(rng, S * H, R, scale=0.3), None, R, S, quantize=True)
     assert all(torch.equal(a, b) for a, b in zip(quantize_x(y), quantize_x_torch(y)))
+
+
+def test_hc_down_refuses_what_it_cannot_take():
+    """A down weight it has no launch for, and MoE parts hc_write_moe would refuse, stop
+    with what to do, before any launch."""
+    import pytest
+    rng = np.random.default_rng(0)
+    x, w = _rand(rng, 1, 2 * 64), _rand(rng, 2, 64)
+    q = torch.from_numpy(quant.get("Q8_0").quantize(rng.standard_normal((8, 128)).astype(np.float32)))
+    parts = (_rand(rng, 1, 3, 64).bfloat16(), _rand(rng, 1, 1), _rand(rng, 1, 64))
+    with pytest.raises(ValueError, match=r"hc_write_moe: routed must be float32"):
+        hc_down(x, w, 1e-6, q, "Q8_0", 8, parts, torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"takes no launch for 40 tokens; ask takes\(\) first"):
+        hc_down(x.expand(40, -1).contiguous(), w, 1e-6, q, "Q8_0", 8)
