@@ -66,3 +66,11 @@ def test_flash_tiny_decodes_on_the_gpu_without_waiting_for_it(flash_tiny_gguf, e
         toks = [int(a.argmax())]
     print(f"flash-tiny on the GPU ({experts}, graphs {graphs}), CUDA against the CPU's torch path:", rels)
     assert max(rels) <= REL, rels
+    caches = [dc for layer in got.layers if (dc := getattr(layer.moe.experts, "device_cache", None)) is not None]
+    if experts.startswith("cache"):  # the promotions' side-stream copies, published between steps
+        torch.cuda.synchronize()
+        assert caches and sum(dc.promotions for dc in caches) > 0
+        for dc in caches:  # every expert the device table maps: its slot holds its host bytes
+            lut = dc.lut.cpu()
+            for e in torch.nonzero(lut >= 0).flatten().tolist():
+                assert all(torch.equal(w[int(lut[e])].cpu(), h[e]) for w, h in zip(dc.w, dc.host)), e
