@@ -263,16 +263,13 @@ def hc_down_torch(x: torch.Tensor, w: torch.Tensor, eps: float, q: torch.Tensor,
     """hc_down in torch: the write as hc_write's and hc_write_moe's twins compute it, each
     chunk's sums in float32 from the dequantized weight and w * y rounded as the launch's
     GEMV rounds it (to int8 per 32, or to dtype)."""
+    from .hyperconn import hc_write_torch  # (hyperconn imports this module)
     fmt = quant.get(fmt)
     p = _check(x, w, q, fmt, N, out, inj, dtype)
     T, SH = x.shape
     S, H = w.shape
     C = H // p.bh
-    if out is None:
-        y = x
-    else:
-        o = gated_add_torch(*out) if _mode(out) == 2 else out.float()
-        y = x + (inj[:, :, None] * o[:, None, :]).reshape(T, SH)
+    y = x if out is None else hc_write_torch(x, gated_add_torch(*out) if _mode(out) == 2 else out, inj)
     ss = (y.reshape(T, S * C, p.bh) ** 2).sum(dim=-1)
     z = (y.reshape(T, S, H) * w).reshape(T, SH)
     z = z.to(dtype).float() if p.kind == "gemv" else quantize_x_torch(z).dequantize()

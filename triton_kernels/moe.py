@@ -687,7 +687,8 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
             (g2, u2), q2, fmt2, N2, dtype2, out2 = pair
             fmt2 = quant.get(fmt2)
             _, block_n2, block_k2 = gemv_tiles(N2, dev, fmt2)
-            two, extra = (g2, u2, q2, table(fmt2, dev), out2, N2, g2.shape[1]), triton.cdiv(triton.cdiv(N2, block_n2), grid_n)
+            two = (g2, u2, q2, table(fmt2, dev), out2, N2, g2.shape[1])
+            extra = triton.cdiv(triton.cdiv(N2, block_n2), grid_n)
             cx2 = dict(PAIR=True, DECODE2=decoder(fmt2), QK2=fmt2.block_elems, ROUND2=ROUNDING[dtype2],
                        BLOCK_N2=block_n2, BLOCK_K2=block_k2)
         _down_kernel[(blocks + extra, grid_n)](

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_kernels import invariant
+
 from .sampling import Sampler
 
 
@@ -40,7 +42,6 @@ def prefill(model, ids: list[int], state) -> torch.Tensor:
     model that drafts runs as its decode steps do (batch-invariant: invariant.decoding), so
     that on a GPU it captures the CUDA graph those steps replay, where a capture in the
     other mode would be made again at the first step."""
-    from triton_kernels import invariant
     with invariant.decoding(len(ids) == 1 and can_draft(model)):
         return model(ids, state, last_only=True)
 

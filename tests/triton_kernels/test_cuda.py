@@ -394,6 +394,9 @@ def test_the_pairs_launch_gives_each_gemvs_bits_on_the_gpu(ffmt, dfmt, nf, nd):
             assert torch.equal(got, want), (ffmt, dfmt, dtype)
 
 
+@pytest.mark.cuda(ci="CI checks split K's sums and the router's routing bit for bit through the interpreter "
+                     "(test_int8.py, test_router_gemv.py), which runs programs one after another, and that the "
+                     "graphs capture on their warm-up's stream (test_graphs_qwen4exp.py's stand-in capture)")
 def test_the_last_program_reductions_hold_over_many_graph_replays():
     """The launches that finish a reduction in their last program to count itself in (split
     K's sum, int8._sum_split; the router GEMV's routing, router_gemv) captured in one CUDA
@@ -458,6 +461,8 @@ def test_the_shared_experts_down_gemv_in_the_down_launch_gives_its_bits_on_the_g
     assert torch.equal(out2, qmatmul(product, q2, f2, n=H).to(torch.bfloat16).float())
 
 
+@pytest.mark.cuda(ci="CI checks the float pair's bits against the separate launches through the interpreter "
+                     "(test_moe.py) and in a planned MoE step (test_expert_cache.py)")
 def test_the_shared_experts_gated_down_gemv_in_the_float_down_launch_gives_its_bits_on_the_gpu():
     """moe(pair=) of BF16 experts (the dot path's per-weight down kernel, as flash-tiny's
     file holds them, at Flash-Next's widths): the routed slots' rows are the call's without
