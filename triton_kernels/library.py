@@ -22,7 +22,7 @@ import torch
 
 import quant
 
-from .cache_write import cache_write
+from .attention_rows import attention_rows
 from .conv import conv_step
 from .deltanet import deltanet_step
 from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
@@ -143,10 +143,6 @@ def _stage_rows(src: list[Tensor], dst: list[Tensor], ids: Tensor, slots: Tensor
     stage_rows(src, dst, ids, slots, first)
 
 
-def _cache_write(dsts: list[Tensor], srcs: list[Tensor], pos: Tensor) -> None:
-    cache_write(dsts, srcs, pos)
-
-
 def _qsa_pool(idx: Tensor, idx_scale: Optional[Tensor], pos: Tensor, ratio: int, w: Tensor, eps: float,
               cos: Tensor, sin: Tensor, blocks: Tensor) -> None:
     qsa_pool(idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks)
@@ -161,7 +157,20 @@ OPS = {name: _register(name, f) for name, f in (
 OPS["ngram_ids"] = _register("ngram_ids", _ngram_ids, mutates=("history",))
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
 OPS["qsa_pool"] = _register("qsa_pool", _qsa_pool, mutates=("blocks",))
-OPS["cache_write"] = _register("cache_write", _cache_write, mutates=("dsts",))
+
+
+def _attention_rows(q: Tensor, wq: Tensor, k: Tensor, wk: Tensor, v: Tensor, eps: float, cos: Tensor, sin: Tensor,
+                    pos: Tensor, k_cache: Tensor, v_cache: Tensor, idx_q: Optional[Tensor], w_iq: Optional[Tensor],
+                    idx_k: Optional[Tensor], idx_cache: Optional[Tensor], ratio: int, w_ik: Optional[Tensor],
+                    blocks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    qo, qi = attention_rows(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache,
+                            None if idx_k is None else (idx_q, w_iq, idx_k, idx_cache),
+                            None if blocks is None else (ratio, w_ik, blocks))
+    return qo, (qo.new_empty(0) if qi is None else qi)  # (an op returns tensors, not None)
+
+
+OPS["attention_rows"] = _register("attention_rows", _attention_rows,
+                                  mutates=("k_cache", "v_cache", "idx_cache", "blocks"))
 
 
 def _route_align(logits: Tensor, top_k: int, norm_topk_prob: bool, block_m: int, rows: int,
@@ -303,6 +312,11 @@ def _down_out(r, w, eps):
     return y, Down(y, ss, part, w, eps)
 
 
+def _rows_out(out: tuple[Tensor, Tensor], idx) -> tuple:
+    """attention_rows's returns from the op's: no indexer queries asked, None."""
+    return out[0], (out[1] if idx is not None and idx[0] is not None else None)
+
+
 def _fmt(f) -> str:
     return quant.get(f).name
 
@@ -358,7 +372,9 @@ _CALLS = {
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S,
                             gate=None: OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s, gate),
-    "cache_write": lambda dsts, srcs, pos: OPS["cache_write"](list(dsts), list(srcs), pos),
+    "attention_rows": lambda q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx=None, pool=None: _rows_out(
+        OPS["attention_rows"](q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, *(idx or (None,) * 4),
+                              *(pool or (0, None, None))), idx),
     "qsa_pool": lambda idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks:
         OPS["qsa_pool"](idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks),
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](

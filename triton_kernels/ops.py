@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache_write import cache_write, cache_write_torch
+from .attention_rows import attention_rows, attention_rows_torch
 from .conv import conv_step, conv_step_torch
 from .deltanet import deltanet_step, deltanet_step_torch
 from .deltanet_inputs import (deltanet_conv_inputs, deltanet_conv_inputs_torch, deltanet_gated_norm,
@@ -47,7 +47,7 @@ OPS = {
     "qsa_scores": (qsa_scores, qsa_scores_torch),
     "qsa_attention": (qsa_attention, qsa_attention_torch),
     "qsa_pool": (qsa_pool, qsa_pool_torch),
-    "cache_write": (cache_write, cache_write_torch),
+    "attention_rows": (attention_rows, attention_rows_torch),
     "stage_rows": (stage_rows, stage_rows_torch),
     "cache_lookup": (cache_lookup, cache_lookup_torch),
     "deltanet_step": (deltanet_step, deltanet_step_torch),

@@ -60,17 +60,38 @@ class AttentionState:
         self._reserved = max(self._reserved, n)
 
     @staticmethod
-    def _grow(buf, new, n, reserved=0):
-        need = n + new.shape[-2]
+    def _fit(buf, like, need, n, reserved=0):
+        """`buf` with room for `need` rows like `like`'s (its dtype, shape but for the rows),
+        its first n rows kept: grown by doubling, or made."""
         if buf is None or buf.shape[-2] < need:
-            shape = list(new.shape)
+            shape = list(like.shape)
             shape[-2] = max(need, 2 * (buf.shape[-2] if buf is not None else 0), 64, reserved)
-            grown = new.new_empty(shape)
+            grown = like.new_empty(shape)
             if buf is not None:
                 grown[..., :n, :] = buf[..., :n, :]
             buf = grown
+        return buf
+
+    @staticmethod
+    def _grow(buf, new, n, reserved=0):
+        need = n + new.shape[-2]
+        buf = AttentionState._fit(buf, new, need, n, reserved)
         buf[..., n:need, :] = new
         return buf
+
+    def room(self, T: int, kv_heads: int, head_dim: int, idx_dim: int = 0, device=None) -> int:
+        """Room for T more rows in float buffers, counted held at once: the first one's index
+        (a kernel then stores them in place: triton_kernels.attention_rows)."""
+        if self.kind == "int8":
+            raise ValueError("an int8 cache's rows come with their scales: append them")
+        n, store = self.n, kv.store_dtype(self.kind)
+        for name, shape in (("_k", (kv_heads, T, head_dim)), ("_v", (kv_heads, T, head_dim)),
+                            ("_idx", (T, idx_dim) if idx_dim else None)):
+            if shape is not None:
+                like = torch.empty(shape, dtype=store, device=device)
+                setattr(self, name, self._fit(getattr(self, name), like, n + T, n, self._reserved))
+        self.n = n + T
+        return n
 
     def append(self, k, v, idx):
         n, r = self.n, self._reserved
@@ -199,33 +220,39 @@ def _heads_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
-def project(parts: torch.Tensor | list[torch.Tensor], splits, q_norm, k_norm, eps: float, n_heads: int, n_kv: int,
-            head_dim: int, rope_dim: int, norm_rope, cos: torch.Tensor, sin: torch.Tensor,
-            pos: torch.Tensor | None = None):
+def heads(parts: torch.Tensor | list[torch.Tensor], splits, n_heads: int, n_kv: int, head_dim: int):
     """The fused projection's rows (T, sum(splits)), or its weights' outputs apart
-    (QuantLinear.outputs, float32), as the attention's inputs: q (H, T, D)
-    and k (Hkv, T, D) normed per head and roped by `cos`/`sin` (Rope._rows; with `pos`,
-    tables the Triton op reads at those positions itself), v (Hkv, T, D),
-    the indexer's queries (T, n_idx*d) and key (T, d) (None without an indexer), and the
-    output gate (T, H*D). `norm_rope`: the Triton op that norms and ropes q and k in one
-    launch (triton_kernels.rope.norm_rope2), or None for torch's ops. A function of tensors: a
-    compiled decode step traces it too (strata.models.qwen4exp_step)."""
+    (QuantLinear.outputs, float32), by head: q (T, H, D) and the output gate (T, H*D) from
+    the per-head halves, k and v (T, Hkv, D), the indexer's queries (T, n_idx*d) and key
+    (T, d) (None without an indexer). Views where the rows allow."""
     if isinstance(parts, torch.Tensor):
         parts = parts.split(splits, dim=-1)
     T = parts[0].shape[0]
-    H, Hkv, D = n_heads, n_kv, head_dim
-    qg = parts[0].reshape(T, H, 2 * D)
-    q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+    qg = parts[0].reshape(T, n_heads, 2 * head_dim)
+    idx_q, idx_k = (parts[3], parts[4]) if len(parts) > 3 else (None, None)
+    return (qg[..., :head_dim], qg[..., head_dim:].reshape(T, n_heads * head_dim),
+            parts[1].reshape(T, n_kv, head_dim), parts[2].reshape(T, n_kv, head_dim), idx_q, idx_k)
+
+
+def project(parts: torch.Tensor | list[torch.Tensor], splits, q_norm, k_norm, eps: float, n_heads: int, n_kv: int,
+            head_dim: int, rope_dim: int, norm_rope, cos: torch.Tensor, sin: torch.Tensor,
+            pos: torch.Tensor | None = None):
+    """`heads`' rows as the attention's inputs: q (H, T, D) and k (Hkv, T, D) normed per head
+    and roped by `cos`/`sin` (Rope._rows; with `pos`, tables the Triton op reads at those
+    positions itself), v (Hkv, T, D), the indexer's queries (T, n_idx*d) and key (T, d)
+    (None without an indexer), and the output gate (T, H*D). `norm_rope`: the Triton op
+    that norms and ropes q and k in one launch (triton_kernels.rope.norm_rope2), or None
+    for torch's ops. A function of tensors: a compiled decode step traces it too
+    (strata.models.qwen4exp_step)."""
+    q, gate, k, v, idx_q, idx_k = heads(parts, splits, n_heads, n_kv, head_dim)
     if norm_rope is not None:
-        q, k = norm_rope(q, q_norm, parts[1].reshape(T, Hkv, D), k_norm, eps, cos, sin, pos)  # (H, T, D)
+        q, k = norm_rope(q, q_norm, k, k_norm, eps, cos, sin, pos)  # (H, T, D)
     else:
         if pos is not None:
             cos, sin = cos[pos], sin[pos]
         q = rotate(_heads_norm(q, q_norm, eps).transpose(0, 1), cos, sin, rope_dim)           # (H, T, D)
-        k = rotate(_heads_norm(parts[1].reshape(T, Hkv, D), k_norm, eps).transpose(0, 1), cos, sin, rope_dim)
-    v = parts[2].reshape(T, Hkv, D).transpose(0, 1)
-    idx_q, idx_k = (parts[3], parts[4]) if len(parts) > 3 else (None, None)
-    return q, k, v, idx_q, idx_k, gate
+        k = rotate(_heads_norm(k, k_norm, eps).transpose(0, 1), cos, sin, rope_dim)
+    return q, k, v.transpose(0, 1), idx_q, idx_k, gate
 
 
 def finish(out: torch.Tensor, gate: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
@@ -280,10 +307,27 @@ class GatedAttention(torch.nn.Module):
                 positions: Positions | None = None) -> torch.Tensor:
         """x (T, dim) at token indices start..; `positions`: the sequence's M-RoPE positions
         where they are not the indices (an image is in it)."""
-        pos = self.positions(start, x.shape[0], positions)
-        cos, sin = self.rope._rows(pos, x.device)
-        q, k, v, idx_q, idx_k, gate = project(self.proj.outputs(x), *self.project_args(), cos, sin)
-        return output(self.o, self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions), gate, self.kernels)
+        T = x.shape[0]
+        pos = self.positions(start, T, positions)
+        parts = self.proj.outputs(x)
+        if self.kernels == "triton" and st.kind != "int8" and pos.dim() == 1:
+            # one launch: q and k normed and roped at their positions' rows of the tables, k,
+            # v and the indexer key stored in the state's buffers (triton_kernels.attention_rows)
+            q, gate, k, v, idx_q, idx_k = heads(parts, self.splits, self.n_heads, self.n_kv_heads, self.head_dim)
+            at = st.room(T, self.n_kv_heads, self.head_dim, self.idx_dim if idx_k is not None else 0, x.device)
+            cos, sin, P = self.rope.tables(pos, x.device)
+            idx = None if idx_k is None else (idx_q if self.sparse(start, T) else None, self.idx_q_norm, idx_k,
+                                              st._idx)
+            q, qi = impl("attention_rows", "triton")(q, self.q_norm, k, self.k_norm, v, self.eps, cos, sin, P,
+                                                     st._k, st._v, idx)
+            if at != start:  # (the rows go where RoPE's positions say: one index for both)
+                raise RuntimeError(f"attention state holds {at} tokens, the step starts at {start}")
+            out = self.attend_held(q, idx_q, st, start, pos, positions, qi)
+        else:
+            cos, sin = self.rope._rows(pos, x.device)
+            q, k, v, idx_q, idx_k, gate = project(parts, *self.project_args(), cos, sin)
+            out = self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions)
+        return output(self.o, out, gate, self.kernels)
 
     @staticmethod
     def positions(start: int, T: int, positions: Positions | None = None) -> torch.Tensor:
@@ -300,17 +344,29 @@ class GatedAttention(torch.nn.Module):
     def attend(self, q, k, v, idx_q, idx_k, st: AttentionState, start: int, pos: torch.Tensor,
                positions: Positions | None = None) -> torch.Tensor:
         """Append k, v (and the indexer's key) to the state and attend: (H, T, D)."""
+        st.append(k, v, idx_k)
+        return self.attend_held(q, idx_q, st, start, pos, positions)
+
+    def sparse(self, start: int, T: int) -> bool:
+        """Whether T queries at start.. attend to chosen blocks: past the budget, and within it
+        as well in batch-invariant mode, where a query's sums must run in one order
+        whatever the chunk (SDPA's differ)."""
+        end = start + T
+        return self.qsa and not self.dense_only and (end // self.ratio > self.budget // self.ratio
+                                                     or invariant.enabled())
+
+    def attend_held(self, q, idx_q, st: AttentionState, start: int, pos: torch.Tensor,
+                    positions: Positions | None = None, qi: torch.Tensor | None = None) -> torch.Tensor:
+        """Attend the T queries q (H, T, D) at start.. to the state, which holds their own
+        keys already: (H, T, D). `qi`: the indexer's queries normed and roped (n_idx, T, d),
+        where a launch made them (else made here from idx_q)."""
         T = q.shape[1]
         dev = q.device
-        st.append(k, v, idx_k)
         end = start + T
         clock = self.clock
         t0 = _now(dev) if clock is not None else 0.0
-        # past the budget, attend the chosen blocks; within it as well in batch-invariant
-        # mode, where a query's sums must run in one order whatever the chunk (SDPA's differ)
-        sparse = end // self.ratio > self.budget // self.ratio or invariant.enabled()
-        if self.qsa and not self.dense_only and sparse:
-            sel = self._select(idx_q, st, start, pos, positions)
+        if self.sparse(start, T):
+            sel = self._select(idx_q, st, start, pos, positions, qi)
             t1 = _now(dev) if clock is not None else 0.0
             scales = st.kv_scales()
             out = impl("qsa_attention", self.kernels)(q, *st.kv_cache(), sel, start, self.ratio,
@@ -343,14 +399,16 @@ class GatedAttention(torch.nn.Module):
         return st.blocks(r)
 
     def _select(self, idx_q: torch.Tensor, st: AttentionState, start: int, pos: torch.Tensor | None = None,
-                positions: Positions | None = None) -> torch.Tensor:
+                positions: Positions | None = None, qi: torch.Tensor | None = None) -> torch.Tensor:
         """Each query's chosen blocks, (T, budget // ratio) int64, -1 in unused slots
         (triton_kernels.qsa.select_blocks). idx_q: the indexer queries (T, n_idx*d) at
-        rotary positions `pos` (default: their indices)."""
+        rotary positions `pos` (default: their indices), or `qi` as they are normed and
+        roped (n_idx, T, d)."""
         T = idx_q.shape[0]
-        pos = torch.arange(start, start + T) if pos is None else pos
-        qi = idx_q.reshape(T, self.n_idx, self.idx_dim)
-        qi = self.rope(_heads_norm(qi, self.idx_q_norm, self.eps).transpose(0, 1), pos)  # (n_idx, T, d)
+        if qi is None:
+            pos = torch.arange(start, start + T) if pos is None else pos
+            qi = idx_q.reshape(T, self.n_idx, self.idx_dim)
+            qi = self.rope(_heads_norm(qi, self.idx_q_norm, self.eps).transpose(0, 1), pos)  # (n_idx, T, d)
         keep, blocks = self.budget // self.ratio, self._blocks(st, positions)
         if blocks is None or blocks.shape[0] <= keep:
             # no query sees more blocks than it keeps (batch-invariant mode within the

@@ -124,8 +124,22 @@ class Rope(torch.nn.Module):
 
     _last = None  # (positions, (cos, sin)) of the last call
 
+    def tables(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, pos on `device`): the whole tables, grown to cover the positions (S,),
+        for a kernel that reads their rows itself (triton_kernels.attention_rows); the
+        positions cross over once a step, as `_rows`' rows do."""
+        top = int(pos.max())
+        if top >= self.cos.shape[0]:
+            self._table(2 * top + 1)
+        key = (tuple(pos.tolist()), str(device)) if pos.numel() <= 64 else None
+        if key is None or self._at is None or self._at[0] != key:
+            self._at = (key, to_device(pos, device))
+        return self.cos, self.sin, self._at[1]
+
+    _at = None  # (positions, those positions on the device) of the last `tables`
+
     def _apply(self, fn, *args, **kwargs):  # model.to(): the remembered rows stay where they were
-        self._last = None
+        self._last = self._at = None
         return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

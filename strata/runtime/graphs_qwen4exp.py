@@ -7,10 +7,11 @@ it holds is written for that (`step`):
 - the tokens and the first one's position are device tensors the replay reads, filled
   by the runner from the host, which checks the ids there; the embedding rows are
   gathered on the device into every stream in one launch (Qwen4Exp.embed);
-- attention layers write keys, values and indexer keys at the device positions by
-  `index_copy_` into buffers of the graph's whole capacity (AttentionState.hold: the spare
-  rows zero); dense attention runs over the whole capacity with the positions past each
-  query masked out;
+- attention layers write keys, values and indexer keys at the device positions into
+  buffers of the graph's whole capacity (AttentionState.hold: the spare rows zero), with
+  the Triton kernels and a float cache in the launch that norms and ropes q and k
+  (strata.runtime.graph_attention says what else it does), else by `index_copy_`; dense
+  attention runs over the whole capacity with the positions past each query masked out;
 - QSA: each query pools the indexer keys of the block its position lies in and writes
   that block's key at its index (complete once the block is: a block is visible to a
   query only then); it scores every block of the capacity, the ones it cannot see at
@@ -52,177 +53,17 @@ is the one-token graph's at that position, bit for bit.
 """
 from __future__ import annotations
 
-import functools
-import math
 import weakref
 
 import torch
-import torch.nn.functional as F
 
-from strata.nn import deltanet, kv
-from strata.nn.gated_attention import AttentionState, output, project
+from strata.nn import deltanet
+from strata.nn.gated_attention import AttentionState
 from strata.nn.hyperconn import next_norm
 from strata.nn.ple import mix
+from strata.runtime.graph_attention import attention, keys, where_of
 from strata.runtime.graphs import enabled
 from triton_kernels import backend, invariant
-from triton_kernels.ops import impl
-from triton_kernels.qsa import select_sorted
-
-
-def _write_rows(m, st: AttentionState, k: torch.Tensor, v: torch.Tensor, idx_k: torch.Tensor | None,
-                at: torch.Tensor) -> None:
-    """Keys, values and indexer keys stored at positions `at`: in a float cache by
-    cache_write (with the Triton kernels one launch), int8 rows with their scales a buffer
-    at a time."""
-    if st.kind != "int8":
-        pairs = [(st._k, k), (st._v, v)] + ([(st._idx, idx_k)] if idx_k is not None else [])
-        impl("cache_write", m.kernels)(*map(list, zip(*pairs)), at)
-        return
-    _write(st, "k", k, at)
-    _write(st, "v", v, at)
-    if idx_k is not None:
-        _write(st, "idx", idx_k, at)
-
-
-def _write(st: AttentionState, name: str, x: torch.Tensor, at: torch.Tensor) -> None:
-    """Rows x (..., T, d) stored at positions `at` (T,) of buffer `name` (k, v, idx)."""
-    data, scale = kv.encode(x, st.kind)
-    buf = st._idx if name == "idx" else getattr(st, "_" + name)
-    buf.index_copy_(buf.dim() - 2, at, data)
-    if scale is not None:
-        s = st._is if name == "idx" else getattr(st, f"_{name}s")
-        s.index_copy_(s.dim() - 2, at, scale)
-
-
-def _rows(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    return data.float() if scale is None else kv.decode(data, scale)
-
-
-class _Where:
-    """What every attention layer of a step reads at the step's positions P (T,), computed
-    once a step for each (RoPE table, QSA block size, capacity): RoPE's rows, the causal
-    mask over the capacity, and QSA's indices (see the module)."""
-
-    def __init__(self, P: torch.Tensor, rope, ratio: int, capacity: int, nb: int = 0):
-        self.rope, self.P, self.C, self.ratio, self.nb = rope, P, capacity, ratio, nb
-
-    def rope_args(self, kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(cos, sin, pos) for the norm-rope ops: the Triton kernels read the tables' rows at
-        P themselves (no gather launched); torch's take the rows, gathered once a step."""
-        if kernels == "triton":
-            return self.rope.cos, self.rope.sin, self.P
-        return (*self._rows, None)
-
-    @functools.cached_property
-    def _rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope.cos[self.P], self.rope.sin[self.P]
-
-    @functools.cached_property
-    def choice(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What torch's QSA gathers by (the kernels find it themselves): (unseen (T, NB),
-        the blocks' rows (NB, r), the open tail's rows (T, r) and which of them are live)."""
-        P, r, dev = self.P, self.ratio, self.P.device
-        span = torch.arange(r, device=dev)
-        seen = (P + 1) // r                                                      # complete blocks a query sees
-        unseen = torch.arange(self.nb, device=dev)[None, :] >= seen[:, None]
-        block_rows = (torch.arange(self.nb, device=dev)[:, None] * r + span).clamp(max=self.C - 1)
-        tail = seen[:, None] * r + span
-        return unseen, block_rows, tail.clamp(max=self.C - 1), tail <= P[:, None]
-
-    @functools.cached_property
-    def causal(self) -> torch.Tensor:
-        """(T, C): True where a query attends (its position and those before)."""
-        return torch.arange(self.C, device=self.P.device)[None, :] <= self.P[:, None]
-
-
-def _pool(m, st: AttentionState, at: _Where) -> None:
-    """Write the pooled indexer key of the block each position lies in: the mean of its
-    raw keys, normed, roped at its first position (GatedAttention._blocks; with the Triton
-    kernels one launch)."""
-    impl("qsa_pool", m.kernels)(st._idx, st._is, at.P, m.ratio, m.idx_k_norm, m.eps, m.rope.cos, m.rope.sin,
-                                st._blocks)
-
-
-def _sparse(m, q, idx_q, st: AttentionState, at: _Where, gate=None) -> torch.Tensor:
-    """QSA for the step's queries: (H, T, D) (see the module); with `gate`, which the
-    Triton kernels alone take, the output projection's gated input rows instead
-    (qsa_attention(gate=))."""
-    T, keep = q.shape[1], min(m.budget // m.ratio, st._blocks.shape[0])
-    _pool(m, st, at)
-    qi = idx_q.reshape(T, m.n_idx, m.idx_dim)
-    qi = impl("norm_rope", m.kernels)(qi, m.idx_q_norm, m.eps, *at.rope_args(m.kernels))  # (n_idx, T, d)
-    blocks = st._blocks                                                          # (NB, d)
-    if m.kernels == "triton":
-        return _sparse_kernels(m, q, qi, blocks, keep, st, at, gate)
-    if invariant.enabled():
-        scores = invariant.scores(qi, blocks)
-    else:
-        scores = (qi.float() @ blocks.T).relu().sum(dim=0)                      # (T, NB)
-    unseen, block_rows, tail_at, tail_ok = at.choice
-    scores = (scores / math.sqrt(m.idx_dim)).masked_fill(unseen, float("-inf"))
-    best, sel = select_sorted(scores, keep)                                      # (T, keep)
-    tokens = torch.cat([block_rows[sel].reshape(T, -1), tail_at], dim=1)        # (T, S)
-    chosen = (best > float("-inf"))[:, :, None].expand(T, keep, m.ratio).reshape(T, -1)
-    ok = torch.cat([chosen, tail_ok], dim=1)
-    scales = st.kv_scales()
-    k = _rows(st._k[:, tokens], None if scales is None else scales[0][:, tokens])  # (Hkv, T, S, D)
-    v = _rows(st._v[:, tokens], None if scales is None else scales[1][:, tokens])
-    return _rowwise(q, k.transpose(0, 1), v.transpose(0, 1), ok)
-
-
-def _sparse_kernels(m, q, qi, blocks, keep: int, st: AttentionState, at: _Where, gate=None) -> torch.Tensor:
-    """_sparse's scores and attention with the QSA kernels (triton_kernels.qsa), which read
-    the first position from the device: the scores (-inf past each query's visible blocks)
-    in one launch, and the chosen blocks' and the tail's rows gathered inside the
-    attention's, which counts a block the query cannot see yet (sorted last) as none. A
-    query's sums are its own program's, whatever T: batch-invariant as they stand."""
-    start = at.P[:1]
-    scores = impl("qsa_scores", "triton")(qi, blocks, start, m.ratio)          # (T, NB)
-    sel = select_sorted(scores, keep)[1]                                         # ties: the lower block
-    scales = st.kv_scales()
-    return impl("qsa_attention", "triton")(q, *st.kv_cache(), sel, start, m.ratio, gate=gate,
-                                           **({} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}))
-
-
-def _rowwise(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """Attention of queries q (H, T, D), query t over its own keys and values k[t], v[t]
-    (Hkv, S, D) where ok[t] (S,): (H, T, D). Batch-invariant mode runs the queries one by
-    one, each by the very ops of a one-token step (a verify's row is that step's, bit for
-    bit); otherwise in one call."""
-    if invariant.enabled() and q.shape[1] > 1:
-        return torch.cat([_rowwise(q[:, t:t + 1], k[t:t + 1], v[t:t + 1], ok[t:t + 1])
-                          for t in range(q.shape[1])], dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(2), k, v, attn_mask=ok[:, None, None, :],
-                                         enable_gqa=True)  # (T, H, 1, D)
-    return out[:, :, 0].transpose(0, 1)
-
-
-def _attention(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> torch.Tensor:
-    """The gated attention of rows a (T, dim) at device positions P (T,), the state's
-    buffers written in place."""
-    q, k, v, idx_q, idx_k, gate = project(m.proj.outputs(a), *m.project_args(), *at.rope_args(m.kernels))
-    _write_rows(m, st, k, v, idx_k, P)
-    product = None
-    if m.qsa and not m.dense_only:
-        # a dp4a output projection's input gated in the attention's launch (sigmoid_mul's)
-        if m.kernels == "triton" and m.o.product_apart(q.shape[1]):
-            out = product = _sparse(m, q, idx_q, st, at, gate)
-        else:
-            out = _sparse(m, q, idx_q, st, at)
-    else:
-        scales = st.kv_scales()
-        keys = _rows(st._k, None if scales is None else scales[0])
-        vals = _rows(st._v, None if scales is None else scales[1])
-        T = q.shape[1]
-        out = _rowwise(q, keys.expand(T, *keys.shape), vals.expand(T, *vals.shape), at.causal)
-    return output(m.o, out, gate, m.kernels, product)
-
-
-def _keys(m, a: torch.Tensor, st: AttentionState, P: torch.Tensor, at: _Where) -> None:
-    """Only the keys, values and indexer keys of rows a written (the MTP block's, which a
-    draft attends to; MTPHead.keys)."""
-    _, k, v, _, idx_k, _ = project(m.proj.outputs(a), *m.project_args(), *at.rope_args(m.kernels))
-    _write_rows(m, st, k, v, idx_k, P)
 
 
 def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
@@ -251,15 +92,6 @@ def _ple(p, x: torch.Tensor, tok: torch.Tensor, st) -> torch.Tensor:
     return x
 
 
-def _where(where: dict, P: torch.Tensor, m, st: AttentionState, pool: bool) -> _Where:
-    ratio = m.ratio if pool and m.qsa and not m.dense_only else 0
-    C, nb = st._k.shape[1], st._blocks.shape[0] if ratio else 0
-    key = (id(m.rope), ratio, C, nb)
-    if key not in where:
-        where[key] = _Where(P, m.rope, ratio, C, nb)
-    return where[key]
-
-
 def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor | None = None):
     """(logits (T, vocab), the streams after the last layer (T, S*H), what a verify keeps)
     for tokens `tok` (T,) at positions pos.. (`pos`: shape (1,)), both device tensors; the
@@ -282,7 +114,7 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
         if layer.recurrent:
             y = _deltanet(layer.mixer, a, st, kept.get("rows"))
         else:
-            y = _attention(layer.mixer, a, st, P, _where(where, P, layer.mixer, st, True))
+            y = attention(layer.mixer, a, st, where_of(where, P, layer.mixer, st, True))
         x, xn = layer.attn_hc.write_and_norm(x, y, w, layer.ffn_hc)
         m, w = layer.ffn_hc.read(x, xn)
         then = next_norm(layers, i, model.out_hc)
@@ -294,7 +126,7 @@ def step(model, tok: torch.Tensor, pos: torch.Tensor, state, prev: torch.Tensor 
         mtp = model.mtp
         before = prev if T == 1 else torch.cat([prev, x[:-1]])  # the streams a row ago
         a, _ = mtp.block.attn_hc.read(mtp.inputs(model, tok, before, checked=True))
-        _keys(mtp.block.mixer, a, state.mtp, P, _where(where, P, mtp.block.mixer, state.mtp, False))
+        keys(mtp.block.mixer, a, state.mtp, where_of(where, P, mtp.block.mixer, state.mtp, False))
     return model.logits(x, xn), x, kept
 
 

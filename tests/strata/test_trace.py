@@ -15,16 +15,18 @@ from triton_kernels.backend import to_device
 from triton_kernels.deltanet_fla import fla_installed
 
 # flash-tiny's decode step at bf16 with Triton kernels when these bounds were set (its 8
-# layers): 112 launches with the experts resident, 120 in a cache over host RAM (the
+# layers): 104 launches with the experts resident, 112 in a cache over host RAM (the
 # routing, its lookup and counters and the alignment in the router GEMV's last program,
 # the staging one launch: triton_kernels.router_gemv, route_align, stage; the shared
 # expert's gated down GEMV in the routed experts' down launch: moe(pair=); a
 # hyper-connection read's down GEMV in the launch that writes the streams: hc_down); a DeltaNet
 # layer's mixing is three (its conv and inputs, the recurrence, the gated norm:
 # triton_kernels.deltanet_inputs); the embedding one, gathered into every stream
-# (Qwen4Exp.embed); they only come down (129 and 137 before hc_down, 137 and 145 before
-# the shared expert's down joined, 145 and 153 before the routing joined the GEMV)
-LAUNCHES_A_LAYER = {"device": 112 / 8, "cache:16:host": 120 / 8}
+# (Qwen4Exp.embed); an attention layer's q and k norms and its rows' stores one, RoPE's
+# rows read at the positions (triton_kernels.attention_rows); they only come down (112 and
+# 120 before attention_rows, 129 and 137 before hc_down, 137 and 145 before the shared
+# expert's down joined, 145 and 153 before the routing joined the GEMV)
+LAUNCHES_A_LAYER = {"device": 104 / 8, "cache:16:host": 112 / 8}
 
 
 def test_a_host_read_of_device_data_raises_naming_the_line():
@@ -114,7 +116,7 @@ def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tin
 def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     """One layer at Flash-Next's real shape (strata.convert.flash_shape_memory: quantized
     weights, so the dp4a GEMVs and their int8 activations) on fake CUDA, experts resident:
-    23 launches, 2 of them quantize_x, the PLE block's (48 layers: 626, 13.0 a layer). A
+    23 launches, 2 of them quantize_x, the PLE block's (48 layers: 588, 12.2 a layer). A
     hyper-connection read's launch quantizes the block's input as it writes it, a write's
     launch (or the first read's norm) the streams' norm for the next read, a gate's launch
     its product (the shared expert's: the router's, route_align), DeltaNet's gated norm its
@@ -135,7 +137,10 @@ def test_flash_next_shapes_decode_step_quantizes_each_input_once(monkeypatch):
     routed experts' down launch ran the shared expert's down GEMV (moe(pair=); graph step
     735), and 23 once each hyper-connection read's down GEMV ran in the launch that writes
     (or, after the PLE block, reads) the streams, its norm finished by hc_mix
-    (triton_kernels.hc_down; graph step 638). They only come down for the same file."""
+    (triton_kernels.hc_down; graph step 638); and at 48 layers 588 once an attention
+    layer's q and k norms, its rows' stores (and in a graph the block keys' pooling and the
+    indexer queries' norm) took one launch (triton_kernels.attention_rows; graph step 602).
+    They only come down for the same file."""
     from strata.convert import flash_shape_memory as fsm
     from strata.load import Options, build, decide
     monkeypatch.setenv("STRATA_CUDA_GRAPHS", "0")  # the eager step (a graph replays its launches)
