@@ -79,9 +79,9 @@ class AttentionState:
         buf[..., n:need, :] = new
         return buf
 
-    def room(self, T: int, kv_heads: int, head_dim: int, idx_dim: int = 0, device=None) -> int:
-        """Room for T more rows in float buffers, counted held at once: the first one's index
-        (a kernel then stores them in place: triton_kernels.attention_rows)."""
+    def room(self, T: int, kv_heads: int, head_dim: int, idx_dim: int = 0, device=None) -> None:
+        """Room for T more rows in float buffers, counted held at once: a kernel then stores
+        them in place, rows n-T.. (triton_kernels.attention_rows)."""
         if self.kind == "int8":
             raise ValueError("an int8 cache's rows come with their scales: append them")
         n, store = self.n, kv.store_dtype(self.kind)
@@ -91,7 +91,6 @@ class AttentionState:
                 like = torch.empty(shape, dtype=store, device=device)
                 setattr(self, name, self._fit(getattr(self, name), like, n + T, n, self._reserved))
         self.n = n + T
-        return n
 
     def append(self, k, v, idx):
         n, r = self.n, self._reserved
@@ -313,15 +312,14 @@ class GatedAttention(torch.nn.Module):
         if self.kernels == "triton" and st.kind != "int8" and pos.dim() == 1:
             # one launch: q and k normed and roped at their positions' rows of the tables, k,
             # v and the indexer key stored in the state's buffers (triton_kernels.attention_rows)
+            if st.n != start:  # (the rows go where RoPE's positions say: one index for both)
+                raise RuntimeError(f"attention state holds {st.n} tokens, the step starts at {start}")
             q, gate, k, v, idx_q, idx_k = heads(parts, self.splits, self.n_heads, self.n_kv_heads, self.head_dim)
-            at = st.room(T, self.n_kv_heads, self.head_dim, self.idx_dim if idx_k is not None else 0, x.device)
-            cos, sin, P = self.rope.tables(pos, x.device)
+            st.room(T, self.n_kv_heads, self.head_dim, self.idx_dim if idx_k is not None else 0, x.device)
             idx = None if idx_k is None else (idx_q if self.sparse(start, T) else None, self.idx_q_norm, idx_k,
                                               st._idx)
-            q, qi = impl("attention_rows", "triton")(q, self.q_norm, k, self.k_norm, v, self.eps, cos, sin, P,
-                                                     st._k, st._v, idx)
-            if at != start:  # (the rows go where RoPE's positions say: one index for both)
-                raise RuntimeError(f"attention state holds {at} tokens, the step starts at {start}")
+            q, qi = impl("attention_rows", "triton")(q, self.q_norm, k, self.k_norm, v, self.eps,
+                                                     *self.rope.tables(pos, x.device), st._k, st._v, idx)
             out = self.attend_held(q, idx_q, st, start, pos, positions, qi)
         else:
             cos, sin = self.rope._rows(pos, x.device)

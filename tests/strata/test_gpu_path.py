@@ -284,6 +284,18 @@ def test_the_graph_step_with_the_triton_kernels_equals_their_eager_step(tiny_mix
 
 
 @pytest.mark.slow
+def test_past_the_budget_the_triton_kernels_give_the_torch_logits(tiny_mixed_short_budget):
+    """The eager step past the QSA budget (positions 11 and 12 choose 2 of 3 blocks): the
+    indexer's queries normed and roped by the launch that stores the rows
+    (triton_kernels.attention_rows), the blocks scored and attended by the QSA kernels;
+    the torch path's logits within REL, the same tokens."""
+    rels, calls = _agree(tiny_mixed_short_budget, [1, 5, 77, 2, 900, 31, 4000, 12, 7, 2], steps=3)
+    print("flash-tiny past the QSA budget, bound ratios", rels)
+    assert max(rels) <= REL, rels
+    assert {"attention_rows", "qsa_scores", "qsa_attention"} <= {c["op"] for c in calls}
+
+
+@pytest.mark.slow
 def test_batch_invariant_a_verify_through_the_graph_is_one_token_steps_with_the_triton_kernels(
         tiny_mixed, monkeypatch):
     """The promise greedy `--spec` rests on (triton_kernels.invariant), on the GPU path's
