@@ -65,8 +65,10 @@ def _attention_rows_kernel(q_ptr, wq_ptr, k_ptr, wk_ptr, v_ptr, cos_ptr, sin_ptr
                            kc_ptr, vc_ptr, iq_ptr, wiq_ptr, ik_ptr, ic_ptr, wik_ptr, blocks_ptr, qi_ptr,
                            T, D, R, Hq, Hk, NI, DI, C, ratio, eps,
                            s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ch, s_cn, s_iq, s_ik, s_ic, s_b,
-                           BD: tl.constexpr, T_P2: tl.constexpr, STORE: tl.constexpr, IDX: tl.constexpr,
-                           POOL: tl.constexpr):
+                           BD: tl.constexpr, BDI: tl.constexpr, T_P2: tl.constexpr, STORE: tl.constexpr,
+                           IDX: tl.constexpr, POOL: tl.constexpr):
+    # BD and BDI: the heads' and the indexer's widths as the separate kernels tile them (a
+    # row's sum of squares reduces in their lanes' order: another width, other bits on a GPU)
     r = tl.program_id(0).to(tl.int64)
     n_q, n_kv = Hq * T, Hk * T
     c = tl.arange(0, BD)
@@ -90,15 +92,16 @@ def _attention_rows_kernel(q_ptr, wq_ptr, k_ptr, wk_ptr, v_ptr, cos_ptr, sin_ptr
     elif IDX:
         i = r - n_q - 2 * n_kv
         if i < T:  # the indexer key's rows, as they are
+            ci = tl.arange(0, BDI)
             p = tl.load(pos_ptr + i).to(tl.int64)
-            y = tl.load(ik_ptr + i * s_ik + c, mask=c < DI, other=0.0)
-            tl.store(ic_ptr + p * s_ic + c, _stored(y, STORE), mask=c < DI)
+            y = tl.load(ik_ptr + i * s_ik + ci, mask=ci < DI, other=0.0)
+            tl.store(ic_ptr + p * s_ic + ci, _stored(y, STORE), mask=ci < DI)
         elif i < (1 + NI) * T:  # the indexer queries: norm_rope's, (n_idx, T, d)
-            _norm_rope_row(iq_ptr, wiq_ptr, cos_ptr, sin_ptr, pos_ptr, qi_ptr, i - T, T, DI, R, s_iq, DI, eps, BD,
+            _norm_rope_row(iq_ptr, wiq_ptr, cos_ptr, sin_ptr, pos_ptr, qi_ptr, i - T, T, DI, R, s_iq, DI, eps, BDI,
                            True)
         elif POOL:  # a position's block key: qsa_pool's sums, the step's own rows taken from ik
             _pool_row(ik_ptr, ic_ptr, wik_ptr, cos_ptr, sin_ptr, pos_ptr, blocks_ptr, i - (1 + NI) * T, T, DI, R, C,
-                      ratio, eps, s_ik, s_ic, s_b, BD, T_P2, STORE)
+                      ratio, eps, s_ik, s_ic, s_b, BDI, T_P2, STORE)
 
 
 @triton.jit
@@ -148,6 +151,8 @@ def _check(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool):
         if idx_k.shape != (T, d) or idx_cache.shape != (k_cache.shape[1], d):
             raise ValueError(f"attention_rows: idx_k (T, d) and idx_cache ({k_cache.shape[1]}, d), got "
                              f"{tuple(idx_k.shape)} and {tuple(idx_cache.shape)}")
+        if cos.shape[1] > d:
+            raise ValueError(f"attention_rows: rope_dim {cos.shape[1]} is more than the indexer's width {d}")
         if idx_q is not None:
             if idx_q.dim() != 2 or idx_q.shape[0] != T or idx_q.shape[1] % d:
                 raise ValueError(f"attention_rows: idx_q must be (T, n_idx*{d}), got {tuple(idx_q.shape)}")
@@ -233,6 +238,7 @@ def attention_rows(q: torch.Tensor, wq: torch.Tensor, k: torch.Tensor, wk: torch
             kc, vc, iq, wiq, ik, ic, wik, blocks, qi, T, D, cos.shape[1], Hq, Hk, NI, DI, k_cache.shape[1], ratio,
             eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), iq.stride(0), ik.stride(0), ic.stride(0), blocks.stride(0),
-            BD=triton.next_power_of_2(max(D, DI)), T_P2=triton.next_power_of_2(T), STORE=store,
+            BD=triton.next_power_of_2(D), BDI=triton.next_power_of_2(max(DI, 1)), T_P2=triton.next_power_of_2(T),
+            STORE=store,
             IDX=idx is not None, POOL=pool is not None)
     return qo, (qi if idx is not None and idx[0] is not None else None)

@@ -80,8 +80,8 @@ class AttentionState:
         return buf
 
     def room(self, T: int, kv_heads: int, head_dim: int, idx_dim: int = 0, device=None) -> None:
-        """Room for T more rows in float buffers, counted held at once: a kernel then stores
-        them in place, rows n-T.. (triton_kernels.attention_rows)."""
+        """Float buffers with room for T rows past the n held, unwritten: a kernel stores them
+        in place (triton_kernels.attention_rows), and then they count (n += T)."""
         if self.kind == "int8":
             raise ValueError("an int8 cache's rows come with their scales: append them")
         n, store = self.n, kv.store_dtype(self.kind)
@@ -90,7 +90,6 @@ class AttentionState:
             if shape is not None:
                 like = torch.empty(shape, dtype=store, device=device)
                 setattr(self, name, self._fit(getattr(self, name), like, n + T, n, self._reserved))
-        self.n = n + T
 
     def append(self, k, v, idx):
         n, r = self.n, self._reserved
@@ -309,10 +308,11 @@ class GatedAttention(torch.nn.Module):
         T = x.shape[0]
         pos = self.positions(start, T, positions)
         parts = self.proj.outputs(x)
-        if self.kernels == "triton" and st.kind != "int8" and pos.dim() == 1:
+        if self.kernels == "triton" and st.kind != "int8" and (positions is None or positions.rows is None):
             # one launch: q and k normed and roped at their positions' rows of the tables, k,
-            # v and the indexer key stored in the state's buffers (triton_kernels.attention_rows)
-            if st.n != start:  # (the rows go where RoPE's positions say: one index for both)
+            # v and the indexer key stored in the state's buffers at those positions
+            # (triton_kernels.attention_rows), which are the tokens' indices: text alone
+            if st.n != start:
                 raise RuntimeError(f"attention state holds {st.n} tokens, the step starts at {start}")
             q, gate, k, v, idx_q, idx_k = heads(parts, self.splits, self.n_heads, self.n_kv_heads, self.head_dim)
             st.room(T, self.n_kv_heads, self.head_dim, self.idx_dim if idx_k is not None else 0, x.device)
@@ -320,6 +320,7 @@ class GatedAttention(torch.nn.Module):
                                               st._idx)
             q, qi = impl("attention_rows", "triton")(q, self.q_norm, k, self.k_norm, v, self.eps,
                                                      *self.rope.tables(pos, x.device), st._k, st._v, idx)
+            st.n += T  # (held once stored)
             out = self.attend_held(q, idx_q, st, start, pos, positions, qi)
         else:
             cos, sin = self.rope._rows(pos, x.device)

@@ -296,6 +296,23 @@ def test_past_the_budget_the_triton_kernels_give_the_torch_logits(tiny_mixed_sho
 
 
 @pytest.mark.slow
+def test_text_after_an_image_keeps_its_rows_at_its_index_with_the_triton_kernels(flash_tiny_gguf):
+    """Text after an image takes M-RoPE positions behind its indices (here 4, 5, 6 for
+    tokens 6, 7, 8): the Triton path's rows still go at the indices (the launch that
+    stores them at their RoPE positions takes text alone), and the logits are the torch
+    path's (float weights: 6e-7 measured; 0.5 while the rows went to the RoPE positions)."""
+    logits = {}
+    for kernels in ("torch", "triton"):
+        model = load_model(flash_tiny_gguf, dtype=torch.float32, kernels=kernels)
+        state = model.new_cache()
+        state.positions.plan([(2, None), (4, (2, 2)), (3, None)])  # text, a 2 x 2 image's run, text
+        rows = [model([1, 5, 77, 2, 900, 31], state), model([4000, 12, 7], state), model([9], state)]
+        assert state.positions.of(6, 3).tolist() == [4, 5, 6] and state.layers[3].n == 10
+        logits[kernels] = torch.cat(rows)
+    assert _rel(logits["triton"], logits["torch"]) < 1e-5
+
+
+@pytest.mark.slow
 def test_batch_invariant_a_verify_through_the_graph_is_one_token_steps_with_the_triton_kernels(
         tiny_mixed, monkeypatch):
     """The promise greedy `--spec` rests on (triton_kernels.invariant), on the GPU path's

@@ -223,7 +223,9 @@ def test_the_attention_rows_launch_is_the_separate_launches_on_the_gpu(dtype):
     """attention_rows on the GPU: q, the indexer queries, the caches and the block keys
     are the separate launches' (norm_rope2, norm_rope, qsa_pool after the rows' stores)
     bit for bit, as test_attention_rows.py checks them under the interpreter; positions
-    within one block or across two, read from the device."""
+    within one block or across two, read from the device. Flash-Next's widths (head_dim
+    256, the indexer's 128, RoPE on 64): a row's sum of squares reduces in the lanes'
+    order of its width's tile, which the launch must keep per part."""
     from tests.triton_kernels.test_attention_rows import EPS, layer, run, same
     from triton_kernels.attention_rows import attention_rows, cache_write_torch
     from triton_kernels.qsa import qsa_pool
@@ -232,7 +234,7 @@ def test_the_attention_rows_launch_is_the_separate_launches_on_the_gpu(dtype):
     @given(T=st.integers(1, 4), p0=st.integers(0, 20), ratio=st.integers(1, 5), seed=st.integers(0, 2 ** 16))
     @settings(max_examples=examples(20), deadline=None)
     def prop(T, p0, ratio, seed):
-        rows, w, tables, caches = layer(seed, T, 4, 2, 32, 2, 16, 8, p0 + T + 3, ratio, dtype)
+        rows, w, tables, caches = layer(seed, T, 4, 2, 256, 2, 128, 64, p0 + T + 3, ratio, dtype)
         rows, w = ({n: x.cuda() for n, x in d.items()} for d in (rows, w))
         tables, caches = [t.cuda() for t in tables], [c.cuda() for c in caches]
         pos = torch.arange(p0, p0 + T).cuda()
@@ -240,7 +242,7 @@ def test_the_attention_rows_launch_is_the_separate_launches_on_the_gpu(dtype):
         q, k = norm_rope2(rows["q"], w["wq"], rows["k"], w["wk"], EPS, *tables, pos)
         cache_write_torch(apart[:3], [k, rows["v"].transpose(0, 1), rows["ik"]], pos)
         qsa_pool(apart[2], None, pos, ratio, w["wik"], EPS, *tables, apart[3])
-        qi = norm_rope(rows["iq"].reshape(T, 2, 16), w["wiq"], EPS, *tables, pos)
+        qi = norm_rope(rows["iq"].reshape(T, 2, 128), w["wiq"], EPS, *tables, pos)
         fused = [c.clone() for c in caches]
         q2, qi2 = run(attention_rows, rows, w, tables, fused, pos, ratio, True, True, True)
         assert same(q2, q) and same(qi2, qi) and all(same(a, b) for a, b in zip(fused, apart))
