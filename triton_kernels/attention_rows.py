@@ -1,5 +1,7 @@
-"""A decode graph's attention inputs in one launch: what norm_rope2, cache_write, qsa_pool
-and norm_rope launched apart (strata.runtime.graphs_qwen4exp):
+"""An attention layer's inputs in one launch: what norm_rope2, the rows' stores into the
+cache, qsa_pool and norm_rope launched apart (a decode graph's step,
+strata.runtime.graph_attention; the eager forward, strata.nn.gated_attention, without the
+pool):
 
     attention_rows(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache,
                    idx=None, pool=None) -> (qo (H, T, D), qi (n_idx, T, d) or None)
