@@ -193,6 +193,8 @@ def select_blocks(scores: torch.Tensor, start: int, ratio: int, keep: int) -> to
     T = scores.shape[0]
     dev = scores.device
     n = visible_blocks(start, T, ratio)  # on the host: the groups are found there
+    if T == 1 and int(n[0]) > keep:  # a decode step past the budget: the one topk, no buffer to fill
+        return scores[:, :int(n[0])].topk(keep, dim=-1).indices
     sel = torch.full((T, keep), -1, dtype=torch.int64, device=dev)
     slots = torch.arange(keep)
     few = int((n <= keep).sum())  # n is non-decreasing: the first `few` queries keep all
