@@ -4,14 +4,16 @@ strata.runtime.graph_attention; the eager forward, strata.nn.gated_attention, wi
 pool):
 
     attention_rows(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache,
-                   idx=None, pool=None) -> (qo (H, T, D), qi (n_idx, T, d) or None)
-        q (T, H, D), k and v (T, Hkv, D): views of the fused projection's rows, D contiguous
-        k normed times wk and roped, then stored with v at positions pos (T,) of the
-        caches (Hkv, C, D), rounded to their float dtype to nearest even (as torch's .to)
+                   idx=None, pool=None, slots=None) -> (qo (H, T, D), qi (n_idx, T, d) or None)
+        q (T, H, D), k and v (T, Hkv, D): views of the fused projection's rows, D contiguous,
+        roped at the rows pos (T,) of the cos and sin tables
+        k normed times wk and roped, then stored with v at rows `slots` (T,) of the caches
+        (Hkv, C, D) (default: pos), rounded to their float dtype to nearest even (as
+        torch's .to)
         idx = (idx_q (T, n_idx*d) or None, w_iq (d,), idx_k (T, d), idx_cache (C, d)): the
-            QSA indexer's key stored at pos, its queries normed and roped (norm_rope's qi)
+            QSA indexer's key stored at the slots, its queries normed and roped (norm_rope's qi)
         pool = (ratio, w_ik (d,), blocks (nb, d) float32): each position's block key
-            pooled as qsa_pool pools it, in place
+            pooled as qsa_pool pools it, in place (positions that are the slots: a graph's)
 
 Programs side by side in one grid: q's rows, k's, v's, the indexer key's, the indexer
 queries', then one a position for the block keys. The launch is its four launches' result
@@ -63,7 +65,7 @@ def _read(y, STORE: tl.constexpr):
 
 
 @triton.jit
-def _attention_rows_kernel(q_ptr, wq_ptr, k_ptr, wk_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr,
+def _attention_rows_kernel(q_ptr, wq_ptr, k_ptr, wk_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr,
                            kc_ptr, vc_ptr, iq_ptr, wiq_ptr, ik_ptr, ic_ptr, wik_ptr, blocks_ptr, qi_ptr,
                            T, D, R, Hq, Hk, NI, DI, C, ratio, eps,
                            s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ch, s_cn, s_iq, s_ik, s_ic, s_b,
@@ -76,17 +78,18 @@ def _attention_rows_kernel(q_ptr, wq_ptr, k_ptr, wk_ptr, v_ptr, cos_ptr, sin_ptr
     c = tl.arange(0, BD)
     if r < n_q:  # q's rows: norm_rope2's
         _norm_rope_row(q_ptr, wq_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, r, T, D, R, s_qt, s_qh, eps, BD, True)
-    elif r < n_q + 2 * n_kv:  # k's rows normed and roped, v's as they are, into the caches at pos[t]
+    elif r < n_q + 2 * n_kv:  # k's rows normed and roped, v's as they are, into the caches at slot[t]
         kv = r - n_q
         is_k = kv < n_kv
         kv = tl.where(is_k, kv, kv - n_kv)
         h, t = kv // T, kv % T
-        p = tl.load(pos_ptr + t).to(tl.int64)
+        p = tl.load(slot_ptr + t).to(tl.int64)
         if is_k:
+            at = tl.load(pos_ptr + t).to(tl.int64)
             row = k_ptr + t * s_kt + h * s_kh
             x = tl.load(row + c, mask=c < D, other=0.0)
             xp = tl.load(row + partner_of(c, R), mask=c < R, other=0.0)
-            y = norm_rope_values(x, xp, wk_ptr, cos_ptr + p * R, sin_ptr + p * R, D, R, eps, BD)
+            y = norm_rope_values(x, xp, wk_ptr, cos_ptr + at * R, sin_ptr + at * R, D, R, eps, BD)
             tl.store(kc_ptr + h * s_ch + p * s_cn + c, _stored(y, STORE), mask=c < D)
         else:
             y = tl.load(v_ptr + t * s_vt + h * s_vh + c, mask=c < D, other=0.0)
@@ -95,14 +98,14 @@ def _attention_rows_kernel(q_ptr, wq_ptr, k_ptr, wk_ptr, v_ptr, cos_ptr, sin_ptr
         i = r - n_q - 2 * n_kv
         if i < T:  # the indexer key's rows, as they are
             ci = tl.arange(0, BDI)
-            p = tl.load(pos_ptr + i).to(tl.int64)
+            p = tl.load(slot_ptr + i).to(tl.int64)
             y = tl.load(ik_ptr + i * s_ik + ci, mask=ci < DI, other=0.0)
             tl.store(ic_ptr + p * s_ic + ci, _stored(y, STORE), mask=ci < DI)
         elif i < (1 + NI) * T:  # the indexer queries: norm_rope's, (n_idx, T, d)
             _norm_rope_row(iq_ptr, wiq_ptr, cos_ptr, sin_ptr, pos_ptr, qi_ptr, i - T, T, DI, R, s_iq, DI, eps, BDI,
                            True)
         elif POOL:  # a position's block key: qsa_pool's sums, the step's own rows taken from ik
-            _pool_row(ik_ptr, ic_ptr, wik_ptr, cos_ptr, sin_ptr, pos_ptr, blocks_ptr, i - (1 + NI) * T, T, DI, R, C,
+            _pool_row(ik_ptr, ic_ptr, wik_ptr, cos_ptr, sin_ptr, slot_ptr, blocks_ptr, i - (1 + NI) * T, T, DI, R, C,
                       ratio, eps, s_ik, s_ic, s_b, BDI, T_P2, STORE)
 
 
@@ -133,10 +136,18 @@ def _pool_row(ik_ptr, ic_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, blocks_ptr, t, T
     tl.store(blocks_ptr + (first // ratio) * s_b + c, out, mask=c < D)
 
 
-def _check(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool):
+def _check(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool, slots):
+    if pos is None:
+        raise ValueError("attention_rows: pos (T,), the rows of the cos and sin tables, is needed")
     _check_rope(q, wq, cos, sin, pos)
     _check_rope(k, wk, cos, sin, pos)
     T, Hk, D = k.shape
+    if slots is not None:
+        if slots.shape != pos.shape or slots.dtype.is_floating_point:
+            raise ValueError(f"attention_rows: slots must be ({T},) integers, got {slots.dtype} {tuple(slots.shape)}")
+        if pool is not None:
+            raise ValueError("attention_rows: the block keys are pooled at positions that are the slots (a graph's "
+                             "step): give no slots with a pool")
     if q.shape[0] != T or q.shape[2] != D or v.shape != k.shape:
         raise ValueError(f"attention_rows: q (T, H, D), k and v (T, Hkv, D) of one T and D, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -146,7 +157,8 @@ def _check(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool):
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if any(c.dtype not in FLOATS or c.dtype != k_cache.dtype for c in caches) or v.dtype != torch.float32:
         raise ValueError(f"attention_rows: float caches of one dtype and float32 rows, got "
-                         f"{[c.dtype for c in caches]} and {v.dtype} (an int8 cache's rows need their scales: the separate launches)")
+                         f"{[c.dtype for c in caches]} and {v.dtype} (an int8 cache's rows need their scales: the "
+                         f"separate launches)")
     if idx is not None:
         idx_q, w_iq, idx_k, idx_cache = idx
         d = idx_k.shape[-1]
@@ -176,15 +188,15 @@ def cache_write_torch(dsts: list[torch.Tensor], srcs: list[torch.Tensor], pos: t
         d.index_copy_(d.dim() - 2, pos, s.to(d.dtype))
 
 
-def attention_rows_torch(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx=None, pool=None):
+def attention_rows_torch(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx=None, pool=None, slots=None):
     """The four ops' torch twins in their order (see the module)."""
-    _check(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool)
+    _check(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool, slots)
     qo, ko = norm_rope2_torch(q, wq, k, wk, eps, cos, sin, pos)
     dsts, srcs = [k_cache, v_cache], [ko, v.transpose(0, 1)]
     if idx is not None:
         dsts.append(idx[3])
         srcs.append(idx[2])
-    cache_write_torch(dsts, srcs, pos)
+    cache_write_torch(dsts, srcs, pos if slots is None else slots)
     if pool is not None:
         qsa_pool_torch(idx[3], None, pos, pool[0], pool[1], eps, cos, sin, pool[2])
     if idx is None or idx[0] is None:
@@ -195,15 +207,15 @@ def attention_rows_torch(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, 
 
 def attention_rows(q: torch.Tensor, wq: torch.Tensor, k: torch.Tensor, wk: torch.Tensor, v: torch.Tensor,
                    eps: float, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, idx: tuple | None = None, pool: tuple | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   v_cache: torch.Tensor, idx: tuple | None = None, pool: tuple | None = None,
+                   slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q normed and roped (H, T, D), the indexer queries normed and roped (n_idx, T, d) or
     None), the caches and block keys written in place, in one launch (see the module).
     Positions must lie in the caches (unchecked: they are on the device). CPU tensors
     without the interpreter run attention_rows_torch."""
-    _check(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool)
+    _check(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool, slots)
     if not use_triton(q):
-        return attention_rows_torch(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool)
+        return attention_rows_torch(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx, pool, slots)
     T, Hq, D = q.shape
     Hk = k.shape[1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -236,11 +248,11 @@ def attention_rows(q: torch.Tensor, wq: torch.Tensor, k: torch.Tensor, wk: torch
     if T and D:
         kc, vc = as_stored(k_cache), as_stored(v_cache)
         _attention_rows_kernel[(n,)](
-            q, wq.contiguous(), k, wk.contiguous(), v, cos.contiguous(), sin.contiguous(), pos.contiguous(), qo,
+            q, wq.contiguous(), k, wk.contiguous(), v, cos.contiguous(), sin.contiguous(), pos.contiguous(),
+            (pos if slots is None else slots).contiguous(), qo,
             kc, vc, iq, wiq, ik, ic, wik, blocks, qi, T, D, cos.shape[1], Hq, Hk, NI, DI, k_cache.shape[1], ratio,
             eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), iq.stride(0), ik.stride(0), ic.stride(0), blocks.stride(0),
             BD=triton.next_power_of_2(D), BDI=triton.next_power_of_2(max(DI, 1)), T_P2=triton.next_power_of_2(T),
-            STORE=store,
-            IDX=idx is not None, POOL=pool is not None)
+            STORE=store, IDX=idx is not None, POOL=pool is not None)
     return qo, (qi if idx is not None and idx[0] is not None else None)

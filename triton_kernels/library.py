@@ -162,10 +162,10 @@ OPS["qsa_pool"] = _register("qsa_pool", _qsa_pool, mutates=("blocks",))
 def _attention_rows(q: Tensor, wq: Tensor, k: Tensor, wk: Tensor, v: Tensor, eps: float, cos: Tensor, sin: Tensor,
                     pos: Tensor, k_cache: Tensor, v_cache: Tensor, idx_q: Optional[Tensor], w_iq: Optional[Tensor],
                     idx_k: Optional[Tensor], idx_cache: Optional[Tensor], ratio: int, w_ik: Optional[Tensor],
-                    blocks: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                    blocks: Optional[Tensor], slots: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     qo, qi = attention_rows(q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache,
                             None if idx_k is None else (idx_q, w_iq, idx_k, idx_cache),
-                            None if blocks is None else (ratio, w_ik, blocks))
+                            None if blocks is None else (ratio, w_ik, blocks), slots)
     return qo, (qo.new_empty(0) if qi is None else qi)  # (an op returns tensors, not None)
 
 
@@ -372,9 +372,10 @@ _CALLS = {
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S,
                             gate=None: OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s, gate),
-    "attention_rows": lambda q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx=None, pool=None: _rows_out(
+    "attention_rows": lambda q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx=None, pool=None,
+                             slots=None: _rows_out(
         OPS["attention_rows"](q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, *(idx or (None,) * 4),
-                              *(pool or (0, None, None))), idx),
+                              *(pool or (0, None, None)), slots), idx),
     "qsa_pool": lambda idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks:
         OPS["qsa_pool"](idx, idx_scale, pos, ratio, w, eps, cos, sin, blocks),
     "stage_rows": lambda src, dst, ids, slots, first: OPS["stage_rows"](

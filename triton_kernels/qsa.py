@@ -193,11 +193,11 @@ def select_blocks(scores: torch.Tensor, start: int, ratio: int, keep: int) -> to
     T = scores.shape[0]
     dev = scores.device
     n = visible_blocks(start, T, ratio)  # on the host: the groups are found there
-    if T == 1 and int(n[0]) > keep:  # a decode step past the budget: the one topk, no buffer to fill
+    few = int((n <= keep).sum())  # n is non-decreasing: the first `few` queries keep all
+    if T and not few and int(n[-1]) == int(n[0]):  # one group, all choosing (a decode step): its topk alone
         return scores[:, :int(n[0])].topk(keep, dim=-1).indices
     sel = torch.full((T, keep), -1, dtype=torch.int64, device=dev)
     slots = torch.arange(keep)
-    few = int((n <= keep).sum())  # n is non-decreasing: the first `few` queries keep all
     if few:
         sel[:few] = torch.where(slots[None, :] < n[:few, None], slots[None, :], -1).to(dev)
     a = few

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels import invariant
+from triton_kernels.backend import to_device
 from triton_kernels.ops import impl
 from triton_kernels.qsa import select_blocks
 
@@ -60,13 +61,13 @@ class AttentionState:
         self._reserved = max(self._reserved, n)
 
     @staticmethod
-    def _fit(buf, like, need, n, reserved=0):
-        """`buf` with room for `need` rows like `like`'s (its dtype, shape but for the rows),
-        its first n rows kept: grown by doubling, or made."""
+    def _fit(buf, shape, dtype, device, need, n, reserved=0):
+        """`buf` with room for `need` rows of `shape` (the rows' count aside), its first n rows
+        kept: grown by doubling, or made."""
         if buf is None or buf.shape[-2] < need:
-            shape = list(like.shape)
+            shape = list(shape)
             shape[-2] = max(need, 2 * (buf.shape[-2] if buf is not None else 0), 64, reserved)
-            grown = like.new_empty(shape)
+            grown = torch.empty(shape, dtype=dtype, device=device)
             if buf is not None:
                 grown[..., :n, :] = buf[..., :n, :]
             buf = grown
@@ -75,7 +76,7 @@ class AttentionState:
     @staticmethod
     def _grow(buf, new, n, reserved=0):
         need = n + new.shape[-2]
-        buf = AttentionState._fit(buf, new, need, n, reserved)
+        buf = AttentionState._fit(buf, new.shape, new.dtype, new.device, need, n, reserved)
         buf[..., n:need, :] = new
         return buf
 
@@ -88,8 +89,7 @@ class AttentionState:
         for name, shape in (("_k", (kv_heads, T, head_dim)), ("_v", (kv_heads, T, head_dim)),
                             ("_idx", (T, idx_dim) if idx_dim else None)):
             if shape is not None:
-                like = torch.empty(shape, dtype=store, device=device)
-                setattr(self, name, self._fit(getattr(self, name), like, n + T, n, self._reserved))
+                setattr(self, name, self._fit(getattr(self, name), shape, store, device, n + T, n, self._reserved))
 
     def append(self, k, v, idx):
         n, r = self.n, self._reserved
@@ -308,25 +308,38 @@ class GatedAttention(torch.nn.Module):
         T = x.shape[0]
         pos = self.positions(start, T, positions)
         parts = self.proj.outputs(x)
-        if self.kernels == "triton" and st.kind != "int8" and (positions is None or positions.rows is None):
+        if self.kernels == "triton" and st.kind != "int8" and pos.dim() == 1:
             # one launch: q and k normed and roped at their positions' rows of the tables, k,
-            # v and the indexer key stored in the state's buffers at those positions
-            # (triton_kernels.attention_rows), which are the tokens' indices: text alone
+            # v and the indexer key stored at their indices (triton_kernels.attention_rows)
             if st.n != start:
                 raise RuntimeError(f"attention state holds {st.n} tokens, the step starts at {start}")
-            q, gate, k, v, idx_q, idx_k = heads(parts, self.splits, self.n_heads, self.n_kv_heads, self.head_dim)
-            st.room(T, self.n_kv_heads, self.head_dim, self.idx_dim if idx_k is not None else 0, x.device)
-            idx = None if idx_k is None else (idx_q if self.sparse(start, T) else None, self.idx_q_norm, idx_k,
-                                              st._idx)
-            q, qi = impl("attention_rows", "triton")(q, self.q_norm, k, self.k_norm, v, self.eps,
-                                                     *self.rope.tables(pos, x.device), st._k, st._v, idx)
+            st.room(T, self.n_kv_heads, self.head_dim, self.idx_dim if self.n_idx else 0, x.device)
+            cos, sin, P = self.rope.tables(pos, x.device)
+            index = torch.arange(start, start + T)
+            slots = None if torch.equal(pos, index) else to_device(index, x.device)  # (after an image they part)
+            q, qi, gate = self.stored_inputs(parts, st, cos, sin, P, queries=self.sparse(start, T), slots=slots)
             st.n += T  # (held once stored)
-            out = self.attend_held(q, idx_q, st, start, pos, positions, qi)
+            out = self.attend_held(q, None, st, start, pos, positions, qi)
         else:
             cos, sin = self.rope._rows(pos, x.device)
             q, k, v, idx_q, idx_k, gate = project(parts, *self.project_args(), cos, sin)
             out = self.attend(q, k, v, idx_q, idx_k, st, start, pos, positions)
         return output(self.o, out, gate, self.kernels)
+
+    def stored_inputs(self, parts, st: AttentionState, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                      queries: bool = False, pool: bool = False, slots: torch.Tensor | None = None):
+        """(q (H, T, D) normed and roped, with `queries` the indexer's queries normed and roped
+        (n_idx, T, d) else None, the output gate (T, H*D)) from the projection's outputs
+        `parts`, in one launch that also stores k, v and the indexer key in the state's
+        float buffers at `slots` (default: the positions pos, rows of the tables cos and
+        sin, on the device) and with `pool` pools each position's block key
+        (triton_kernels.attention_rows)."""
+        q, gate, k, v, idx_q, idx_k = heads(parts, self.splits, self.n_heads, self.n_kv_heads, self.head_dim)
+        idx = None if idx_k is None else (idx_q if queries else None, self.idx_q_norm, idx_k, st._idx)
+        pooled = (self.ratio, self.idx_k_norm, st._blocks) if pool else None
+        q, qi = impl("attention_rows", "triton")(q, self.q_norm, k, self.k_norm, v, self.eps, cos, sin, pos, st._k,
+                                                 st._v, idx, pooled, slots=slots)
+        return q, qi, gate
 
     @staticmethod
     def positions(start: int, T: int, positions: Positions | None = None) -> torch.Tensor:
@@ -358,7 +371,7 @@ class GatedAttention(torch.nn.Module):
                     positions: Positions | None = None, qi: torch.Tensor | None = None) -> torch.Tensor:
         """Attend the T queries q (H, T, D) at start.. to the state, which holds their own
         keys already: (H, T, D). `qi`: the indexer's queries normed and roped (n_idx, T, d),
-        where a launch made them (else made here from idx_q)."""
+        where a launch made them (else made here from idx_q, the projection's rows)."""
         T = q.shape[1]
         dev = q.device
         end = start + T
@@ -403,7 +416,7 @@ class GatedAttention(torch.nn.Module):
         (triton_kernels.qsa.select_blocks). idx_q: the indexer queries (T, n_idx*d) at
         rotary positions `pos` (default: their indices), or `qi` as they are normed and
         roped (n_idx, T, d)."""
-        T = idx_q.shape[0]
+        T = idx_q.shape[0] if qi is None else qi.shape[1]
         if qi is None:
             pos = torch.arange(start, start + T) if pos is None else pos
             qi = idx_q.reshape(T, self.n_idx, self.idx_dim)

@@ -100,22 +100,25 @@ class Rope(torch.nn.Module):
         self.register_buffer("cos", (ang.cos() * self.mscale).float(), persistent=False)
         self.register_buffer("sin", (ang.sin() * self.mscale).float(), persistent=False)
 
+    def _cover(self, pos: torch.Tensor) -> None:
+        """The tables grown (to twice the need) to hold rows for the positions (on the host)."""
+        top = int(pos.max())
+        if top >= self.cos.shape[0]:
+            self._table(2 * top + 1)
+
     def _rows(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows of `pos` on `device`. On a GPU the positions cross over once a
         step, not once a layer: every layer of a step asks for the same ones (a copy from
         the host waits for the GPU's queue)."""
         if pos.dim() == 2:  # (3, S) multimodal positions: each column from its axis's row
-            if int(pos.max()) >= self.cos.shape[0]:
-                self._table(2 * int(pos.max()) + 1)
+            self._cover(pos)
             idx = to_device(pos, self.cos.device)[self._axis].T     # (S, dim)
             cols = torch.arange(self.dim, device=self.cos.device)
             return to_device(self.cos[idx, cols], device), to_device(self.sin[idx, cols], device)
-        key = (pos.device, tuple(pos.tolist())) if pos.device.type == "cpu" and pos.numel() <= 64 else None
+        key = _key(pos, device)
         if key is not None and self._last is not None and self._last[0] == key:
             return self._last[1]
-        top = int(pos.max())
-        if top >= self.cos.shape[0]:
-            self._table(2 * top + 1)
+        self._cover(pos)
         idx = to_device(pos, self.cos.device)
         rows = to_device(self.cos[idx], device), to_device(self.sin[idx], device)
         if key is not None:
@@ -128,10 +131,8 @@ class Rope(torch.nn.Module):
         """(cos, sin, pos on `device`): the whole tables, grown to cover the positions (S,),
         for a kernel that reads their rows itself (triton_kernels.attention_rows); the
         positions cross over once a step, as `_rows`' rows do."""
-        top = int(pos.max())
-        if top >= self.cos.shape[0]:
-            self._table(2 * top + 1)
-        key = (tuple(pos.tolist()), str(device)) if pos.numel() <= 64 else None
+        self._cover(pos)
+        key = _key(pos, device)
         if key is None or self._at is None or self._at[0] != key:
             self._at = (key, to_device(pos, device))
         return self.cos, self.sin, self._at[1]
@@ -147,3 +148,11 @@ class Rope(torch.nn.Module):
         the host, preferably)."""
         cos, sin = self._rows(pos, x.device)
         return rotate(x, cos, sin, self.dim)
+
+
+def _key(pos: torch.Tensor, device=None) -> tuple | None:
+    """A step's few host positions as a key for the rows or positions made from them last
+    (None for many, or positions not on the host)."""
+    if pos.device.type != "cpu" or pos.numel() > 64:
+        return None
+    return (tuple(pos.tolist()), str(device))

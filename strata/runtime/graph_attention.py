@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from strata.nn import kv
-from strata.nn.gated_attention import AttentionState, heads, output, project
+from strata.nn.gated_attention import AttentionState, output, project
 from triton_kernels import invariant
-from triton_kernels.attention_rows import cache_write_torch
 from triton_kernels.ops import impl
 from triton_kernels.qsa import select_sorted
 
@@ -58,12 +57,7 @@ def _inputs(m, a: torch.Tensor, st: AttentionState, at: "Where", pool: bool):
     stored at at.P, and with `pool` each position's block key pooled (see the module)."""
     parts = m.proj.outputs(a)
     if m.kernels == "triton" and st.kind != "int8":
-        q, gate, k, v, idx_q, idx_k = heads(parts, m.splits, m.n_heads, m.n_kv_heads, m.head_dim)
-        idx = None if idx_k is None else (idx_q if pool else None, m.idx_q_norm, idx_k, st._idx)
-        q, qi = impl("attention_rows", "triton")(q, m.q_norm, k, m.k_norm, v, m.eps, *at.rope_args("triton"),
-                                                 st._k, st._v, idx,
-                                                 (m.ratio, m.idx_k_norm, st._blocks) if pool else None)
-        return q, qi, gate
+        return m.stored_inputs(parts, st, *at.rope_args("triton"), queries=pool, pool=pool)
     q, k, v, idx_q, idx_k, gate = project(parts, *m.project_args(), *at.rope_args(m.kernels))
     _write_rows(m, st, k, v, idx_k, at.P)
     if not pool:
@@ -101,12 +95,7 @@ def _sparse(m, q, qi, st: AttentionState, at: "Where", gate=None) -> torch.Tenso
 def _write_rows(m, st: AttentionState, k: torch.Tensor, v: torch.Tensor, idx_k: torch.Tensor | None,
                 at: torch.Tensor) -> None:
     """Keys, values and indexer keys stored at positions `at` where no Triton launch stores
-    them (`_inputs`): float rows by index_copy_, int8 rows with their scales a buffer at a
-    time."""
-    if st.kind != "int8":
-        pairs = [(st._k, k), (st._v, v)] + ([(st._idx, idx_k)] if idx_k is not None else [])
-        cache_write_torch(*map(list, zip(*pairs)), at)
-        return
+    them (`_inputs`), a buffer at a time (int8 rows with their scales)."""
     _write(st, "k", k, at)
     _write(st, "v", v, at)
     if idx_k is not None:

@@ -298,9 +298,9 @@ def test_past_the_budget_the_triton_kernels_give_the_torch_logits(tiny_mixed_sho
 @pytest.mark.slow
 def test_text_after_an_image_keeps_its_rows_at_its_index_with_the_triton_kernels(flash_tiny_gguf):
     """Text after an image takes M-RoPE positions behind its indices (here 4, 5, 6 for
-    tokens 6, 7, 8): the Triton path's rows still go at the indices (the launch that
-    stores them at their RoPE positions takes text alone), and the logits are the torch
-    path's (float weights: 6e-7 measured; 0.5 while the rows went to the RoPE positions)."""
+    tokens 6, 7, 8): the Triton path's launch ropes at the positions and stores the rows
+    at the indices (attention_rows' slots), and the logits are the torch path's (float
+    weights: 6e-7 measured; 0.5 while the rows went to the RoPE positions)."""
     logits = {}
     for kernels in ("torch", "triton"):
         model = load_model(flash_tiny_gguf, dtype=torch.float32, kernels=kernels)

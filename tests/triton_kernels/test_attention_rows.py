@@ -40,11 +40,11 @@ def layer(seed: int, T: int, H: int, Hk: int, D: int, NI: int, DI: int, R: int, 
     return rows, w, tables, caches
 
 
-def run(f, rows, w, tables, caches, pos, ratio, idx: bool, queries: bool, pool: bool):
+def run(f, rows, w, tables, caches, pos, ratio, idx: bool, queries: bool, pool: bool, slots=None):
     kc, vc, ic, blocks = caches
     i = (rows["iq"] if queries else None, w["wiq"], rows["ik"], ic) if idx else None
     return f(rows["q"], w["wq"], rows["k"], w["wk"], rows["v"], EPS, *tables, pos, kc, vc, i,
-             (ratio, w["wik"], blocks) if pool else None)
+             (ratio, w["wik"], blocks) if pool else None, slots)
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,24 +58,25 @@ shapes = dict(T=st.integers(1, 4), p0=st.integers(0, 20), ratio=st.integers(1, 5
 
 @settings(max_examples=examples(25), deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-       parts=st.sampled_from(["kv", "idx", "queries", "pool"]), **shapes)
+       parts=st.sampled_from(["kv", "idx", "queries", "pool", "slots"]), **shapes)
 def test_one_launch_is_the_separate_launches_bit_for_bit(dtype, parts, T, p0, ratio, H, Hk, D, NI, DI, seed):
     """Whatever part it takes (keys and values; the indexer's key; its queries; the block
-    keys, the step's positions within one block or across two), from caches whose other
-    rows hold earlier keys."""
+    keys, the step's positions within one block or across two; rows stored at slots other
+    than the positions, as after an image), from caches whose other rows hold earlier keys."""
     R, C = 8, p0 + T + 3
     rows, w, tables, caches = layer(seed, T, H, Hk, D, NI, DI, R, C, ratio, dtype)
     pos = torch.arange(p0, p0 + T)
-    idx, queries, pool = parts != "kv", parts in ("queries", "pool"), parts == "pool"
+    idx, queries, pool = parts != "kv", parts in ("queries", "pool", "slots"), parts == "pool"
+    slots = torch.arange(C - T, C) if parts == "slots" else None  # the last rows: past the positions
     apart = [c.clone() for c in caches]
     q, k = norm_rope2(rows["q"], w["wq"], rows["k"], w["wk"], EPS, *tables, pos)
     cache_write_torch([apart[0], apart[1]] + ([apart[2]] if idx else []),
-                      [k, rows["v"].transpose(0, 1)] + ([rows["ik"]] if idx else []), pos)
+                      [k, rows["v"].transpose(0, 1)] + ([rows["ik"]] if idx else []), pos if slots is None else slots)
     if pool:
         qsa_pool(apart[2], None, pos, ratio, w["wik"], EPS, *tables, apart[3])
     qi = norm_rope(rows["iq"].reshape(T, NI, DI), w["wiq"], EPS, *tables, pos) if queries else None
     fused = [c.clone() for c in caches]
-    q2, qi2 = run(attention_rows, rows, w, tables, fused, pos, ratio, idx, queries, pool)
+    q2, qi2 = run(attention_rows, rows, w, tables, fused, pos, ratio, idx, queries, pool, slots)
     assert same(q2, q) and (qi2 is None if qi is None else same(qi2, qi))
     assert all(same(a, b) for a, b in zip(fused, apart))
 
@@ -121,5 +122,7 @@ def test_attention_rows_names_what_it_takes():
         run(attention_rows, rows, w, tables, int8, pos, 4, False, False, False)
     with pytest.raises(ValueError, match="pooling the block keys needs the indexer's rows"):
         run(attention_rows, rows, w, tables, caches, pos, 4, False, False, True)
+    with pytest.raises(ValueError, match="give no slots with a pool"):
+        run(attention_rows, rows, w, tables, caches, pos, 4, True, True, True, slots=pos + 1)
     with pytest.raises(ValueError, match=r"k_cache and v_cache must be \(1, capacity, 16\)"):
         run(attention_rows, rows, w, tables, [caches[0][:, :, :8]] + caches[1:], pos, 4, False, False, False)
