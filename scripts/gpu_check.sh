@@ -41,7 +41,7 @@
 # their wheels in .whl/ and SmolLM2's GGUF in parts in .gpu/, and prints which call carries
 # what. Wheels in .whl/ are installed first into /tmp/site; with fla-core's, step 1 runs
 # fla's DeltaNet kernels on the device against Strata's (tests/triton_kernels/
-# test_deltanet_fla.py) and the engine's DeltaNet layers take them.
+# test_deltanet_fla.py) and the engine's DeltaNet layers take them for prompts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check.out}

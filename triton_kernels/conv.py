@@ -34,6 +34,14 @@ def conv_taps(x, win_ptr, taps_ptr, new_win_ptr, c, live, S: tl.constexpr, K: tl
     of [window | x] in order, each product and sum rounded on its own, and the window
     moved on by one into new_win_ptr (each element read before it is written, so in place
     too). The DeltaNet inputs' and the PLE block's kernels run it inside theirs."""
+    y = conv_sum(x, win_ptr, taps_ptr, c, live, S, K, DIL)
+    move_window(x, win_ptr, new_win_ptr, c, live, S)
+    return y
+
+
+@triton.jit
+def conv_sum(x, win_ptr, taps_ptr, c, live, S: tl.constexpr, K: tl.constexpr, DIL: tl.constexpr):
+    """conv_taps' output alone: the window read, not moved on."""
     y = tl.zeros(c.shape, tl.float32)
     for j in tl.static_range(K):
         p = j * DIL  # column p of [window | x]
@@ -45,11 +53,17 @@ def conv_taps(x, win_ptr, taps_ptr, new_win_ptr, c, live, S: tl.constexpr, K: tl
             y = f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
         else:
             y = y + f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+    return y
+
+
+@triton.jit
+def move_window(x, win_ptr, new_win_ptr, c, live, S: tl.constexpr):
+    """The window at channels c moved on by one token, x, into new_win_ptr (a lane reads
+    each of its elements before it writes it: in place too)."""
     for p in tl.static_range(1, S):
         tl.store(new_win_ptr + c * S + p - 1, tl.load(win_ptr + c * S + p, mask=live, other=0.0), mask=live)
     if S > 0:
         tl.store(new_win_ptr + c * S + S - 1, x, mask=live)
-    return y
 
 
 @triton.jit

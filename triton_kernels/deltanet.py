@@ -16,10 +16,13 @@ layer; here one program holds a (dk, BLOCK_V) tile of a head's state in register
 first token's decay to the last one's read-out. A token's arithmetic is the same whatever
 T (the state stays float32 between tokens, in registers or in memory): T tokens at once
 give T one-token calls' bits (a verify's rows are decode steps'). `deltanet_step_torch` is
-that torch form, token by token. Float32 throughout; the kernel's sums over dk run in
-another order than torch's, so the two agree within float32's summation bound
-(tests/triton_kernels/test_deltanet.py), not bit for bit: a model takes one of the two for
-every token of a sequence (decode and a verify's replay alike), never both.
+that torch form, token by token. triton_kernels.deltanet_decode runs the same token
+(`delta_token`, the same tile) inside a decode's one launch, neither fusing a
+multiply-add, so a decode's token and a verify's rows here round alike on a GPU too.
+Float32 throughout; the kernel's sums over dk run in another order than torch's, so the
+two agree within float32's summation bound (tests/triton_kernels/test_deltanet.py), not
+bit for bit: a model takes one of the two for every token of a sequence (decode and a
+verify's replay alike), never both.
 """
 from __future__ import annotations
 
@@ -44,15 +47,22 @@ def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, T, H, DK: t
     s = tl.load(tile, mask=live, other=0.0)
     for t in range(T):
         th = t * H + h  # token t's head h
-        s = s * tl.exp(tl.load(g_ptr + th))
-        k = tl.load(k_ptr + th * DK + rk, mask=mk, other=0.0)
-        kv = tl.sum(s * k[:, None], axis=0)
-        v = tl.load(v_ptr + th * DV + rv, mask=mv, other=0.0)
-        delta = (v - kv) * tl.load(beta_ptr + th)
-        s = s + k[:, None] * delta[None, :]
-        q = tl.load(q_ptr + th * DK + rk, mask=mk, other=0.0)
-        tl.store(o_ptr + th * DV + rv, tl.sum(s * q[:, None], axis=0), mask=mv)
+        s, o = delta_token(s, tl.load(q_ptr + th * DK + rk, mask=mk, other=0.0),
+                           tl.load(k_ptr + th * DK + rk, mask=mk, other=0.0),
+                           tl.load(v_ptr + th * DV + rv, mask=mv, other=0.0), tl.load(g_ptr + th),
+                           tl.load(beta_ptr + th))
+        tl.store(o_ptr + th * DV + rv, o, mask=mv)
     tl.store(tile, s, mask=live)
+
+
+@triton.jit
+def delta_token(s, q, k, v, g, beta):
+    """One token of a head's recurrence on its state tile s [BK, BV]: (s after, o [BV])."""
+    s = s * tl.exp(g)
+    kv = tl.sum(s * k[:, None], axis=0)
+    delta = (v - kv) * beta
+    s = s + k[:, None] * delta[None, :]
+    return s, tl.sum(s * q[:, None], axis=0)
 
 
 def check_inputs(q, k, v, g, beta, state, op: str = "deltanet_step") -> None:
@@ -82,7 +92,8 @@ def deltanet_step(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if T:
         _step_kernel[(Hv, triton.cdiv(dv, BLOCK_V))](q, k, v, g.contiguous(), beta.contiguous(), state, o, T, Hv,
-                                                     DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BLOCK_V)
+                                                     DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BLOCK_V,
+                                                     enable_fp_fusion=False)  # as deltanet_decode's
     return o
 
 

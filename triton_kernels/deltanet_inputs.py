@@ -77,15 +77,22 @@ def _inputs_kernel(mixed_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, q_ptr, k_ptr, v_pt
 
 @triton.jit
 def _beta_g(b_row, a_row, dt_ptr, coef_ptr, g_ptr, beta_ptr, h, out):
-    b = tl.load(b_row + h)
-    tl.store(beta_ptr + out, 1.0 / (1.0 + tl.exp(-b)))
+    beta, g = beta_g(b_row, a_row, dt_ptr, coef_ptr, h)
+    tl.store(beta_ptr + out, beta)
+    tl.store(g_ptr + out, g)
+
+
+@triton.jit
+def beta_g(b_row, a_row, dt_ptr, coef_ptr, h):
+    """Value head h's (beta, g) from its b and a."""
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_row + h)))
     x = tl.load(a_row + h) + tl.load(dt_ptr + h)
     # softplus as torch's (threshold 20), log1p(e) by Goldberg's log(u) e / (u - 1), u = 1 + e,
     # exact to a few ulp where e is below float32's epsilon and log(1 + e) would round to 0
     e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
-    tl.store(g_ptr + out, tl.load(coef_ptr + h) * tl.where(x > 20.0, x, log1p))
+    return beta, tl.load(coef_ptr + h) * tl.where(x > 20.0, x, log1p)
 
 
 @triton.jit
@@ -118,12 +125,22 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, q_ptr, d_ptr, s_ptr, Hv, DV, 
     c = tl.arange(0, BV)
     live = c < DV
     o = tl.load(o_ptr + r * DV + c, mask=live, other=0.0)
+    store_gated(o, z_ptr + t * z_stride + h * DV, w_ptr, y_ptr + r * DV, q_ptr, d_ptr, s_ptr, t, h, c, live, Hv,
+                DV, eps, BV, QUANT)
+
+
+@triton.jit
+def store_gated(o, z_row, w_ptr, y_row, q_ptr, d_ptr, s_ptr, t, h, c, live, Hv, DV, eps, BV: tl.constexpr,
+                QUANT: tl.constexpr):
+    """Head h of token t, its recurrence's output o [BV] (DV live): the gated norm's row
+    stored at y_row (and with QUANT its groups as int8.quantize_x writes them, for the
+    output projection's dp4a GEMV)."""
     inv = 1.0 / tl.sqrt_rn(tl.sum(o * o, axis=0) / DV + eps)
     w = tl.load(w_ptr + c, mask=live, other=0.0)
-    z = tl.load(z_ptr + t * z_stride + h * DV + c, mask=live, other=0.0)
+    z = tl.load(z_row + c, mask=live, other=0.0)
     y = o * inv * w * (1.0 / (1.0 + tl.exp(-z)))
-    tl.store(y_ptr + r * DV + c, y, mask=live)
-    if QUANT:  # as int8.quantize_x writes the rows, for the output projection's dp4a GEMV
+    tl.store(y_row + c, y, mask=live)
+    if QUANT:
         i = tl.arange(0, BV // 32)
         store_groups(q_ptr, d_ptr, s_ptr, t, h * (DV // 32) + i, tl.reshape(y, (BV // 32, 32)), Hv * DV,
                      i < DV // 32)
@@ -244,7 +261,7 @@ def deltanet_gated_norm(o, z, w, eps: float, quantize: bool = False):
     quantize, x8 = int8_buffers(quantize, T, Hv * dv, dv, y)
     if T:
         _gated_norm_kernel[(T * Hv,)](o, z, w, y, *x8, Hv, dv, z.stride(0), eps, BV=triton.next_power_of_2(dv),
-                                      QUANT=quantize)
+                                      QUANT=quantize, enable_fp_fusion=False)  # as deltanet_decode's
     return attach(y, Q8X(*x8)) if quantize else y
 
 

@@ -25,6 +25,7 @@ import quant
 from .attention_rows import attention_rows
 from .conv import conv_step
 from .deltanet import deltanet_step
+from .deltanet_decode import deltanet_decode
 from .deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm, deltanet_inputs
 from .dequant import dequantize
 from .gated_gemv import gated_qmatmul
@@ -229,6 +230,15 @@ OPS["deltanet_conv_inputs"] = _register("deltanet_conv_inputs", _deltanet_conv_i
 OPS["deltanet_gated_norm"] = _register("deltanet_gated_norm", _deltanet_gated_norm)
 
 
+def _deltanet_decode(window: Tensor, qkv: Tensor, taps: Tensor, b: Tensor, a: Tensor, dt_bias: Tensor,
+                     a_coef: Tensor, k_heads: int, dk: int, state: Tensor, z: Tensor, norm: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+    return deltanet_decode(window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk, state, z, norm, eps)
+
+
+OPS["deltanet_decode"] = _register("deltanet_decode", _deltanet_decode, mutates=("state",))
+
+
 def _conv_step(window: Tensor, x: Tensor, w: Tensor, dilation: int) -> tuple[Tensor, Tensor]:
     return conv_step(window, x, w, dilation)
 
@@ -327,7 +337,7 @@ def _ints(v, device) -> Tensor:
 
 def _window_out(out: tuple, window: Tensor, in_place: bool) -> tuple:
     """The returns of an op that moves a conv's window on (conv_step, ple_mix,
-    deltanet_conv_inputs: the new window last), from the registered op's, which may not
+    deltanet_conv_inputs, deltanet_decode: the new window last), from the registered op's, which may not
     write its input: in place, the new window copied over `window`."""
     return (*out[:-1], window.copy_(out[-1])) if in_place else out
 
@@ -397,6 +407,10 @@ _CALLS = {
     "deltanet_conv_inputs": lambda window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk, in_place=False: _window_out(
         OPS["deltanet_conv_inputs"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk), window, in_place),
     "deltanet_gated_norm": lambda o, z, w, eps, quantize=False: OPS["deltanet_gated_norm"](o, z, w, eps),
+    "deltanet_decode": lambda window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk, state, z, norm, eps,
+                              quantize=False, in_place=False: _window_out(
+        OPS["deltanet_decode"](window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk, state, z, norm, eps), window,
+        in_place),
     "conv_step": lambda window, x, w, dilation=1, in_place=False: _window_out(
         OPS["conv_step"](window, x, w, dilation), window, in_place),
     "hc_norm": lambda x, w, eps, quantize=False: OPS["hc_norm"](x, w, eps),

@@ -12,6 +12,7 @@ import torch
 from .attention_rows import attention_rows, attention_rows_torch
 from .conv import conv_step, conv_step_torch
 from .deltanet import deltanet_step, deltanet_step_torch
+from .deltanet_decode import deltanet_decode, deltanet_decode_torch
 from .deltanet_inputs import (deltanet_conv_inputs, deltanet_conv_inputs_torch, deltanet_gated_norm,
                               deltanet_gated_norm_torch, deltanet_inputs, deltanet_inputs_torch)
 from .dequant import dequantize, dequantize_torch
@@ -54,6 +55,7 @@ OPS = {
     "deltanet_inputs": (deltanet_inputs, deltanet_inputs_torch),
     "deltanet_conv_inputs": (deltanet_conv_inputs, deltanet_conv_inputs_torch),
     "deltanet_gated_norm": (deltanet_gated_norm, deltanet_gated_norm_torch),
+    "deltanet_decode": (deltanet_decode, deltanet_decode_torch),
     "conv_step": (conv_step, conv_step_torch),
     "hc_norm": (hc_norm, hc_norm_torch),
     "hc_gates": (hc_gates, hc_gates_torch),

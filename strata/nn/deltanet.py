@@ -23,8 +23,8 @@ from triton_kernels import invariant
 from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.conv import causal_conv_torch
 from triton_kernels.deltanet import delta_rule_token
-from triton_kernels.deltanet_fla import deltanet_chunk_fla, deltanet_path, deltanet_step_fla
-from triton_kernels.deltanet_inputs import deltanet_gated_norm_torch
+from triton_kernels.deltanet_decode import deltanet_decode_torch
+from triton_kernels.deltanet_fla import deltanet_chunk_fla, deltanet_path
 from triton_kernels.ops import impl
 
 from .linear import QuantLinear
@@ -175,6 +175,12 @@ class GatedDeltaNet(torch.nn.Module):
             if r is not None:
                 o, st.conv = r
                 return self.out(o)
+        if T == 1 and st.trail is None and self.proj.kernels == "triton":
+            # one launch: the conv, the inputs, the recurrence and the gated norm (on a GPU
+            # also the rows' int8 form for the output projection's dp4a GEMV)
+            y, st.conv = impl("deltanet_decode", "triton")(st.conv, qkv, self.conv, b, a, self.dt_bias, self.a_coef,
+                                                           Hk, dk, st.rec, z, self.norm, self.eps, quantize=x.is_cuda)
+            return self.out(y)
         q, k, v, g, beta, st.conv = _inputs(qkv, b, a, st.conv, *weights[:3], heads, self.proj.kernels)
         fla, step = self.recurrence(x.device)
         if st.trail is not None:  # a verify: token by token, as decode and `keep`'s replay run
@@ -189,13 +195,12 @@ class GatedDeltaNet(torch.nn.Module):
         return self.out(self.gated_norm(o, z))
 
     def recurrence(self, device) -> tuple[bool, object]:
-        """(fla-core's kernels?, the token-by-token op): fla-core's on CUDA where it is
-        installed (triton_kernels.deltanet_fla.deltanet_path says why), else Strata's Triton
-        kernel on the GPU path or torch ops; every token taken one by one runs it (decode, a
-        verify and its replay in `keep` alike: a verify's rows stay a decode's), a verify's
-        rows in one call (`recurrent`)."""
-        fla = deltanet_path(device, self.proj.kernels)[0] == "fla-core"
-        return fla, deltanet_step_fla if fla else impl("deltanet_step", self.proj.kernels)
+        """(fla-core's chunked kernels for a prompt?, the token-by-token op): fla-core's on
+        CUDA where it is installed (triton_kernels.deltanet_fla.deltanet_path says why);
+        token by token always Strata's Triton kernel on the GPU path (its arithmetic is
+        deltanet_decode's: a verify's rows and their replay in `keep` stay a decode's) or
+        torch ops, a verify's rows in one call (`recurrent`)."""
+        return deltanet_path(device, self.proj.kernels)[0] == "fla-core", impl("deltanet_step", self.proj.kernels)
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm per head of the recurrence's output o (T, Hv, dv): rows (T, Hv * dv)."""
@@ -224,14 +229,13 @@ def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, kernels: str = "tor
 
 def _decode(qkv, z, b, a, window, rec, conv, dt_bias, a_coef, norm, heads, eps):
     """One token's mixing, `rec` updated in place: (output rows (1, Hv * dv), new window).
-    The eager path's functions, traced: Inductor fuses them into a few loops (measured
-    0.3 ms against 1.8 ms a layer eagerly for flash-tiny on 2 cores); float32 throughout,
-    the element-wise rounding Inductor's (vector exp and the like), so within a few ulps of
-    the eager step, not bit-equal: batch-invariant mode and a verify's replay keep the
-    eager path."""
-    q, k, v, g, beta, window = _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads)
-    o = recurrent(q, k, v, g, beta, rec)
-    return deltanet_gated_norm_torch(o, z, norm, eps), window
+    The eager path's functions (deltanet_decode's torch twin), traced: Inductor fuses them
+    into a few loops (measured 0.3 ms against 1.8 ms a layer eagerly for flash-tiny on 2
+    cores); float32 throughout, the element-wise rounding Inductor's (vector exp and the
+    like), so within a few ulps of the eager step, not bit-equal: batch-invariant mode and
+    a verify's replay keep the eager path."""
+    Hk, _, dk, _ = heads
+    return deltanet_decode_torch(window, qkv, conv, b, a, dt_bias, a_coef, Hk, dk, rec, z, norm, eps)
 
 
 _STEP = Compiled(_decode, "the DeltaNet decode step", dynamic=False)

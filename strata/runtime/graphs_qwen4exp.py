@@ -64,6 +64,7 @@ from strata.nn.ple import mix
 from strata.runtime.graph_attention import attention, keys, where_of
 from strata.runtime.graphs import enabled
 from triton_kernels import backend, invariant
+from triton_kernels.ops import impl
 
 
 def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
@@ -72,6 +73,10 @@ def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
     verify's inputs go (DeltaNetState.keep replays them)."""
     Hk, Hv, dk, dv = heads = m.k_heads, m.v_heads, m.dk, m.dv
     qkv, z, b, g = m.proj(a).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
+    if rows is None and m.proj.kernels == "triton":  # a decode's token: GatedDeltaNet.forward's one launch
+        y, _ = impl("deltanet_decode", "triton")(st.conv, qkv, m.conv, b, g, m.dt_bias, m.a_coef, Hk, dk, st.rec, z,
+                                                 m.norm, m.eps, quantize=a.is_cuda, in_place=True)
+        return m.out(y)
     q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
                                                 m.proj.kernels, in_place=True)
     o = deltanet.recurrent(q, k, v, g, beta, st.rec, m.recurrence(a.device)[1])

@@ -249,6 +249,33 @@ def test_the_attention_rows_launch_is_the_separate_launches_on_the_gpu(dtype):
     prop()
 
 
+def test_a_deltanet_tokens_one_launch_is_the_three_launches_on_the_gpu():
+    """deltanet_decode on the GPU: the rows, their int8 form, the state and the window
+    moved on in place are deltanet_conv_inputs', deltanet_step's and deltanet_gated_norm's
+    bit for bit (a verify's rows take those three: no fused multiply-add in any of the
+    four, the same tile widths), as test_deltanet_decode.py checks them under the
+    interpreter; at Flash-Next's heads (16 key heads, 48 value heads, 128 wide, 4 taps)
+    and small ones, two tokens in a row (each key head's count left at 0)."""
+    from tests.triton_kernels.test_deltanet_decode import layer, run, separate
+    from triton_kernels.deltanet import deltanet_step
+    from triton_kernels.deltanet_decode import deltanet_decode
+    from triton_kernels.deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm
+
+    @given(shape=st.sampled_from([(16, 3, 128, 128), (2, 2, 64, 32), (1, 3, 40, 96)]), seed=st.integers(0, 2 ** 16))
+    @settings(max_examples=examples(10), deadline=None)
+    def prop(shape, seed):
+        p = {n: (x.cuda() if isinstance(x, torch.Tensor) else x)
+             for n, x in layer(np.random.default_rng(seed), *shape, 4).items()}
+        q = {**p, "state": p["state"].clone(), "window": p["window"].clone()}
+        for _ in range(2):
+            rows, p["window"] = run(deltanet_decode, p, quantize=True, in_place=True)
+            want, q["window"] = separate(deltanet_conv_inputs, deltanet_step, deltanet_gated_norm, q)
+            assert torch.equal(rows, want) and torch.equal(p["window"], q["window"])
+            assert torch.equal(p["state"], q["state"])
+            assert all(torch.equal(a, b) for a, b in zip(quantize_x(rows), quantize_x(want)))
+    prop()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fmt", UNIT_FORMATS, ids=lambda f: f.name)
 def test_the_ple_gather_on_the_gpu_is_its_torch_twins(fmt, dtype):
@@ -326,13 +353,12 @@ def test_topk_on_the_gpu_keeps_the_lower_of_tied_blocks_as_a_graphs_sort_does():
 
 
 def test_a_verifys_rows_in_one_recurrence_launch_are_one_token_steps_on_the_gpu():
-    """triton_kernels.deltanet's kernel and fla-core's (where installed): T tokens in one
-    launch give the T one-token launches' outputs and state bit for bit on the device too
-    (the compiled loop's arithmetic is the one-token kernel's), which batch-invariant
-    verifies promise (strata.nn.deltanet.recurrent)."""
+    """triton_kernels.deltanet's kernel: T tokens in one launch give the T one-token
+    launches' outputs and state bit for bit on the device too (the compiled loop's
+    arithmetic is the one-token kernel's), which batch-invariant verifies promise
+    (strata.nn.deltanet.recurrent)."""
     from triton_kernels.deltanet import deltanet_step
-    from triton_kernels.deltanet_fla import deltanet_step_fla, fla_installed
-    steps = [deltanet_step] + ([deltanet_step_fla] if fla_installed() else [])
+    steps = [deltanet_step]
 
     @given(T=st.integers(2, 9), Hv=st.integers(1, 32), dk=st.sampled_from([64, 128]), dv=st.sampled_from([64, 128]),
            seed=st.integers(0, 2 ** 32 - 1))

@@ -1,0 +1,102 @@
+"""One token of a DeltaNet layer's mixing in one launch (triton_kernels/deltanet_decode.py),
+through the interpreter, against the three launches it replaces.
+
+The launch is deltanet_conv_inputs, deltanet_step and deltanet_gated_norm bit for bit: the
+same jit functions, the same sums in the same order (checked here for the rows, their
+int8 form, the state and the new window, in place or not, heads of any width and the
+tiled head order, several value-column blocks a head and one). So its accuracy is theirs,
+each checked against float64 within its own float32 bound
+(tests/triton_kernels/test_deltanet_inputs.py, test_deltanet.py); the torch twin is the
+three torch twins one after another (checked equal to them here; each within its bound of
+float64 in those tests).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.tiers import examples
+from triton_kernels.backend import interpreter_on
+from triton_kernels.deltanet import deltanet_step, deltanet_step_torch
+from triton_kernels.deltanet_decode import deltanet_decode, deltanet_decode_torch
+from triton_kernels.deltanet_inputs import (deltanet_conv_inputs, deltanet_conv_inputs_torch, deltanet_gated_norm,
+                                            deltanet_gated_norm_torch)
+from triton_kernels.int8 import quantize_x, quantize_x_torch
+
+
+def layer(rng, Hk: int, rep: int, dk: int, dv: int, K: int, scale: float = 1.0):
+    """A token's projections (qkv, z, b, a column slices of one row, as the model's), the
+    conv's window and taps, the gates' parameters, the norm's weight and a state."""
+    Hv = Hk * rep
+    C = 2 * Hk * dk + Hv * dv
+    f = (lambda *shape, s=1.0: torch.from_numpy((rng.standard_normal(shape) * s).astype(np.float32)))
+    proj = f(1, C + Hv * dv + 2 * Hv, s=scale)
+    qkv, z, b, a = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
+    a_coef = -torch.from_numpy(rng.uniform(0.01, 20, Hv).astype(np.float32))
+    return dict(window=f(C, K - 1, s=scale), qkv=qkv, taps=f(C, K, s=0.5), b=b, a=a, dt_bias=f(Hv, s=4.0),
+                a_coef=a_coef, k_heads=Hk, dk=dk, state=f(Hv, dk, dv), z=z, norm=f(dv), eps=1e-6)
+
+
+def separate(conv_inputs, step, gated_norm, p):
+    """The three launches (or twins) the one replaces: (rows, new window), the state in place."""
+    q, k, v, g, beta, new = conv_inputs(p["window"], p["qkv"], p["taps"], p["b"], p["a"], p["dt_bias"],
+                                        p["a_coef"], p["k_heads"], p["dk"])
+    return gated_norm(step(q, k, v, g, beta, p["state"]), p["z"], p["norm"], p["eps"]), new
+
+
+def run(f, p, **kw):
+    return f(p["window"], p["qkv"], p["taps"], p["b"], p["a"], p["dt_bias"], p["a_coef"], p["k_heads"], p["dk"],
+             p["state"], p["z"], p["norm"], p["eps"], **kw)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(Hk=st.integers(1, 3), rep=st.integers(1, 3), dk=st.integers(1, 40), dv=st.sampled_from([1, 5, 16, 32, 37, 64]),
+       K=st.integers(2, 4), scale=st.sampled_from([0.1, 1.0, 8.0]), seed=st.integers(0, 2 ** 32 - 1))
+def test_one_launch_is_the_three_bit_for_bit(Hk, rep, dk, dv, K, scale, seed):
+    assert interpreter_on()
+    p = layer(np.random.default_rng(seed), Hk, rep, dk, dv, K, scale)
+    before = p["state"].clone()
+    want, want_window = separate(deltanet_conv_inputs, deltanet_step, deltanet_gated_norm, p)
+    want_state, p["state"] = p["state"], before.clone()
+    rows, window = run(deltanet_decode, p)
+    assert torch.equal(rows, want) and torch.equal(window, want_window) and torch.equal(p["state"], want_state)
+    assert window is not p["window"]
+    # in place (a CUDA graph's window), with the rows' int8 form where dv holds whole groups
+    held, p["state"] = p["window"].clone(), before.clone()
+    rows, window = run(deltanet_decode, {**p, "window": held}, quantize=True, in_place=True)
+    assert window is held and torch.equal(held, want_window) and torch.equal(rows, want)
+    assert torch.equal(p["state"], want_state)
+    if dv % 32 == 0:  # quantize_x finds the launch's int8 rows, quantize_x's bits
+        x8 = quantize_x(rows)
+        assert all(torch.equal(a, b) for a, b in zip(x8, quantize_x_torch(want)))
+    # the torch twin is the three twins
+    p["state"] = before.clone()
+    twin_rows, twin_window = run(deltanet_decode_torch, p)
+    twin_state, p["state"] = p["state"], before.clone()
+    three, three_window = separate(deltanet_conv_inputs_torch, deltanet_step_torch, deltanet_gated_norm_torch, p)
+    assert torch.equal(twin_rows, three) and torch.equal(twin_window, three_window)
+    assert torch.equal(twin_state, p["state"])
+
+
+def test_its_counts_are_left_at_zero_for_the_next_launch():
+    """Each key head's last program sets its count back: a second token (a CUDA graph's
+    replay) runs as the first, and the three launches agree with it again."""
+    from triton_kernels.int8 import zeroed_counts
+    p = layer(np.random.default_rng(3), 2, 3, 16, 64, 4)
+    q = {**p, "state": p["state"].clone(), "window": p["window"].clone()}
+    for _ in range(2):
+        rows, p["window"] = run(deltanet_decode, p, in_place=True)
+        want, q["window"] = separate(deltanet_conv_inputs, deltanet_step, deltanet_gated_norm, q)
+        assert torch.equal(rows, want) and torch.equal(p["state"], q["state"])
+    assert not zeroed_counts(torch.device("cpu"), 2)[:2].any()
+
+
+def test_wrong_shapes_are_named():
+    p = layer(np.random.default_rng(0), 1, 2, 8, 16, 4)
+    with pytest.raises(ValueError, match="z .* do not fit 1 key heads of 8"):
+        run(deltanet_decode, {**p, "z": p["z"][:, :-1]})
+    with pytest.raises(ValueError, match=r"one token's qkv \(1, C\)"):
+        run(deltanet_decode, {**p, "qkv": p["qkv"].expand(2, -1)})
