@@ -66,3 +66,27 @@ def test_bench_kernels_graph_times_the_gemv_from_copies(monkeypatch):
     assert len(variants) == cold.copies(q.numel(), 1000) == 23
     assert variants[0][0] is q and all(torch.equal(v[0], q) for v in variants)
     assert len({v[0].data_ptr() for v in variants}) == len(variants)
+
+
+def test_bench_kernels_deltanet_rows_time_each_way_from_copies_of_the_state(monkeypatch):
+    """strata.bench.deltanet at small heads through the interpreter: the one launch gives
+    the three launches' bits (the row says so), and each way is graph-timed from copies of
+    the state past the (here tiny) L2."""
+    from strata.bench import deltanet
+    calls = []
+
+    def graph_ms(fn, variants, timer=None):
+        calls.append(variants)
+        for v in variants:
+            fn(*v)
+        return 0.5
+    monkeypatch.setattr(cold, "l2_bytes", lambda device="cuda": 1000)
+    monkeypatch.setattr(cold, "graph_ms", graph_ms)
+    rows = deltanet.rows(np.random.default_rng(0), 100.0, device="cpu", heads=(2, 2, 16, 32, 4))
+    assert [r["op"] for r in rows] == ["deltanet token, one launch (deltanet_decode)",
+                                       "deltanet token, three launches, Strata's recurrence"]
+    assert rows[0]["bits_as_three"] is True and all(r["us"] == 500.0 for r in rows)
+    state_bytes = 2 * 4 * 16 * 32 * 4  # read and written: 4 value heads of 16 x 32 float32
+    assert rows[0]["gb_per_s"] == state_bytes / 0.5e-3 / 1e9
+    assert all(len(v) == cold.copies(state_bytes // 2, 1000) and len({s.data_ptr() for (s,) in v}) == len(v)
+               for v in calls)
