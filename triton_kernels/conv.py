@@ -33,8 +33,11 @@ def conv_taps(x, win_ptr, taps_ptr, new_win_ptr, c, live, S: tl.constexpr, K: tl
     """One token of the conv at channels c (`live` of them), x its values there: the taps
     of [window | x] in order, each product and sum rounded on its own, and the window
     moved on by one into new_win_ptr (each element read before it is written, so in place
-    too). The DeltaNet inputs' and the PLE block's kernels run it inside theirs."""
+    too: a barrier between, since where a tensor is narrower than the program's lanes
+    several warps hold each channel and read it, one writes it). The DeltaNet inputs' and
+    the PLE block's kernels run it inside theirs."""
     y = conv_sum(x, win_ptr, taps_ptr, c, live, S, K, DIL)
+    tl.debug_barrier()
     move_window(x, win_ptr, new_win_ptr, c, live, S)
     return y
 
@@ -59,7 +62,8 @@ def conv_sum(x, win_ptr, taps_ptr, c, live, S: tl.constexpr, K: tl.constexpr, DI
 @triton.jit
 def move_window(x, win_ptr, new_win_ptr, c, live, S: tl.constexpr):
     """The window at channels c moved on by one token, x, into new_win_ptr (a lane reads
-    each of its elements before it writes it: in place too)."""
+    each of its elements before it writes it: in place too, once every lane that reads the
+    window for the conv's sum has: a barrier before)."""
     for p in tl.static_range(1, S):
         tl.store(new_win_ptr + c * S + p - 1, tl.load(win_ptr + c * S + p, mask=live, other=0.0), mask=live)
     if S > 0:

@@ -41,7 +41,7 @@ from .int8 import Q8X, attach, int8_buffers, zeroed_counts
 
 @triton.jit
 def _decode_kernel(qkv_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, win_ptr, taps_ptr, new_win_ptr, s_ptr, o_ptr,
-                   z_ptr, w_ptr, y_ptr, yq_ptr, yd_ptr, ys_ptr, count_ptr, Hk, Hv, scale, eps,
+                   z_ptr, w_ptr, y_ptr, yq_ptr, yd_ptr, ys_ptr, count_ptr, Hk, Hv, width, scale, eps,
                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BD: tl.constexpr,
                    SPAN: tl.constexpr, KT: tl.constexpr, QUANT: tl.constexpr):
     h = tl.program_id(0)
@@ -56,11 +56,10 @@ def _decode_kernel(qkv_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, win_ptr, taps_ptr, n
     k = _silu(conv_sum(tl.load(qkv_ptr + kc, mask=mk, other=0.0), win_ptr, taps_ptr, kc, mk, SPAN, KT, 1))
     q = q * (1.0 / tl.sqrt_rn(tl.sum(q * q, axis=0) + 1e-6)) * scale
     k = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) + 1e-6))
-    # this program's v channels: their window is its own, moved on here
+    # this program's v channels: their window is its own, moved on once every lane has read it
     vc = 2 * Hk * DK + h * DV + rv
     xv = tl.load(qkv_ptr + vc, mask=mv, other=0.0)
     v = _silu(conv_sum(xv, win_ptr, taps_ptr, vc, mv, SPAN, KT, 1))
-    move_window(xv, win_ptr, new_win_ptr, vc, mv, SPAN)
     beta, g = beta_g(b_ptr, a_ptr, dt_ptr, coef_ptr, h)
     # deltanet_step's program
     tile = s_ptr + h * DK * DV + rk[:, None] * DV + rv[None, :]
@@ -68,14 +67,17 @@ def _decode_kernel(qkv_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, win_ptr, taps_ptr, n
     s, o = delta_token(tl.load(tile, mask=live, other=0.0), q, k, v, g, beta)
     tl.store(tile, s, mask=live)
     tl.store(o_ptr + h * DV + rv, o, mask=mv)
-    tl.debug_barrier()  # every lane's columns stored before the count says so
+    tl.debug_barrier()  # every lane's window read and columns stored before the count says so
+    move_window(xv, win_ptr, new_win_ptr, vc, mv, SPAN)
     if tl.atomic_add(count_ptr + kh, 1, sem="acq_rel", scope="gpu") == (Hv // Hk) * tl.num_programs(1) - 1:
         c = tl.arange(0, BD)
         cl = c < DV
         for hv in range(kh, Hv, Hk):  # deltanet_gated_norm's rows of the key head's value heads
             ov = tl.load(o_ptr + hv * DV + c, mask=cl, other=0.0, cache_modifier=".cg")
+            # the norm's width a runtime number, as deltanet_gated_norm's (a constant divisor
+            # compiles to a product by its reciprocal, which rounds otherwise but at powers of 2)
             store_gated(ov, z_ptr + hv * DV, w_ptr, y_ptr + hv * DV, yq_ptr, yd_ptr, ys_ptr, 0, hv, c, cl, Hv,
-                        DV, eps, BD, QUANT)
+                        width, eps, BD, QUANT)
         move_window(tl.load(qkv_ptr + qc, mask=mk, other=0.0), win_ptr, new_win_ptr, qc, mk, SPAN)
         move_window(tl.load(qkv_ptr + kc, mask=mk, other=0.0), win_ptr, new_win_ptr, kc, mk, SPAN)
         tl.atomic_xchg(count_ptr + kh, 0, sem="relaxed", scope="gpu")
@@ -120,7 +122,7 @@ def deltanet_decode(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: 
     quantize, x8 = int8_buffers(quantize, 1, Hv * dv, dv, y)
     _decode_kernel[(Hv, triton.cdiv(dv, BLOCK_V))](
         qkv, b, a, dt_bias.contiguous(), a_coef.contiguous(), window, taps, new, state, o, z, norm.contiguous(),
-        y, *x8, zeroed_counts(qkv.device, k_heads), k_heads, Hv, dk ** -0.5, eps, DK=dk, DV=dv,
+        y, *x8, zeroed_counts(qkv.device, k_heads), k_heads, Hv, dv, dk ** -0.5, eps, DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=BLOCK_V, BD=triton.next_power_of_2(dv), SPAN=window.shape[1],
         KT=taps.shape[1], QUANT=quantize, enable_fp_fusion=False)
     return (attach(y, Q8X(*x8)) if quantize else y), new

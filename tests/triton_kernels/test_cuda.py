@@ -251,28 +251,39 @@ def test_the_attention_rows_launch_is_the_separate_launches_on_the_gpu(dtype):
 
 def test_a_deltanet_tokens_one_launch_is_the_three_launches_on_the_gpu():
     """deltanet_decode on the GPU: the rows, their int8 form, the state and the window
-    moved on in place are deltanet_conv_inputs', deltanet_step's and deltanet_gated_norm's
-    bit for bit (a verify's rows take those three: no fused multiply-add in any of the
-    four, the same tile widths), as test_deltanet_decode.py checks them under the
-    interpreter; at Flash-Next's heads (16 key heads, 48 value heads, 128 wide, 4 taps)
-    and small ones, two tokens in a row (each key head's count left at 0)."""
-    from tests.triton_kernels.test_deltanet_decode import layer, run, separate
+    moved on (in place or not) are deltanet_conv_inputs', deltanet_step's and
+    deltanet_gated_norm's bit for bit, and a verify's rows through its launches (the conv
+    over the rows, deltanet_inputs, the recurrence, the gated norm) are decode steps' bits:
+    no fused multiply-add in any of them, the same tile widths, the norm's width a runtime
+    number in both norms; as test_deltanet_decode.py checks them under the interpreter. At
+    Flash-Next's heads (16 key heads, 48 value heads, 128 wide, 4 taps) and small ones
+    (96 wide: a width whose reciprocal is inexact), two tokens in a row (each key head's
+    count left at 0)."""
+    from tests.triton_kernels.test_deltanet_decode import decoded, layer, run, separate, verify
     from triton_kernels.deltanet import deltanet_step
     from triton_kernels.deltanet_decode import deltanet_decode
     from triton_kernels.deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm
 
-    @given(shape=st.sampled_from([(16, 3, 128, 128), (2, 2, 64, 32), (1, 3, 40, 96)]), seed=st.integers(0, 2 ** 16))
+    def on_gpu(d):
+        return {n: (x.cuda() if isinstance(x, torch.Tensor) else x) for n, x in d.items()}
+
+    @given(shape=st.sampled_from([(16, 3, 128, 128), (2, 2, 64, 32), (1, 3, 40, 96)]), in_place=st.booleans(),
+           T=st.integers(2, 5), seed=st.integers(0, 2 ** 16))
     @settings(max_examples=examples(10), deadline=None)
-    def prop(shape, seed):
-        p = {n: (x.cuda() if isinstance(x, torch.Tensor) else x)
-             for n, x in layer(np.random.default_rng(seed), *shape, 4).items()}
+    def prop(shape, in_place, T, seed):
+        p = on_gpu(layer(np.random.default_rng(seed), *shape, 4))
         q = {**p, "state": p["state"].clone(), "window": p["window"].clone()}
         for _ in range(2):
-            rows, p["window"] = run(deltanet_decode, p, quantize=True, in_place=True)
+            rows, p["window"] = run(deltanet_decode, p, quantize=True, in_place=in_place)
             want, q["window"] = separate(deltanet_conv_inputs, deltanet_step, deltanet_gated_norm, q)
             assert torch.equal(rows, want) and torch.equal(p["window"], q["window"])
             assert torch.equal(p["state"], q["state"])
             assert all(torch.equal(a, b) for a, b in zip(quantize_x(rows), quantize_x(want)))
+        p = on_gpu(layer(np.random.default_rng(seed), *shape, 4, T=T))
+        q = {**p, "state": p["state"].clone()}
+        rows, window = verify(p)
+        want, want_window = decoded(q)
+        assert torch.equal(rows, want) and torch.equal(window, want_window) and torch.equal(p["state"], q["state"])
     prop()
 
 
@@ -456,11 +467,14 @@ def test_the_pairs_launch_gives_each_gemvs_bits_on_the_gpu(ffmt, dfmt, nf, nd):
                      "graphs capture on their warm-up's stream (test_graphs_qwen4exp.py's stand-in capture)")
 def test_the_last_program_reductions_hold_over_many_graph_replays():
     """The launches that finish a reduction in their last program to count itself in (split
-    K's sum, int8._sum_split; the router GEMV's routing, router_gemv) captured in one CUDA
-    graph, on the warm-up's stream as the engine captures, and replayed 500 times: every
-    replay gives the eager launches' bits, and the counts are left at zero (a program that
-    saw a stale count would skip the sum, or route twice)."""
+    K's sum, int8._sum_split; the router GEMV's routing, router_gemv; a DeltaNet token's
+    gated norm and window, deltanet_decode, from the same state and window each replay)
+    captured in one CUDA graph, on the warm-up's stream as the engine captures, and
+    replayed 500 times: every replay gives the eager launches' bits, and the counts are
+    left at zero (a program that saw a stale count would skip the sum, or route twice)."""
+    from tests.triton_kernels.test_deltanet_decode import layer, run
     from triton_kernels import int8
+    from triton_kernels.deltanet_decode import deltanet_decode
     from triton_kernels.router_gemv import path, router_gemv
     rng = np.random.default_rng(5)
     f, E, K = quant.get("Q4_0"), 512, 2560
@@ -470,13 +484,21 @@ def test_the_last_program_reductions_hold_over_many_graph_replays():
     if path(f, q.device, E + 1, K) is None:
         pytest.skip("this GPU splits the router's dp4a GEMV: its launch stays apart (router_gemv.path)")
 
+    dn = {n: (t.cuda() if isinstance(t, torch.Tensor) else t) for n, t in layer(rng, 16, 3, 128, 128, 4).items()}
+    s0, w0 = dn["state"].clone(), dn["window"].clone()
+
     def step():
         x8 = quantize_x(x)
-        return gemv_dp4a(x8, qs, f, 640, split=4), router_gemv(x, q, f, E + 1, 10, True, 0, E, E)[:3]
+        dn["state"].copy_(s0)
+        dn["window"].copy_(w0)
+        rows, _ = run(deltanet_decode, dn, in_place=True)
+        return (gemv_dp4a(x8, qs, f, 640, split=4), router_gemv(x, q, f, E + 1, 10, True, 0, E, E)[:3],
+                (rows, dn["state"], dn["window"]))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         want = step()
+        want = (*want[:2], tuple(t.clone() for t in want[2]))  # the state and window the graph moves on
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=side):
@@ -485,6 +507,7 @@ def test_the_last_program_reductions_hold_over_many_graph_replays():
         g.replay()
         assert torch.equal(got[0], want[0]), i
         assert all(torch.equal(a, b) for a, b in zip(got[1], want[1])), i
+        assert all(torch.equal(a, b) for a, b in zip(got[2], want[2])), i
     torch.cuda.synchronize()
     assert all(not c.any() for c in int8._COUNTS.values())
 

@@ -4,7 +4,8 @@ through the interpreter, against the three launches it replaces.
 The launch is deltanet_conv_inputs, deltanet_step and deltanet_gated_norm bit for bit: the
 same jit functions, the same sums in the same order (checked here for the rows, their
 int8 form, the state and the new window, in place or not, heads of any width and the
-tiled head order, several value-column blocks a head and one). So its accuracy is theirs,
+tiled head order, several value-column blocks a head and one), and a verify's rows
+through the launches a verify takes are decode steps' bits. So its accuracy is theirs,
 each checked against float64 within its own float32 bound
 (tests/triton_kernels/test_deltanet_inputs.py, test_deltanet.py); the torch twin is the
 three torch twins one after another (checked equal to them here; each within its bound of
@@ -22,18 +23,19 @@ from tests.tiers import examples
 from triton_kernels.backend import interpreter_on
 from triton_kernels.deltanet import deltanet_step, deltanet_step_torch
 from triton_kernels.deltanet_decode import deltanet_decode, deltanet_decode_torch
+from triton_kernels.conv import conv_step
 from triton_kernels.deltanet_inputs import (deltanet_conv_inputs, deltanet_conv_inputs_torch, deltanet_gated_norm,
-                                            deltanet_gated_norm_torch)
+                                            deltanet_gated_norm_torch, deltanet_inputs)
 from triton_kernels.int8 import quantize_x, quantize_x_torch
 
 
-def layer(rng, Hk: int, rep: int, dk: int, dv: int, K: int, scale: float = 1.0):
-    """A token's projections (qkv, z, b, a column slices of one row, as the model's), the
+def layer(rng, Hk: int, rep: int, dk: int, dv: int, K: int, scale: float = 1.0, T: int = 1):
+    """T tokens' projections (qkv, z, b, a column slices of their rows, as the model's), the
     conv's window and taps, the gates' parameters, the norm's weight and a state."""
     Hv = Hk * rep
     C = 2 * Hk * dk + Hv * dv
     f = (lambda *shape, s=1.0: torch.from_numpy((rng.standard_normal(shape) * s).astype(np.float32)))
-    proj = f(1, C + Hv * dv + 2 * Hv, s=scale)
+    proj = f(T, C + Hv * dv + 2 * Hv, s=scale)
     qkv, z, b, a = proj.split([C, Hv * dv, Hv, Hv], dim=-1)
     a_coef = -torch.from_numpy(rng.uniform(0.01, 20, Hv).astype(np.float32))
     return dict(window=f(C, K - 1, s=scale), qkv=qkv, taps=f(C, K, s=0.5), b=b, a=a, dt_bias=f(Hv, s=4.0),
@@ -79,6 +81,39 @@ def test_one_launch_is_the_three_bit_for_bit(Hk, rep, dk, dv, K, scale, seed):
     three, three_window = separate(deltanet_conv_inputs_torch, deltanet_step_torch, deltanet_gated_norm_torch, p)
     assert torch.equal(twin_rows, three) and torch.equal(twin_window, three_window)
     assert torch.equal(twin_state, p["state"])
+
+
+def verify(p):
+    """T tokens as a verify's forward runs them (strata.nn.deltanet: the conv over the rows,
+    deltanet_inputs, the recurrence's T tokens in one launch, the gated norm): (rows, new
+    window), the state in place."""
+    mixed, window = conv_step(p["window"], p["qkv"], p["taps"], 1)
+    q, k, v, g, beta = deltanet_inputs(mixed, p["b"], p["a"], p["dt_bias"], p["a_coef"], p["k_heads"], p["dk"])
+    return deltanet_gated_norm(deltanet_step(q, k, v, g, beta, p["state"]), p["z"], p["norm"], p["eps"]), window
+
+
+def decoded(p):
+    """The same T tokens as T decode steps: deltanet_decode one after another."""
+    rows, window = [], p["window"]
+    for t in range(p["qkv"].shape[0]):
+        r, window = run(deltanet_decode, {**p, **{n: p[n][t:t + 1] for n in ("qkv", "z", "b", "a")},
+                                          "window": window})
+        rows.append(r)
+    return torch.cat(rows), window
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(T=st.integers(2, 4), Hk=st.integers(1, 2), rep=st.integers(1, 3), dk=st.integers(1, 40),
+       dv=st.sampled_from([5, 32, 37]), K=st.integers(2, 4), seed=st.integers(0, 2 ** 32 - 1))
+def test_a_verifys_rows_are_decode_steps_bit_for_bit(T, Hk, rep, dk, dv, K, seed):
+    """What a speculative verify promises (a verify's rows are the decode steps'; its
+    replay in DeltaNetState.keep runs the same launches): the verify's launches over T
+    rows give T one-launch decode steps' rows, state and window."""
+    p = layer(np.random.default_rng(seed), Hk, rep, dk, dv, K, T=T)
+    q = {**p, "state": p["state"].clone()}
+    rows, window = verify(p)
+    want, want_window = decoded(q)
+    assert torch.equal(rows, want) and torch.equal(window, want_window) and torch.equal(p["state"], q["state"])
 
 
 def test_its_counts_are_left_at_zero_for_the_next_launch():
