@@ -60,6 +60,34 @@ def conv_sum(x, win_ptr, taps_ptr, c, live, S: tl.constexpr, K: tl.constexpr, DI
 
 
 @triton.jit
+def conv_row(x_ptr, stride, win_ptr, taps_ptr, c, live, t, S: tl.constexpr, K: tl.constexpr):
+    """Row t's conv (dilation 1) over [window | rows of x_ptr (row stride `stride`)] at
+    channels c: conv_sum's taps, products and sums for that row (at t = 0 its bits)."""
+    y = tl.zeros(c.shape, tl.float32)
+    for j in tl.static_range(K):
+        p = c * 0 + t + j  # column p of [window | rows], a lane each
+        f = tl.where(p < S, tl.load(win_ptr + c * S + p, mask=live & (p < S), other=0.0),
+                     tl.load(x_ptr + (p - S) * stride + c, mask=live & (p >= S), other=0.0))
+        if j == 0:
+            y = f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+        else:
+            y = y + f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+    return y
+
+
+@triton.jit
+def move_rows(x_ptr, stride, win_ptr, new_win_ptr, c, live, T, S: tl.constexpr):
+    """The window at channels c moved on by T rows of x_ptr: column i from column T + i of
+    [window | rows] (in place too: a lane reads column T + i before it writes column i, in
+    order; a barrier before, as move_window's)."""
+    for i in tl.static_range(S):
+        p = c * 0 + T + i  # a lane each
+        f = tl.where(p < S, tl.load(win_ptr + c * S + p, mask=live & (p < S), other=0.0),
+                     tl.load(x_ptr + (p - S) * stride + c, mask=live & (p >= S), other=0.0))
+        tl.store(new_win_ptr + c * S + i, f, mask=live)
+
+
+@triton.jit
 def move_window(x, win_ptr, new_win_ptr, c, live, S: tl.constexpr):
     """The window at channels c moved on by one token, x, into new_win_ptr (a lane reads
     each of its elements before it writes it: in place too, once every lane that reads the

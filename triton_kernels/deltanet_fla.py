@@ -14,10 +14,10 @@ h // (HV / H), llama.cpp's files with h % H: see strata.nn.deltanet), the scale 
 holds it), the gate and beta's sigmoid applied. So fla's kernels do only the recurrence,
 the same math as strata.nn.deltanet.chunked.
 
-A token taken on its own (decode, a verify's rows and their replay) runs Strata's kernels
-whether fla-core is installed or not: a decode's token is one launch for the conv, the
-inputs, the recurrence and the gated norm (triton_kernels.deltanet_decode), where fla's
-fused-recurrent kernel is the recurrence alone, and a verify's rows must round as decode's.
+Tokens taken one by one (a decode's, a verify's rows and their replay) run Strata's kernel
+whether fla-core is installed or not: one launch for the conv, the inputs, the recurrence
+and the gated norm (triton_kernels.deltanet_decode), where fla's fused-recurrent kernel
+is the recurrence alone.
 
 `deltanet_path(device, kernels)` is the one place that chooses fla-core or Strata's own
 kernels for a prompt, and says why (the load's plan prints it).

@@ -80,14 +80,15 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
 
 
 class _Trail:
-    """What a verify forward leaves for `DeltaNetState.keep`: the state before it and the
-    inputs of its rows (the conv's input (T, C), the recurrence's q, k, v, g, beta) and the
-    one-token op that ran them (the replay runs the same)."""
+    """What a verify forward leaves for `DeltaNetState.keep`: the state before it, the
+    inputs of its rows (the conv's input qkv (T, C) first) and `replay(rows, n, window,
+    rec)`, which runs the first n of them again on the state `rec` from the window before
+    with the op that ran them (GatedDeltaNet.replay_of)."""
 
     def __init__(self, conv: torch.Tensor, rec: torch.Tensor):
         self.conv, self.rec = conv, rec
         self.rows = None
-        self.step = delta_rule_token
+        self.replay = None
 
 
 class DeltaNetState:
@@ -117,13 +118,13 @@ class DeltaNetState:
         t, self.trail = self.trail, None
         if t is None or t.rows is None:
             raise RuntimeError("DeltaNetState.keep: no verify forward since begin_all()")
-        x, q, k, v, g, beta = t.rows
+        x = t.rows[0]
         if n == x.shape[0]:
             return
         span = t.conv.shape[1]
         self.conv.copy_(torch.cat([t.conv, x.T], dim=1)[:, n:n + span])
         self.rec.copy_(t.rec)
-        recurrent(q[:n], k[:n], v[:n], g[:n], beta[:n], self.rec, t.step)
+        t.replay(t.rows, n, t.conv, self.rec)
 
 
 def begin_all(states: list[DeltaNetState]) -> None:
@@ -177,31 +178,57 @@ class GatedDeltaNet(torch.nn.Module):
             if r is not None:
                 o, st.conv = r
                 return self.out(o)
-        if T == 1 and st.trail is None and self.proj.kernels == "triton":
-            # one launch: the conv, the inputs, the recurrence and the gated norm (on a GPU
-            # also the rows' int8 form for the output projection's dp4a GEMV)
-            y, st.conv = impl("deltanet_decode", "triton")(st.conv, qkv, self.conv, b, a, self.dt_bias, self.a_coef,
-                                                           Hk, dk, st.rec, z, self.norm, self.eps, quantize=x.is_cuda)
+        # batch-invariant mode: token by token for any T, as decode runs (the chunked WY
+        # form sums in another order, so a prompt's chunking would change its state)
+        by_token = T == 1 or st.trail is not None or invariant.enabled()
+        if by_token and self.one_launch():
+            if st.trail is not None:  # a verify: its rows as decode steps, and `keep`'s replay the same
+                st.trail.rows, st.trail.replay = (qkv, z, b, a), self.replay_of(x.device)
+            y, st.conv = self.tokens(qkv, z, b, a, st)
             return self.out(y)
         q, k, v, g, beta, st.conv = _inputs(qkv, b, a, st.conv, *weights[:3], heads, self.proj.kernels)
         fla, step = self.recurrence(x.device)
         if st.trail is not None:  # a verify: token by token, as decode and `keep`'s replay run
-            st.trail.rows, st.trail.step = (qkv, q, k, v, g, beta), step
-        # batch-invariant mode: token by token for any T, as decode runs (the chunked WY
-        # form sums in another order, so a prompt's chunking would change its state)
-        by_token = T == 1 or st.trail or invariant.enabled()
+            st.trail.rows, st.trail.replay = (qkv, q, k, v, g, beta), self.replay_of(x.device)
         if by_token:
             o = recurrent(q, k, v, g, beta, st.rec, step)
         else:
             o = (deltanet_chunk_fla if fla else chunked)(q, k, v, g, beta, st.rec)
         return self.out(self.gated_norm(o, z))
 
+    def one_launch(self) -> bool:
+        """Whether tokens taken one by one (a decode's, a verify's rows, any in batch-invariant
+        mode) run in one launch (triton_kernels.deltanet_decode): the Triton kernels."""
+        return self.proj.kernels == "triton"
+
+    def tokens(self, qkv, z, b, a, st: DeltaNetState, in_place: bool = False):
+        """The projections' rows (T of them) token after token in one launch: (the output
+        projection's input rows, the conv's new window, with `in_place` st.conv itself);
+        st.rec updated in place. On a GPU the rows' int8 form too, for a dp4a GEMV."""
+        return impl("deltanet_decode", "triton")(st.conv, qkv, self.conv, b, a, self.dt_bias, self.a_coef,
+                                                 self.k_heads, self.dk, st.rec, z, self.norm, self.eps,
+                                                 quantize=qkv.is_cuda, in_place=in_place)
+
+    def replay_of(self, device):
+        """`_Trail.replay` for a verify's rows as this layer ran them: (qkv, z, b, a) through
+        the one launch, or (qkv, q, k, v, g, beta) through the recurrence's op."""
+        if self.one_launch():
+            def replay(rows, n, window, rec):
+                qkv, z, b, a = (r[:n] for r in rows)
+                impl("deltanet_decode", "triton")(window, qkv, self.conv, b, a, self.dt_bias, self.a_coef,
+                                                  self.k_heads, self.dk, rec, z, self.norm, self.eps)
+            return replay
+        step = self.recurrence(device)[1]
+
+        def replay(rows, n, window, rec):
+            recurrent(*(r[:n] for r in rows[1:]), rec, step)
+        return replay
+
     def recurrence(self, device) -> tuple[bool, object]:
-        """(fla-core's chunked kernels for a prompt?, the token-by-token op): fla-core's on
-        CUDA where it is installed (triton_kernels.deltanet_fla.deltanet_path says why);
-        token by token always Strata's Triton kernel on the GPU path (its arithmetic is
-        deltanet_decode's: a verify's rows and their replay in `keep` stay a decode's) or
-        torch ops, a verify's rows in one call (`recurrent`)."""
+        """(fla-core's chunked kernels for a prompt?, the token-by-token op where the tokens
+        take no one launch): fla-core's on CUDA where it is installed
+        (triton_kernels.deltanet_fla.deltanet_path says why), and torch's op token by
+        token, a verify's rows in one call (`recurrent`)."""
         return deltanet_path(device, self.proj.kernels)[0] == "fla-core", impl("deltanet_step", self.proj.kernels)
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -64,7 +64,6 @@ from strata.nn.ple import mix
 from strata.runtime.graph_attention import attention, keys, where_of
 from strata.runtime.graphs import enabled
 from triton_kernels import backend, invariant
-from triton_kernels.ops import impl
 
 
 def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
@@ -73,9 +72,10 @@ def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
     verify's inputs go (DeltaNetState.keep replays them)."""
     Hk, Hv, dk, dv = heads = m.k_heads, m.v_heads, m.dk, m.dv
     qkv, z, b, g = m.proj(a).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
-    if rows is None and m.proj.kernels == "triton":  # a decode's token: GatedDeltaNet.forward's one launch
-        y, _ = impl("deltanet_decode", "triton")(st.conv, qkv, m.conv, b, g, m.dt_bias, m.a_coef, Hk, dk, st.rec, z,
-                                                 m.norm, m.eps, quantize=a.is_cuda, in_place=True)
+    if m.one_launch():  # the tokens in one launch, as GatedDeltaNet.forward runs them
+        y, _ = m.tokens(qkv, z, b, g, st, in_place=True)
+        if rows is not None:
+            rows.append((qkv, z, b, g))
         return m.out(y)
     q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
                                                 m.proj.kernels, in_place=True)
@@ -332,5 +332,5 @@ class Qwen4ExpGraph:
             for layer, st in zip(model.layers, state.layers):
                 if layer.recurrent:
                     st.trail.rows = tuple(next(rows))
-                    st.trail.step = layer.mixer.recurrence(x.device)[1]
+                    st.trail.replay = layer.mixer.replay_of(x.device)
         return logits

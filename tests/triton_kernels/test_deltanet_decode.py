@@ -116,6 +116,24 @@ def test_a_verifys_rows_are_decode_steps_bit_for_bit(T, Hk, rep, dk, dv, K, seed
     assert torch.equal(rows, want) and torch.equal(window, want_window) and torch.equal(p["state"], q["state"])
 
 
+@settings(max_examples=examples(8), deadline=None)
+@given(T=st.integers(2, 5), Hk=st.integers(1, 2), rep=st.integers(1, 3), dk=st.integers(1, 40),
+       dv=st.sampled_from([5, 32, 37]), K=st.integers(2, 4), in_place=st.booleans(),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_tokens_in_one_launch_are_one_token_launches_bit_for_bit(T, Hk, rep, dk, dv, K, in_place, seed):
+    """T rows (a verify's, read from the projection's rows by their stride) in one launch:
+    each token's arithmetic as its own launch's, the window moved on by T, its int8 rows."""
+    p = layer(np.random.default_rng(seed), Hk, rep, dk, dv, K, T=T)
+    q = {**p, "state": p["state"].clone()}
+    held = p["window"].clone()
+    rows, window = run(deltanet_decode, {**p, "window": held}, quantize=True, in_place=in_place)
+    want, want_window = decoded(q)
+    assert torch.equal(rows, want) and torch.equal(window, want_window) and torch.equal(p["state"], q["state"])
+    assert (window is held) == in_place
+    if dv % 32 == 0:
+        assert all(torch.equal(a, b) for a, b in zip(quantize_x(rows), quantize_x_torch(want)))
+
+
 def test_its_counts_are_left_at_zero_for_the_next_launch():
     """Each key head's last program sets its count back: a second token (a CUDA graph's
     replay) runs as the first, and the three launches agree with it again."""
@@ -133,5 +151,7 @@ def test_wrong_shapes_are_named():
     p = layer(np.random.default_rng(0), 1, 2, 8, 16, 4)
     with pytest.raises(ValueError, match="z .* do not fit 1 key heads of 8"):
         run(deltanet_decode, {**p, "z": p["z"][:, :-1]})
-    with pytest.raises(ValueError, match=r"one token's qkv \(1, C\)"):
+    with pytest.raises(ValueError, match=r"the tokens' qkv \(T, C\), taps \(C, K\) and window \(C, K - 1\)"):
+        run(deltanet_decode, {**p, "window": p["window"][:, 1:]})
+    with pytest.raises(ValueError, match=r"qkv \(2, 48\), b, a \(1, 2\)"):
         run(deltanet_decode, {**p, "qkv": p["qkv"].expand(2, -1)})

@@ -158,7 +158,10 @@ def _replay(calls: list[dict], targets: list[str]) -> list[dict]:
         sig, cx, aligned = {}, {}, []
         for p in params:
             v = bound[p.name]
-            if p.is_constexpr or v is None:
+            # Triton's launches take an integer argument of 1 as a constant (its specialization;
+            # do_not_specialize aside): a loop over T tokens at T = 1 compiles without its loop
+            one = type(v) is int and v == 1 and not p.do_not_specialize
+            if p.is_constexpr or v is None or one:
                 sig[p.name], cx[p.name] = "constexpr", v
             else:
                 sig[p.name] = _type_of(v)
