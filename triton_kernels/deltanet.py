@@ -17,8 +17,9 @@ first token's decay to the last one's read-out. A token's arithmetic is the same
 T (the state stays float32 between tokens, in registers or in memory): T tokens at once
 give T one-token calls' bits (a verify's rows are decode steps'). `deltanet_step_torch` is
 that torch form, token by token. triton_kernels.deltanet_decode runs the same token
-(`delta_token`, the same tile) inside a decode's one launch, neither fusing a
-multiply-add, so a decode's token and a verify's rows here round alike on a GPU too.
+(`delta_token`, the same tile) inside the engine's one launch for its tokens, neither
+fusing a multiply-add: this launch is its reference (tests) and a peer in its bench
+(strata.bench.deltanet).
 Float32 throughout; the kernel's sums over dk run in another order than torch's, so the
 two agree within float32's summation bound (tests/triton_kernels/test_deltanet.py), not
 bit for bit: a model takes one of the two for every token of a sequence (decode and a

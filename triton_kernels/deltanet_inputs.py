@@ -184,7 +184,10 @@ def deltanet_conv_inputs(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int,
     conv's new window) from the window (C, K - 1), the projection's qkv (1, C) and the
     taps (C, K) (dilation 1). The conv's output is conv_step's bit for bit (its taps in
     its order, no fused multiply-add in this launch); the rest is deltanet_inputs'.
-    in_place: the new window written over `window` (contiguous) and returned."""
+    in_place: the new window written over `window` (contiguous) and returned. The engine's
+    tokens take triton_kernels.deltanet_decode's one launch, which this launch, the
+    recurrence's and the gated norm's are the reference for (its tests) and the peer of
+    (strata.bench.deltanet)."""
     _check("deltanet_conv_inputs", window=window, qkv=qkv, taps=taps)
     C = qkv.shape[-1]
     if qkv.shape[0] != 1 or taps.dim() != 2 or tuple(taps.shape[:1]) != (C,) or \

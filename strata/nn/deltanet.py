@@ -239,18 +239,12 @@ class GatedDeltaNet(torch.nn.Module):
 
 def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, kernels: str = "torch", in_place: bool = False):
     """The recurrence's inputs from the projections: (q, k, v, g, beta, the conv's new
-    window). With Triton kernels, the conv's step and everything between it and the
-    recurrence one kernel each (triton_kernels.conv, triton_kernels.deltanet_inputs), or
-    for one token both in one (deltanet_conv_inputs; `in_place`: its new window written
-    over `window`, a CUDA graph's buffer)."""
+    window; `in_place`: written over `window`, a CUDA graph's buffer). With Triton kernels
+    (a prompt's rows: tokens taken one by one take GatedDeltaNet.tokens' one launch), the
+    conv and everything between it and the recurrence one kernel each
+    (triton_kernels.conv, triton_kernels.deltanet_inputs)."""
     Hk, _, dk, _ = heads
-    gpu = kernels == "triton"
-    if gpu and qkv.shape[0] == 1 and conv.shape[1] == window.shape[1] + 1:  # one token: one launch
-        if in_place:
-            return impl("deltanet_conv_inputs", "triton")(window, qkv, conv, b, a, dt_bias, a_coef, Hk, dk,
-                                                          in_place=True)
-        return impl("deltanet_conv_inputs", "triton")(window, qkv, conv, b, a, dt_bias, a_coef, Hk, dk)
-    mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if gpu else None,
+    mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if kernels == "triton" else None,
                                 in_place=in_place)
     q, k, v, g, beta = impl("deltanet_inputs", kernels)(mixed, b, a, dt_bias, a_coef, Hk, dk)
     return q, k, v, g, beta, window
