@@ -52,10 +52,18 @@ def conv_sum(x, win_ptr, taps_ptr, c, live, S: tl.constexpr, K: tl.constexpr, DI
             f = tl.load(win_ptr + c * S + p, mask=live, other=0.0)
         else:
             f = x
-        if j == 0:
-            y = f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
-        else:
-            y = y + f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+        y = _tap(y, f, taps_ptr, c, live, j, K)
+    return y
+
+
+@triton.jit
+def _tap(y, f, taps_ptr, c, live, j: tl.constexpr, K: tl.constexpr):
+    """y plus column f times tap j, the product and the sum each rounded (tap 0: the product)."""
+    w = tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+    if j == 0:
+        y = f * w
+    else:
+        y = y + f * w
     return y
 
 
@@ -65,13 +73,7 @@ def conv_row(x_ptr, stride, win_ptr, taps_ptr, c, live, t, S: tl.constexpr, K: t
     channels c: conv_sum's taps, products and sums for that row (at t = 0 its bits)."""
     y = tl.zeros(c.shape, tl.float32)
     for j in tl.static_range(K):
-        p = c * 0 + t + j  # column p of [window | rows], a lane each
-        f = tl.where(p < S, tl.load(win_ptr + c * S + p, mask=live & (p < S), other=0.0),
-                     tl.load(x_ptr + (p - S) * stride + c, mask=live & (p >= S), other=0.0))
-        if j == 0:
-            y = f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
-        else:
-            y = y + f * tl.load(taps_ptr + c * K + j, mask=live, other=0.0)
+        y = _tap(y, _column(win_ptr, x_ptr, c, live, t + j, stride, S), taps_ptr, c, live, j, K)
     return y
 
 
@@ -81,10 +83,7 @@ def move_rows(x_ptr, stride, win_ptr, new_win_ptr, c, live, T, S: tl.constexpr):
     [window | rows] (in place too: a lane reads column T + i before it writes column i, in
     order; a barrier before, as move_window's)."""
     for i in tl.static_range(S):
-        p = c * 0 + T + i  # a lane each
-        f = tl.where(p < S, tl.load(win_ptr + c * S + p, mask=live & (p < S), other=0.0),
-                     tl.load(x_ptr + (p - S) * stride + c, mask=live & (p >= S), other=0.0))
-        tl.store(new_win_ptr + c * S + i, f, mask=live)
+        tl.store(new_win_ptr + c * S + i, _column(win_ptr, x_ptr, c, live, T + i, stride, S), mask=live)
 
 
 @triton.jit
