@@ -13,7 +13,8 @@ here one program covers BLOCK_C channels of up to BLOCK_T tokens. The taps are s
 same order, each product and sum rounded on its own (no fused multiply-add), so the kernel
 equals the torch twin bit for bit, and a token's output is the same whatever T: a verify's
 rows are one-token steps' (the one-token kernels that take the conv inside theirs,
-deltanet_conv_inputs and ple_mix, share `conv_taps`).
+deltanet_conv_inputs and ple_mix, share `conv_taps`; deltanet_decode's tokens take
+`conv_row`, its sums).
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ fusing a multiply-add: this launch is its reference (tests) and a peer in its be
 (strata.bench.deltanet).
 Float32 throughout; the kernel's sums over dk run in another order than torch's, so the
 two agree within float32's summation bound (tests/triton_kernels/test_deltanet.py), not
-bit for bit: a model takes one of the two for every token of a sequence (decode and a
-verify's replay alike), never both.
+bit for bit: a model takes one form (with the Triton kernels deltanet_decode's) for every
+token of a sequence (decode and a verify's replay alike), never two.
 """
 from __future__ import annotations
 
@@ -111,9 +111,9 @@ def deltanet_step_torch(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 
 
 def delta_rule_token(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """The torch form of one token, unchecked: strata.nn.deltanet.recurrent's step on the
-    CPU, which runs it for every token of every DeltaNet layer (the checks stay out of
-    that loop; the model's shapes were checked at load)."""
+    """The torch form of one token, unchecked: deltanet_step_torch's step, which the torch
+    kernels run for every token of every DeltaNet layer (the checks stay out of that loop;
+    the model's shapes were checked at load)."""
     state.mul_(g.exp()[:, None, None])
     kv = (state * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - kv) * beta.unsqueeze(-1)

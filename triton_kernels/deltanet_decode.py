@@ -109,12 +109,22 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+# a launch's row offsets are 32-bit numbers (t * a row's stride): more rows than fit (a long
+# prompt in batch-invariant mode) take several launches, one after another; a token's
+# arithmetic is the same in any of them
+OFFSETS = 2 ** 31 - 1
+
+
 def deltanet_decode(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int, state: torch.Tensor,
                     z, norm, eps: float, quantize: bool = False, in_place: bool = False):
     """T tokens' conv steps, deltanet_inputs, the recurrence (`state` in place) and the
     gated norm in one launch, token after token (see the module): (rows (T, Hv * dv), the
     conv's new window)."""
     _check_decode(window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk, state, z, norm)
+    Hv, _, dv = state.shape
+    T = qkv.shape[0]
+    if not T:
+        return qkv.new_empty(0, Hv * dv), (window if in_place else window.clone())
     if not use_triton(qkv):
         return deltanet_decode_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk, state, z, norm, eps,
                                      in_place=in_place)
@@ -123,25 +133,27 @@ def deltanet_decode(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: 
                          f"{state.dtype}{'' if state.is_contiguous() else ', not contiguous'}")
     if in_place and not window.is_contiguous():
         raise ValueError("deltanet_decode: in_place needs a contiguous window")
-    Hv, _, dv = state.shape
-    T = qkv.shape[0]
     qkv, b, a, z = (_rows(x) for x in (qkv, b, a, z))
     window, taps = window.contiguous(), taps.contiguous()
     new = window if in_place else torch.empty_like(window)
     o = qkv.new_empty(T, Hv, dv)  # the recurrence's output, read back by each key head's last program
     y = qkv.new_empty(T, Hv * dv)
     quantize, x8 = int8_buffers(quantize, T, Hv * dv, dv, y)
-    if T:
+    widest = max(qkv.stride(0), b.stride(0), a.stride(0), z.stride(0), Hv * dv)
+    per = max(1, OFFSETS // widest - taps.shape[1])
+    src = window
+    for r in range(0, T, per):
+        rows = slice(r, min(T, r + per))
         # the separate launches' tile widths (deltanet_step's BLOCK_V, the gated norm's whole
         # row): a sum's order follows its tile's shape
         _decode_kernel[(Hv, triton.cdiv(dv, BLOCK_V))](
-            qkv, b, a, dt_bias.contiguous(), a_coef.contiguous(), window, taps, new, state, o, z, norm.contiguous(),
-            y, *x8, zeroed_counts(qkv.device, k_heads), T, qkv.stride(0), b.stride(0), a.stride(0), z.stride(0),
-            k_heads, Hv, dv, dk ** -0.5, eps, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BLOCK_V,
+            qkv[rows], b[rows], a[rows], dt_bias.contiguous(), a_coef.contiguous(), src, taps, new, state, o[rows],
+            z[rows], norm.contiguous(), y[rows], *(t[rows] for t in x8), zeroed_counts(qkv.device, k_heads),
+            rows.stop - rows.start, qkv.stride(0), b.stride(0), a.stride(0), z.stride(0), k_heads, Hv, dv,
+            dk ** -0.5, eps, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BLOCK_V,
             BD=triton.next_power_of_2(dv), SPAN=window.shape[1], KT=taps.shape[1], QUANT=quantize,
-            enable_fp_fusion=False, num_stages=1)
-    elif not in_place:
-        new.copy_(window)
+            enable_fp_fusion=False)
+        src = new  # the next rows continue the window these moved on
     return (attach(y, Q8X(*x8)) if quantize else y), new
 
 

@@ -174,7 +174,7 @@ def deltanet_inputs(mixed, b, a, dt_bias, a_coef, k_heads: int, dk: int):
         _inputs_kernel[(T, Hv)](mixed, b, a, dt_bias.contiguous(), a_coef.contiguous(), q, k, v, g, beta, C,
                                 b.stride(0), a.stride(0), k_heads, Hv, dk, dv, dk ** -0.5, 1e-6,
                                 BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
-                                enable_fp_fusion=False)  # no FMA: a verify's rows round as one token's launch
+                                enable_fp_fusion=False)  # no FMA: rows round as deltanet_decode's tokens
     return q, k, v, g, beta
 
 

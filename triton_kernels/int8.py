@@ -425,7 +425,8 @@ _COUNTS: dict = {}
 
 def zeroed_counts(device: torch.device, n: int) -> torch.Tensor:
     """The counts of launches whose last program to finish completes their work (split K's
-    tiles; the router GEMV's routing, triton_kernels.router_gemv) on `device`: zeros, kept
+    tiles; the router GEMV's routing, triton_kernels.router_gemv; a DeltaNet layer's gated
+    norm and window, triton_kernels.deltanet_decode) on `device`: zeros, kept
     (each launch leaves them at 0), one set a stream so that launches on two streams never
     share one. Made on the device, so a
     graph that captures their making zeroes them again on replay, which is harmless."""

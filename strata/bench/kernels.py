@@ -295,7 +295,7 @@ def _measure(formats, rng, copy: float, rows: list) -> None:
     rows.append(_moe_row(case, copy, rng))
     rows += [_split_row(name, rng, copy) for name in formats if unit(quant.get(name)) is not None]
     rows += [_gemm_row(name, rng) for name in formats]
-    try:  # fla-core's wrapper, where installed, runs inside a graph here for the first time
+    try:  # fla-core's kernel, where installed, runs inside a graph here for the first time
         rows += deltanet.rows(rng, copy)
     except Exception as err:  # noqa: BLE001
         print(f"strata: bench kernels: the DeltaNet rows failed ({type(err).__name__}: {err}); "

@@ -129,7 +129,8 @@ class LoadPlan:
         if torch.device(self.device).type == "cpu" and self.kernels == "torch":
             out.append(backend.cpu_line())
         if self.arch == qn.ARCH and torch.device(self.device).type == "cuda":
-            out.append("DeltaNet: {}'s kernels ({})".format(*deltanet_path(self.device, self.kernels)))
+            out.append("DeltaNet: a prompt's chunks through {}'s kernels ({})".format(
+                *deltanet_path(self.device, self.kernels)))
         out.append(f"context: {self.context} tokens, {self.context_why}; KV cache {self.kv}"
                    f"{' (given)' if o.kv else ' (the default; --kv bf16|f16|int8 to shrink it)'}")
         if self.batch_invariant:

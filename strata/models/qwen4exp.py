@@ -297,7 +297,7 @@ class Qwen4Exp(torch.nn.Module):
                else "no MTP head")
         dn = next((l.mixer for l in self.layers if l.recurrent), None)
         dn_text = ("" if dn is None or dn.conv.device.type != "cuda"  # a CUDA load says whose kernels
-                   else f" ({deltanet_path(dn.conv.device, dn.proj.kernels)[0]} kernels)")
+                   else f" ({deltanet_path(dn.conv.device, dn.proj.kernels)[0]} chunks, a token one launch)")
         return (f"{summary.name(g)} ({g.arch}, {c.n_layers} layers: "
                 f"{c.n_layers - n_attn} DeltaNet{dn_text} + {n_attn} attention, dim {c.dim} x {c.streams} streams, "
                 f"{c.n_experts} experts top-{c.top_k}, {summary.file_summary(g)}) {summary.run_summary(self)}, "

@@ -9,8 +9,8 @@ with q, k L2-normalised (q also scaled by dk^-1/2), g = a_coef * softplus(a + dt
 token by token (decode); `chunked` runs the same recurrence 64 tokens at a time with the
 WY/UT transform (prefill), as transformers' torch_chunk_gated_delta_rule. On CUDA,
 `fla-core`'s chunked Triton kernels take a prompt's over when installed; with the Triton
-kernels a decode's token is one launch (triton_kernels.deltanet_decode) and a verify's
-rows Strata's recurrence kernel, which rounds as that launch does.
+kernels the tokens taken one by one (a decode's, a verify's rows and their replay) are one
+launch (triton_kernels.deltanet_decode).
 
 Head order: llama.cpp's converter stores the value heads "tiled" (value head j*Hk + k
 belongs to key head k), so the key heads are repeated with `repeat`, not
@@ -36,8 +36,8 @@ def recurrent(q, k, v, g, beta, state, step=delta_rule_token):
     """q, k (T, Hv, dk); v (T, Hv, dv); g, beta (T, Hv); state (Hv, dk, dv), updated in
     place. Returns o (T, Hv, dv). Token by token: `step` is one token's torch op
     (delta_rule_token, run for each), or an op that takes the T tokens and runs them one
-    after another itself, each as its one-token call (triton_kernels.deltanet's kernel
-    and its twin: one launch for a verify's rows)."""
+    after another itself, each as its one-token call (deltanet_step_torch, the torch
+    kernels' op)."""
     if step is not delta_rule_token:
         return step(q, k, v, g, beta, state)
     if q.shape[0] == 1:  # a decode: the step's output as it is
@@ -226,9 +226,8 @@ class GatedDeltaNet(torch.nn.Module):
 
     def recurrence(self, device) -> tuple[bool, object]:
         """(fla-core's chunked kernels for a prompt?, the token-by-token op where the tokens
-        take no one launch): fla-core's on CUDA where it is installed
-        (triton_kernels.deltanet_fla.deltanet_path says why), and torch's op token by
-        token, a verify's rows in one call (`recurrent`)."""
+        take no one launch, the torch kernels'): fla-core's on CUDA where it is installed
+        (triton_kernels.deltanet_fla.deltanet_path says why)."""
         return deltanet_path(device, self.proj.kernels)[0] == "fla-core", impl("deltanet_step", self.proj.kernels)
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -66,22 +66,21 @@ from strata.runtime.graphs import enabled
 from triton_kernels import backend, invariant
 
 
-def _deltanet(m, a: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
-    """GatedDeltaNet.forward for rows a (T, dim) token by token, its conv window written in
-    place; the recurrent state is updated in place by the one-token op. `rows`: where a
-    verify's inputs go (DeltaNetState.keep replays them)."""
+def _deltanet(m, x: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
+    """GatedDeltaNet.forward for rows x (T, dim) token by token, its conv window written in
+    place; the recurrent state is updated in place. `rows`: where a verify's inputs go
+    (DeltaNetState.keep replays them)."""
     Hk, Hv, dk, dv = heads = m.k_heads, m.v_heads, m.dk, m.dv
-    qkv, z, b, g = m.proj(a).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
+    qkv, z, b, a = m.proj(x).float().split([2 * Hk * dk + Hv * dv, Hv * dv, Hv, Hv], dim=-1)
     if m.one_launch():  # the tokens in one launch, as GatedDeltaNet.forward runs them
-        y, _ = m.tokens(qkv, z, b, g, st, in_place=True)
+        y, _ = m.tokens(qkv, z, b, a, st, in_place=True)
         if rows is not None:
-            rows.append((qkv, z, b, g))
+            rows.append((qkv, z, b, a))
         return m.out(y)
-    q, k, v, g, beta, window = deltanet._inputs(qkv, b, g, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
+    q, k, v, g, beta, window = deltanet._inputs(qkv, b, a, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
                                                 m.proj.kernels, in_place=True)
-    o = deltanet.recurrent(q, k, v, g, beta, st.rec, m.recurrence(a.device)[1])
-    if window is not st.conv:  # (the Triton launches move it on in place)
-        st.conv.copy_(window)
+    o = deltanet.recurrent(q, k, v, g, beta, st.rec, m.recurrence(x.device)[1])
+    st.conv.copy_(window)  # (torch's conv gives a new window)
     if rows is not None:
         rows.append((qkv, q, k, v, g, beta))
     return m.out(m.gated_norm(o, z))

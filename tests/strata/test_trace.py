@@ -103,7 +103,7 @@ def test_a_flash_tiny_decode_step_on_the_gpu_reads_nothing_on_the_host(flash_tin
                            experts=experts, ple_io=ple_io)
         assert "on cuda" in model.plan_line() and where in model.plan_line(), model.plan_line()
         kernels = "fla-core" if fla_installed() else "strata"  # triton_kernels.deltanet_fla.deltanet_path
-        assert f"6 DeltaNet ({kernels} kernels)" in model.plan_line(), model.plan_line()
+        assert f"6 DeltaNet ({kernels} chunks, a token one launch)" in model.plan_line(), model.plan_line()
         state = model.new_cache()
         first = trace(lambda: model(torch.tensor([1]), state))
         second = trace(lambda: model(torch.tensor([4]), state))

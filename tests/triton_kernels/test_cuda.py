@@ -250,16 +250,16 @@ def test_the_attention_rows_launch_is_the_separate_launches_on_the_gpu(dtype):
 
 
 def test_a_deltanet_tokens_one_launch_is_the_three_launches_on_the_gpu():
-    """deltanet_decode on the GPU: the rows, their int8 form, the state and the window
+    """deltanet_decode on the GPU: a token's rows, their int8 form, the state and the window
     moved on (in place or not) are deltanet_conv_inputs', deltanet_step's and
-    deltanet_gated_norm's bit for bit, and a verify's rows through its launches (the conv
-    over the rows, deltanet_inputs, the recurrence, the gated norm) are decode steps' bits:
-    no fused multiply-add in any of them, the same tile widths, the norm's width a runtime
-    number in both norms; as test_deltanet_decode.py checks them under the interpreter. At
-    Flash-Next's heads (16 key heads, 48 value heads, 128 wide, 4 taps) and small ones
-    (96 wide: a width whose reciprocal is inexact), two tokens in a row (each key head's
-    count left at 0)."""
-    from tests.triton_kernels.test_deltanet_decode import decoded, layer, run, separate, verify
+    deltanet_gated_norm's bit for bit; T rows in one launch (a verify's, and their replay
+    in keep without the int8 form) are T one-token launches' bits, and so are the separate
+    launches over the rows: no fused multiply-add in any of them, the same tile widths, the
+    norm's width a runtime number in both norms; as test_deltanet_decode.py checks them
+    under the interpreter. At Flash-Next's heads (16 key heads, 48 value heads, 128 wide,
+    4 taps) and small ones (96 wide: a width whose reciprocal is inexact), two tokens in a
+    row (each key head's count left at 0)."""
+    from tests.triton_kernels.test_deltanet_decode import decoded, layer, run, separate, separate_rows
     from triton_kernels.deltanet import deltanet_step
     from triton_kernels.deltanet_decode import deltanet_decode
     from triton_kernels.deltanet_inputs import deltanet_conv_inputs, deltanet_gated_norm
@@ -280,10 +280,13 @@ def test_a_deltanet_tokens_one_launch_is_the_three_launches_on_the_gpu():
             assert torch.equal(p["state"], q["state"])
             assert all(torch.equal(a, b) for a, b in zip(quantize_x(rows), quantize_x(want)))
         p = on_gpu(layer(np.random.default_rng(seed), *shape, 4, T=T))
-        q = {**p, "state": p["state"].clone()}
-        rows, window = verify(p)
+        q, r = ({**p, "state": p["state"].clone(), "window": p["window"].clone()} for _ in range(2))
         want, want_window = decoded(q)
+        rows, window = run(deltanet_decode, p, quantize=in_place, in_place=in_place)
         assert torch.equal(rows, want) and torch.equal(window, want_window) and torch.equal(p["state"], q["state"])
+        apart, apart_window = separate_rows(r)
+        assert torch.equal(apart, want) and torch.equal(apart_window, want_window)
+        assert torch.equal(r["state"], q["state"])
     prop()
 
 

@@ -1,11 +1,13 @@
-"""One token of a DeltaNet layer's mixing in one launch (triton_kernels/deltanet_decode.py),
-through the interpreter, against the three launches it replaces.
+"""A DeltaNet layer's tokens, one after another, in one launch
+(triton_kernels/deltanet_decode.py), through the interpreter, against the separate
+launches it replaced.
 
-The launch is deltanet_conv_inputs, deltanet_step and deltanet_gated_norm bit for bit: the
-same jit functions, the same sums in the same order (checked here for the rows, their
-int8 form, the state and the new window, in place or not, heads of any width and the
-tiled head order, several value-column blocks a head and one), and a verify's rows
-through the launches a verify takes are decode steps' bits. So its accuracy is theirs,
+A token of the launch is deltanet_conv_inputs, deltanet_step and deltanet_gated_norm bit
+for bit: the same jit functions, the same sums in the same order (checked here for the
+rows, their int8 form, the state and the new window, in place or not, heads of any width
+and the tiled head order, several value-column blocks a head and one); T tokens in one
+launch are T one-token launches; and T rows through the separate launches a verify took
+(conv_step first) are the same bits too. So its accuracy is theirs,
 each checked against float64 within its own float32 bound
 (tests/triton_kernels/test_deltanet_inputs.py, test_deltanet.py); the torch twin is the
 three torch twins one after another (checked equal to them here; each within its bound of
@@ -83,10 +85,10 @@ def test_one_launch_is_the_three_bit_for_bit(Hk, rep, dk, dv, K, scale, seed):
     assert torch.equal(twin_state, p["state"])
 
 
-def verify(p):
-    """T tokens as a verify's forward runs them (strata.nn.deltanet: the conv over the rows,
-    deltanet_inputs, the recurrence's T tokens in one launch, the gated norm): (rows, new
-    window), the state in place."""
+def separate_rows(p):
+    """T tokens through the separate launches (the conv over the rows, deltanet_inputs, the
+    recurrence's T tokens in one launch, the gated norm), as a verify ran them before
+    deltanet_decode: (rows, new window), the state in place."""
     mixed, window = conv_step(p["window"], p["qkv"], p["taps"], 1)
     q, k, v, g, beta = deltanet_inputs(mixed, p["b"], p["a"], p["dt_bias"], p["a_coef"], p["k_heads"], p["dk"])
     return deltanet_gated_norm(deltanet_step(q, k, v, g, beta, p["state"]), p["z"], p["norm"], p["eps"]), window
@@ -105,13 +107,13 @@ def decoded(p):
 @settings(max_examples=examples(8), deadline=None)
 @given(T=st.integers(2, 4), Hk=st.integers(1, 2), rep=st.integers(1, 3), dk=st.integers(1, 40),
        dv=st.sampled_from([5, 32, 37]), K=st.integers(2, 4), seed=st.integers(0, 2 ** 32 - 1))
-def test_a_verifys_rows_are_decode_steps_bit_for_bit(T, Hk, rep, dk, dv, K, seed):
-    """What a speculative verify promises (a verify's rows are the decode steps'; its
-    replay in DeltaNetState.keep runs the same launches): the verify's launches over T
-    rows give T one-launch decode steps' rows, state and window."""
+def test_the_separate_launches_over_rows_are_decode_steps_bit_for_bit(T, Hk, rep, dk, dv, K, seed):
+    """The separate launches over T rows (conv_step, deltanet_inputs, deltanet_step,
+    deltanet_gated_norm) give T one-launch decode steps' rows, state and window: the
+    separate launches stay the one launch's reference for rows too."""
     p = layer(np.random.default_rng(seed), Hk, rep, dk, dv, K, T=T)
     q = {**p, "state": p["state"].clone()}
-    rows, window = verify(p)
+    rows, window = separate_rows(p)
     want, want_window = decoded(q)
     assert torch.equal(rows, want) and torch.equal(window, want_window) and torch.equal(p["state"], q["state"])
 
@@ -121,8 +123,10 @@ def test_a_verifys_rows_are_decode_steps_bit_for_bit(T, Hk, rep, dk, dv, K, seed
        dv=st.sampled_from([5, 32, 37]), K=st.integers(2, 4), in_place=st.booleans(),
        seed=st.integers(0, 2 ** 32 - 1))
 def test_tokens_in_one_launch_are_one_token_launches_bit_for_bit(T, Hk, rep, dk, dv, K, in_place, seed):
-    """T rows (a verify's, read from the projection's rows by their stride) in one launch:
-    each token's arithmetic as its own launch's, the window moved on by T, its int8 rows."""
+    """What a speculative verify promises (its rows are the decode steps'; DeltaNetState.keep
+    replays the kept ones through the same launch): T rows, read from the projection's rows
+    by their stride, in one launch give T one-token launches' rows, state and window (moved
+    on by T, whether T is below the window's span or not), and its int8 rows."""
     p = layer(np.random.default_rng(seed), Hk, rep, dk, dv, K, T=T)
     q = {**p, "state": p["state"].clone()}
     held = p["window"].clone()
@@ -132,6 +136,35 @@ def test_tokens_in_one_launch_are_one_token_launches_bit_for_bit(T, Hk, rep, dk,
     assert (window is held) == in_place
     if dv % 32 == 0:
         assert all(torch.equal(a, b) for a, b in zip(quantize_x(rows), quantize_x_torch(want)))
+
+
+class _Counted:
+    """A Triton kernel whose launches are counted, then run."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_rows_past_32_bit_offsets_take_launches_one_after_another(monkeypatch, in_place):
+    """More rows than a launch's 32-bit offsets reach (here made small: 2 rows a launch)
+    run as several launches, each continuing the window the one before moved on: the one
+    launch's bits, its int8 rows too."""
+    from triton_kernels import deltanet_decode as module
+    p = layer(np.random.default_rng(7), 2, 2, 16, 32, 4, T=9)
+    one = {**p, "state": p["state"].clone(), "window": p["window"].clone()}
+    want, want_window = run(deltanet_decode, one, quantize=True)
+    counted = _Counted(module._decode_kernel)
+    monkeypatch.setattr(module, "_decode_kernel", counted)
+    monkeypatch.setattr(module, "OFFSETS", (2 + 4) * p["qkv"].stride(0))  # widest stride: the projection's row
+    rows, window = run(deltanet_decode, p, quantize=True, in_place=in_place)
+    assert len(counted.grids) == 5 and (window is p["window"]) == in_place
+    assert torch.equal(rows, want) and torch.equal(window, want_window) and torch.equal(p["state"], one["state"])
+    assert all(torch.equal(x, y) for x, y in zip(quantize_x(rows), quantize_x(want)))
 
 
 def test_its_counts_are_left_at_zero_for_the_next_launch():
@@ -155,3 +188,24 @@ def test_wrong_shapes_are_named():
         run(deltanet_decode, {**p, "window": p["window"][:, 1:]})
     with pytest.raises(ValueError, match=r"qkv \(2, 48\), b, a \(1, 2\)"):
         run(deltanet_decode, {**p, "qkv": p["qkv"].expand(2, -1)})
+
+
+@pytest.mark.slow
+def test_a_token_and_a_verifys_rows_compile_for_the_gpus_without_spills():
+    """At Flash-Next's heads (16 key heads, 48 value heads of 128, 4 taps): one token and
+    a verify's 4 rows compile for sm_90 and gfx942 with no spill. One token's T = 1 is a
+    constant to a Triton launch (its specialization of an integer argument of 1, which the
+    launches' replay takes too): its kernel has no token loop, and holds fewer registers
+    (triton_kernels/NOTES.md gives the counts)."""
+    from triton_kernels.analysis.launches import compile_calls, record
+    from triton_kernels.ops import impl
+    with record() as calls:
+        for T in (1, 4):
+            run(impl("deltanet_decode", "triton"), layer(np.random.default_rng(T), 16, 3, 128, 128, 4, T=T),
+                quantize=True, in_place=True)
+    results = compile_calls(calls)
+    assert len(results) == 4 and all(r.ok and r.spill_bytes == 0 for r in results), results
+    for target in ("sm_90", "gfx942"):
+        one, rows = (r for r in results if r.target == target)
+        assert "'T': 1" in one.constexprs and "'T'" not in rows.constexprs, (one.constexprs, rows.constexprs)
+        assert one.regs < rows.regs, (target, one.regs, rows.regs)
