@@ -117,13 +117,15 @@ def rows(f, x: torch.Tensor, key=None) -> torch.Tensor:
     """f applied to x (M, K) in calls of ROWS rows, joined: for a row-wise f (a matmul by a
     weight), row i of the result is the same for any M and any offset of the row in x.
 
-    The last, short call of m rows is padded with zeros to the fewest rows (m or more) that a
-    probe showed f computes as a full call computes them (`key` names f's kind and shapes for
-    the probe's memo; None: pad to ROWS). Measured on CPUs: bfloat16 GEMMs and the int4
-    kernel compute any short call's rows alike on AVX2, float32 ones all but a single row (a
-    GEMV, which sums in another order): decode's one row then costs two rows, not ROWS. With
-    AVX-512 and bfloat16 dot products, bfloat16 ones with K > 1024 all but a single row, and
-    float32 ones calls of 4 rows and more."""
+    The last, short call of m rows is padded with zeros to the fewest rows (m or more, and
+    never one) that a probe showed f computes as a full call computes them (`key` names f's
+    kind and shapes for the probe's memo; None: pad to ROWS). Measured on CPUs: bfloat16
+    GEMMs and the int4 kernel compute any short call's rows alike on AVX2, float32 ones all
+    but a single row (a GEMV, which sums in another order): decode's one row then costs two
+    rows, not ROWS. With AVX-512 and bfloat16 dot products, bfloat16 ones with K > 1024 all
+    but a single row, and float32 ones calls of 4 rows and more. A single row is never
+    taken: on a CPU with AMX a one-row bfloat16 call of K = 36 agreed with the full call in
+    one process's probe and not in another's, so a probe cannot vouch for it."""
     M = x.shape[0]
     m = M % ROWS
     size = ROWS if not m else (_exact_size(f, x, key, m) if key is not None else ROWS)
@@ -152,7 +154,7 @@ def _exact_size(f, x: torch.Tensor, key, m: int) -> int:
     tile of 8 rows passed it and a one-token step parted from a speculative verify's row."""
     k = (key, x.dtype, tuple(x.shape[1:]), x.device)
     ok = _sizes.setdefault(k, {ROWS: True})
-    for n in range(max(m, 1), ROWS + 1):
+    for n in range(max(m, 2), ROWS + 1):  # never one row (see `rows`)
         if n not in ok:
             # calls from each multiple of n, and the last n rows (a ROWS-row probe holds
             # one call of n rows at its start and one at its end)
