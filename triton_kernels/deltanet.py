@@ -11,7 +11,7 @@ place, in one kernel:
         S     = S + k_h delta^T            the delta rule's write
         o_h   = q_h^T S
 
-strata.nn.deltanet.recurrent runs the same math as torch ops, some ten launches a token a
+deltanet_step_torch runs the same math as torch ops, some ten launches a token a
 layer; here one program holds a (dk, BLOCK_V) tile of a head's state in registers from the
 first token's decay to the last one's read-out. A token's arithmetic is the same whatever
 T (the state stays float32 between tokens, in registers or in memory): T tokens at once

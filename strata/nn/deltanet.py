@@ -5,8 +5,8 @@ Per token, for each value head with state S (dk, dv):
     S = S * exp(g);  S = S + k (beta * (v - S^T k))^T;  o = S^T q
 
 with q, k L2-normalised (q also scaled by dk^-1/2), g = a_coef * softplus(a + dt_bias)
-(the GGUF's ssm_a holds a_coef = -exp(A_log)) and beta = sigmoid(b). `recurrent` runs it
-token by token (decode); `chunked` runs the same recurrence 64 tokens at a time with the
+(the GGUF's ssm_a holds a_coef = -exp(A_log)) and beta = sigmoid(b). The recurrence's
+op (GatedDeltaNet.recurrence) runs it token by token (decode); `chunked` runs the same recurrence 64 tokens at a time with the
 WY/UT transform (prefill), as transformers' torch_chunk_gated_delta_rule. On CUDA,
 `fla-core`'s chunked Triton kernels take a prompt's over when installed; with the Triton
 kernels the tokens taken one by one (a decode's, a verify's rows and their replay) are one
@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from triton_kernels import invariant
 from triton_kernels.cpu.compiled import Compiled
 from triton_kernels.conv import causal_conv_torch
-from triton_kernels.deltanet import delta_rule_token
 from triton_kernels.deltanet_decode import deltanet_decode_torch
 from triton_kernels.deltanet_fla import deltanet_chunk_fla, deltanet_path
 from triton_kernels.ops import impl
@@ -32,24 +31,9 @@ from triton_kernels.ops import impl
 from .linear import QuantLinear
 
 
-def recurrent(q, k, v, g, beta, state, step=delta_rule_token):
-    """q, k (T, Hv, dk); v (T, Hv, dv); g, beta (T, Hv); state (Hv, dk, dv), updated in
-    place. Returns o (T, Hv, dv). Token by token: `step` is one token's torch op
-    (delta_rule_token, run for each), or an op that takes the T tokens and runs them one
-    after another itself, each as its one-token call (deltanet_step_torch, the torch
-    kernels' op)."""
-    if step is not delta_rule_token:
-        return step(q, k, v, g, beta, state)
-    if q.shape[0] == 1:  # a decode: the step's output as it is
-        return step(q[0], k[0], v[0], g[0], beta[0], state).unsqueeze(0)
-    out = torch.empty_like(v)
-    for t in range(q.shape[0]):
-        out[t] = step(q[t], k[t], v[t], g[t], beta[t], state)
-    return out
-
-
 def chunked(q, k, v, g, beta, state, chunk: int = 64):
-    """The same recurrence over chunks of `chunk` tokens (shapes as `recurrent`)."""
+    """The recurrence over chunks of `chunk` tokens: q, k (T, Hv, dk); v (T, Hv, dv); g, beta
+    (T, Hv); state (Hv, dk, dv), updated in place. Returns o (T, Hv, dv)."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     pad = (-T) % chunk
@@ -191,7 +175,7 @@ class GatedDeltaNet(torch.nn.Module):
         if st.trail is not None:  # a verify: token by token, as decode and `keep`'s replay run
             st.trail.rows, st.trail.replay = (qkv, q, k, v, g, beta), self.replay_of(x.device)
         if by_token:
-            o = recurrent(q, k, v, g, beta, st.rec, step)
+            o = step(q, k, v, g, beta, st.rec)
         else:
             o = (deltanet_chunk_fla if fla else chunked)(q, k, v, g, beta, st.rec)
         return self.out(self.gated_norm(o, z))
@@ -221,13 +205,14 @@ class GatedDeltaNet(torch.nn.Module):
         step = self.recurrence(device)[1]
 
         def replay(rows, n, window, rec):
-            recurrent(*(r[:n] for r in rows[1:]), rec, step)
+            step(*(r[:n] for r in rows[1:]), rec)
         return replay
 
     def recurrence(self, device) -> tuple[bool, object]:
         """(fla-core's chunked kernels for a prompt?, the token-by-token op where the tokens
-        take no one launch, the torch kernels'): fla-core's on CUDA where it is installed
-        (triton_kernels.deltanet_fla.deltanet_path says why)."""
+        take no one launch, the torch kernels', which runs T tokens one after another in one
+        call): fla-core's on CUDA where it is installed (triton_kernels.deltanet_fla.
+        deltanet_path says why)."""
         return deltanet_path(device, self.proj.kernels)[0] == "fla-core", impl("deltanet_step", self.proj.kernels)
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -236,15 +221,14 @@ class GatedDeltaNet(torch.nn.Module):
         return impl("deltanet_gated_norm", self.proj.kernels)(o, z, self.norm, self.eps, quantize=o.is_cuda)
 
 
-def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, kernels: str = "torch", in_place: bool = False):
+def _inputs(qkv, b, a, window, conv, dt_bias, a_coef, heads, kernels: str = "torch"):
     """The recurrence's inputs from the projections: (q, k, v, g, beta, the conv's new
-    window; `in_place`: written over `window`, a CUDA graph's buffer). With Triton kernels
+    window). With Triton kernels
     (a prompt's rows: tokens taken one by one take GatedDeltaNet.tokens' one launch), the
     conv and everything between it and the recurrence one kernel each
     (triton_kernels.conv, triton_kernels.deltanet_inputs)."""
     Hk, _, dk, _ = heads
-    mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if kernels == "triton" else None,
-                                in_place=in_place)
+    mixed, window = causal_conv(window, qkv, conv, step=impl("conv_step", "triton") if kernels == "triton" else None)
     q, k, v, g, beta = impl("deltanet_inputs", kernels)(mixed, b, a, dt_bias, a_coef, Hk, dk)
     return q, k, v, g, beta, window
 

@@ -78,8 +78,8 @@ def _deltanet(m, x: torch.Tensor, st, rows: list | None = None) -> torch.Tensor:
             rows.append((qkv, z, b, a))
         return m.out(y)
     q, k, v, g, beta, window = deltanet._inputs(qkv, b, a, st.conv, m.conv, m.dt_bias, m.a_coef, heads,
-                                                m.proj.kernels, in_place=True)
-    o = deltanet.recurrent(q, k, v, g, beta, st.rec, m.recurrence(x.device)[1])
+                                                m.proj.kernels)
+    o = m.recurrence(x.device)[1](q, k, v, g, beta, st.rec)
     st.conv.copy_(window)  # (torch's conv gives a new window)
     if rows is not None:
         rows.append((qkv, q, k, v, g, beta))

@@ -370,7 +370,7 @@ def test_a_verifys_rows_in_one_recurrence_launch_are_one_token_steps_on_the_gpu(
     """triton_kernels.deltanet's kernel: T tokens in one launch give the T one-token
     launches' outputs and state bit for bit on the device too (the compiled loop's
     arithmetic is the one-token kernel's), which batch-invariant verifies promise
-    (strata.nn.deltanet.recurrent)."""
+    (strata.nn.deltanet.DeltaNetState.keep)."""
     from triton_kernels.deltanet import deltanet_step
     steps = [deltanet_step]
 

@@ -24,10 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.nn.deltanet import recurrent
 from tests.triton_kernels.test_deltanet import reference
 from triton_kernels.backend import interpreter_on
-from triton_kernels.deltanet import delta_rule_token, deltanet_step
+from triton_kernels.deltanet import deltanet_step, deltanet_step_torch
 from triton_kernels.deltanet_fla import chunk_arguments, deltanet_path, fla_installed
 
 pytestmark = pytest.mark.skipif(not fla_installed(), reason="fla-core not installed (pip install strata-engine[cuda])")
@@ -77,7 +76,7 @@ def test_fla_fused_recurrent_matches_strata_recurrence_within_the_bound():
                                                 initial_state=s0[None].clone(), output_final_state=True)
     check("fla fused_recurrent", o[0], final[0])
     s_torch = s0.clone()
-    check("Strata's torch step", recurrent(q, k, v, g, beta, s_torch, delta_rule_token), s_torch)
+    check("Strata's torch step", deltanet_step_torch(q, k, v, g, beta, s_torch), s_torch)
 
 
 def test_the_chunked_kernels_get_strata_tensors_as_fla_lays_them_out():
@@ -114,7 +113,7 @@ def test_on_the_gpu_fla_chunks_match_strata_chunked():
     rel = (lambda a, b: ((a - b).norm() / b.norm()).item())
     assert rel(o, o64) < 2 ** -7 and rel(s.cpu().double(), s64) < 2 ** -7
     step_state = s0.cuda()
-    o_step = recurrent(*(x.cuda() for x in (q, k, v, g, beta)), step_state, deltanet_step).cpu().double()
+    o_step = deltanet_step(*(x.cuda() for x in (q, k, v, g, beta)), step_state).cpu().double()
     assert rel(o_step, o64) < 2 ** -14 and rel(step_state.cpu().double(), s64) < 2 ** -14
 
 
