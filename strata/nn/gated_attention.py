@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels import invariant
-from triton_kernels.backend import to_device
 from triton_kernels.ops import impl
 from triton_kernels.qsa import select_blocks
 
@@ -315,8 +314,9 @@ class GatedAttention(torch.nn.Module):
                 raise RuntimeError(f"attention state holds {st.n} tokens, the step starts at {start}")
             st.room(T, self.n_kv_heads, self.head_dim, self.idx_dim if self.n_idx else 0, x.device)
             cos, sin, P = self.rope.tables(pos, x.device)
-            index = torch.arange(start, start + T)
-            slots = None if torch.equal(pos, index) else to_device(index, x.device)  # (after an image they part)
+            # the cache rows at the token indices, apart from the RoPE positions after an image
+            index = None if positions is None else torch.arange(start, start + T)
+            slots = None if index is None or torch.equal(pos, index) else self.rope.on_device(index, x.device)
             q, qi, gate = self.stored_inputs(parts, st, cos, sin, P, queries=self.sparse(start, T), slots=slots)
             st.n += T  # (held once stored)
             out = self.attend_held(q, None, st, start, pos, positions, qi)

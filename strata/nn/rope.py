@@ -81,6 +81,7 @@ class Rope(torch.nn.Module):
                  sections: tuple[int, int, int] | None = None):
         super().__init__()
         self.dim, self.scaling = dim, scaling
+        self._held: dict = {}  # on_device's: a step's positions and indices on the device
         pairs = torch.zeros(dim // 2, dtype=torch.long)
         if sections is not None:
             pairs[1:3 * sections[1]:3], pairs[2:3 * sections[2]:3] = 1, 2
@@ -130,17 +131,29 @@ class Rope(torch.nn.Module):
     def tables(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cos, sin, pos on `device`): the whole tables, grown to cover the positions (S,),
         for a kernel that reads their rows itself (triton_kernels.attention_rows); the
-        positions cross over once a step, as `_rows`' rows do."""
-        self._cover(pos)
+        positions cross over once a step, as `_rows`' rows do (the tables grown then too:
+        they only grow, so positions met before are covered)."""
         key = _key(pos, device)
-        if key is None or self._at is None or self._at[0] != key:
-            self._at = (key, to_device(pos, device))
-        return self.cos, self.sin, self._at[1]
+        if key is None or key not in self._held:
+            self._cover(pos)
+        return self.cos, self.sin, self.on_device(pos, device)
 
-    _at = None  # (positions, those positions on the device) of the last `tables`
+    def on_device(self, ids: torch.Tensor, device) -> torch.Tensor:
+        """A step's few host positions or indices on `device`, copied once a step: every
+        layer of the step asks for the same ones (a copy from the host waits for the GPU's
+        queue). The last two asked are held (a step's positions and, after an image, its
+        indices)."""
+        key = _key(ids, device)
+        if key is None:
+            return to_device(ids, device)
+        if key not in self._held:
+            if len(self._held) >= 2:
+                self._held.pop(next(iter(self._held)))
+            self._held[key] = to_device(ids, device)
+        return self._held[key]
 
     def _apply(self, fn, *args, **kwargs):  # model.to(): the remembered rows stay where they were
-        self._last = self._at = None
+        self._last, self._held = None, {}
         return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
