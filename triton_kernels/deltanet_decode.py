@@ -64,8 +64,12 @@ def _decode_kernel(qkv_ptr, b_ptr, a_ptr, dt_ptr, coef_ptr, win_ptr, taps_ptr, n
         # deltanet_conv_inputs' q, k and v, the window read only
         q = _silu(conv_row(qkv_ptr, qkv_stride, win_ptr, taps_ptr, qc, mk, t, SPAN, KT))
         k = _silu(conv_row(qkv_ptr, qkv_stride, win_ptr, taps_ptr, kc, mk, t, SPAN, KT))
-        q = q * (1.0 / tl.sqrt_rn(tl.sum(q * q, axis=0) + 1e-6)) * scale
-        k = k * (1.0 / tl.sqrt_rn(tl.sum(k * k, axis=0) + 1e-6))
+        # both sums before either root: with q scaled first, ptxas 12.8 (Triton 3.6's) holds
+        # a value of q on the stack across the call to k's root's slow path (8 bytes at T = 1)
+        nq, nk = tl.sum(q * q, axis=0) + 1e-6, tl.sum(k * k, axis=0) + 1e-6
+        iq, ik = 1.0 / tl.sqrt_rn(nq), 1.0 / tl.sqrt_rn(nk)
+        q = q * iq * scale
+        k = k * ik
         v = _silu(conv_row(qkv_ptr, qkv_stride, win_ptr, taps_ptr, vc, mv, t, SPAN, KT))
         beta, g = beta_g(b_ptr + t * b_stride, a_ptr + t * a_stride, dt_ptr, coef_ptr, h)
         s, o = delta_token(s, q, k, v, g, beta)
