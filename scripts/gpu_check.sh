@@ -10,7 +10,8 @@
 #      place from pinned host memory, against the pinned copy; a 512 x 2560 GEMV with K split and not; the 512-row prefill
 #      GEMM against torch's bf16 matmul; a DeltaNet decode token at Flash-Next's heads, one
 #      launch against the three it replaced (fla-core's recurrence among them where its
-#      wheel came); in the device layout, then again in GGUF order (STRATA_LAYOUT=gguf);
+#      wheel came); a decode graph's choice of QSA blocks, one launch against the stable
+#      sort it replaced; in the device layout, then again in GGUF order (STRATA_LAYOUT=gguf);
 #   3. `strata bench dequant --device cuda` for the formats of the decode path;
 #   4. the static table for sm_90, to set beside the measured one;
 #   5. the engine on the GPU: `strata generate --device cuda` for SmolLM2 (when its GGUF

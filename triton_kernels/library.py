@@ -38,6 +38,7 @@ from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .ple_mix import ple_mix
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_pool, qsa_scores
+from .qsa_select import SELECT_BLOCK, SELECT_TILE, qsa_select
 from .rope import norm_rope, norm_rope2
 from .route_align import route_align
 from .router_gemv import router_gemv
@@ -134,6 +135,10 @@ def _qsa_scores(q: Tensor, blocks: Tensor, start: int, ratio: int, block_n: int)
     return qsa_scores(q, blocks, start, ratio, block_n=block_n)
 
 
+def _qsa_select(scores: Tensor, keep: int, block: int, tile: int) -> Tensor:
+    return qsa_select(scores, keep, block=block, tile=tile)
+
+
 def _qsa_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, start: int, ratio: int,
                    k_scale: Optional[Tensor], v_scale: Optional[Tensor], block_s: int,
                    gate: Optional[Tensor] = None) -> Tensor:
@@ -153,7 +158,7 @@ OPS = {name: _register(name, f) for name, f in (
     ("qmatmul", _qmatmul), ("gated_qmatmul", _gated_qmatmul), ("gemv_pair", _gemv_pair),
     ("dequantize", _dequantize), ("route", _route),
     ("moe", _moe),
-    ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores),
+    ("ple_gather", _ple_gather), ("qsa_scores", _qsa_scores), ("qsa_select", _qsa_select),
     ("qsa_attention", _qsa_attention))}
 OPS["ngram_ids"] = _register("ngram_ids", _ngram_ids, mutates=("history",))
 OPS["stage_rows"] = _register("stage_rows", _stage_rows, mutates=("dst",))
@@ -380,6 +385,8 @@ _CALLS = {
                           bound),
     "qsa_scores": lambda q, blocks, start, ratio, *, block_n=SCORES_BLOCK_N:
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
+    "qsa_select": lambda scores, keep, *, block=SELECT_BLOCK, tile=SELECT_TILE:
+        OPS["qsa_select"](scores, keep, block, tile),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S,
                             gate=None: OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s, gate),
     "attention_rows": lambda q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx=None, pool=None,

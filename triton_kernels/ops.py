@@ -24,6 +24,7 @@ from .ple import ngram_ids, ngram_ids_torch, ple_gather, ple_gather_torch
 from .ple_mix import ple_mix, ple_mix_torch
 from .qmatmul import qmatmul, qmatmul_torch
 from .qsa import qsa_attention, qsa_attention_torch, qsa_pool, qsa_pool_torch, qsa_scores, qsa_scores_torch
+from .qsa_select import qsa_select, qsa_select_torch
 from .rope import norm_rope, norm_rope2, norm_rope2_torch, norm_rope_torch
 from .shared_expert import gated_add, gated_add_torch, sigmoid_mul, sigmoid_mul_torch, silu_mul, silu_mul_torch
 from .gated_gemv import gated_qmatmul, gated_qmatmul_torch
@@ -46,6 +47,7 @@ OPS = {
     "ple_gather": (ple_gather, ple_gather_torch),
     "ple_mix": (ple_mix, ple_mix_torch),
     "qsa_scores": (qsa_scores, qsa_scores_torch),
+    "qsa_select": (qsa_select, qsa_select_torch),
     "qsa_attention": (qsa_attention, qsa_attention_torch),
     "qsa_pool": (qsa_pool, qsa_pool_torch),
     "attention_rows": (attention_rows, attention_rows_torch),

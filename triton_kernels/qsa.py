@@ -34,7 +34,7 @@ by its own order, not topk's, and the kept blocks would differ from the referenc
 
 A decode graph cannot cut a row to n_p (its shapes are fixed): `select_sorted` sorts each
 query's whole row (unseen blocks at -inf, sorted last) stably, so that of equal scores
-the lower block is kept. On NVIDIA GPUs that is topk's own choice: its kernels take the
+the lower block is kept (triton_kernels.qsa_select keeps the same blocks in one launch). On NVIDIA GPUs that is topk's own choice: its kernels take the
 values above the k-th, then of those equal to it the first in index order, by prefix sums
 in both its single- and multi-block forms (aten/src/ATen/native/cuda/TensorTopK.cu,
 gatherTopK), so there the eager step and the graph keep the same blocks

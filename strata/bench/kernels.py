@@ -18,7 +18,8 @@ host-to-device copy; a GEMV of 512 x 2560 with K split as the engine chooses aga
 program a tile; then the prefill GEMM (512 rows over the same weight) against torch's bf16
 matmul of the dequantized weight, both graph-timed in the same run; a DeltaNet layer's
 decode token at Flash-Next's heads, one launch against the three it replaced (with fla-core's
-recurrence too where installed: strata.bench.deltanet). Weights are held as
+recurrence too where installed: strata.bench.deltanet); a decode graph's choice of QSA blocks,
+one launch against the stable sort it replaced (strata.bench.qsa). Weights are held as
 the engine holds them there (triton_kernels.layout; STRATA_LAYOUT=gguf for GGUF order).
 
 --tune (CUDA): times candidate GEMV tiles per format at three heights N (graph time), and
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 import quant
-from strata.bench import TABLE_FORMATS, cold, deltanet
+from strata.bench import TABLE_FORMATS, cold, deltanet, qsa
 from strata.bench.dequant import random_blocks
 from strata.bench.report import copy_bandwidth, emit, machine, markdown
 from triton_kernels import configs, layout
@@ -300,6 +301,11 @@ def _measure(formats, rng, copy: float, rows: list) -> None:
     except Exception as err:  # noqa: BLE001
         print(f"strata: bench kernels: the DeltaNet rows failed ({type(err).__name__}: {err}); "
               f"the other rows are above and below", file=sys.stderr)
+    try:
+        rows += qsa.rows(rng)
+    except Exception as err:  # noqa: BLE001
+        print(f"strata: bench kernels: the QSA choice rows failed ({type(err).__name__}: {err}); "
+              f"the other rows are above and below", file=sys.stderr)
     # last: never yet run on a device, and a fault reading host memory can leave the CUDA
     # context unusable; a failure here must not cost the table its other rows
     try:
@@ -316,7 +322,7 @@ def _emit_measured(args, rows: list[dict], copy: float) -> None:
             ("max_rel_err", "max rel err"), ("instr_per_weight", "instr/w (sm_90)"),
             ("pred_bw_h200", "predicted (H200)"), ("us_unsplit", "µs unsplit"), ("tflops", "TFLOP/s"),
             ("x_torch_bf16", "time / torch bf16"), ("pct_h2d", "% pinned copy"),
-            ("bits_as_resident", "= resident"), ("bits_as_three", "= three launches")]
+            ("bits_as_resident", "= resident"), ("bits_as_three", "= three launches"), ("bits_as_sort", "= sort")]
     h2d = next((r["h2d_gb_per_s"] for r in rows if "h2d_gb_per_s" in r), None)
     emit(result, markdown(rows, cols) + f"\n\ndevice-to-device copy: {copy:,.0f} GB/s (read + write)"
          + (f"; pinned host-to-device copy: {h2d:,.1f} GB/s" if h2d else "")

@@ -5,9 +5,10 @@ attention over them.
 
 With the Triton kernels and a float cache, a layer's inputs take one launch
 (triton_kernels.attention_rows: q and k normed and roped, the rows stored, the block keys
-pooled, the indexer queries normed and roped), then the scores, one sort, the attention
-and the output projection. An int8 cache (its rows need their scales) and torch's kernels
-run the same steps op by op.
+pooled, the indexer queries normed and roped), then the scores, the choice of blocks
+(triton_kernels.qsa_select: select_sorted's blocks in one launch), the attention and the
+output projection. An int8 cache (its rows need their scales) and torch's kernels run the
+same steps op by op.
 """
 from __future__ import annotations
 
@@ -161,7 +162,7 @@ def _sparse_kernels(m, q, qi, blocks, keep: int, st: AttentionState, at: Where, 
     query's sums are its own program's, whatever T: batch-invariant as they stand."""
     start = at.P[:1]
     scores = impl("qsa_scores", "triton")(qi, blocks, start, m.ratio)          # (T, NB)
-    sel = select_sorted(scores, keep)[1]                                         # ties: the lower block
+    sel = impl("qsa_select", "triton")(scores, keep)                             # select_sorted's, one launch
     scales = st.kv_scales()
     return impl("qsa_attention", "triton")(q, *st.kv_cache(), sel, start, m.ratio, gate=gate,
                                            **({} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}))

@@ -19,7 +19,8 @@ it holds is written for that (`step`):
   open tail's, gathered into budget + ratio slots, those past it or not chosen masked.
   Within the budget that is every visible block: dense attention, as the eager step's.
   Among blocks of exactly equal score (relu makes zeros common) the lower block is kept
-  (triton_kernels.qsa.select_sorted): on NVIDIA GPUs the eager step's topk keeps the same;
+  (triton_kernels.qsa.select_sorted; with the Triton kernels qsa_select, which keeps the
+  same blocks in one launch): on NVIDIA GPUs the eager step's topk keeps the same;
   on the CPU its topk chooses by an order that moves with the row's length, so there,
   where a tie straddles the cut, the two may keep different blocks;
 - DeltaNet conv windows, recurrent states and the PLE block's n-gram history and conv

@@ -101,3 +101,23 @@ def test_bench_kernels_deltanet_rows_time_each_way_from_copies_of_the_state(monk
     assert rows[0]["gb_per_s"] == state_bytes / 0.5e-3 / 1e9
     assert all(len(v) == cold.copies(state_bytes // 2, 1000) and len({s.data_ptr() for (s,) in v}) == len(v)
                for v in calls)
+
+
+def test_bench_kernels_qsa_rows_time_both_ways_and_compare_their_choices(monkeypatch):
+    """strata.bench.qsa at small rows through the interpreter: a row for each way and case,
+    each graph-timed once over the case's scores, and the launch's choice the sort's."""
+    from strata.bench import qsa
+    calls = []
+
+    def graph_ms(fn, variants, timer=None):
+        calls.append([tuple(fn(*v).shape) for v in variants])
+        return 0.25
+    monkeypatch.setattr(cold, "graph_ms", graph_ms)
+    rows = qsa.rows(np.random.default_rng(0), device="cpu", cases=((1, 40, 8), (3, 100, 16)))
+    assert [(r["op"], r["layout"]) for r in rows] == [
+        ("QSA choice, one launch (qsa_select)", "1 x 40 blocks, keep 8"),
+        ("QSA choice, stable sort (select_sorted)", "1 x 40 blocks, keep 8"),
+        ("QSA choice, one launch (qsa_select)", "3 x 100 blocks, keep 16"),
+        ("QSA choice, stable sort (select_sorted)", "3 x 100 blocks, keep 16")]
+    assert calls == [[(1, 8)], [(1, 8)], [(3, 16)], [(3, 16)]]
+    assert rows[0]["bits_as_sort"] is True and rows[2]["bits_as_sort"] is True and all(r["us"] == 250.0 for r in rows)

@@ -366,6 +366,21 @@ def test_topk_on_the_gpu_keeps_the_lower_of_tied_blocks_as_a_graphs_sort_does():
     prop()
 
 
+@pytest.mark.parametrize("nb, keep", [(65, 16), (8192, 512), (20000, 512)])
+def test_the_select_launch_keeps_a_stable_sorts_blocks_on_the_gpu(nb, keep):
+    """qsa_select (a decode graph's one launch) keeps select_sorted's blocks in its order on
+    the device: a row held in registers (65 and 8,192 blocks: Flash-Next's keep 512 at 32K
+    tokens) and one read in steps (20,000), relu's zeros tied and unseen blocks at -inf."""
+    from triton_kernels.qsa import select_sorted
+    from triton_kernels.qsa_select import qsa_select
+    g = torch.Generator().manual_seed(nb)
+    scores = torch.randn(4, nb, generator=g).relu()
+    scores[1:, nb // 2:] = float("-inf")
+    got = qsa_select(scores.cuda(), keep).cpu()
+    assert torch.equal(got, select_sorted(scores.cuda(), keep)[1].cpu())
+    assert torch.equal(got, torch.from_numpy(np.argsort(-scores.numpy(), axis=1, kind="stable")[:, :keep]))
+
+
 def test_a_verifys_rows_in_one_recurrence_launch_are_one_token_steps_on_the_gpu():
     """triton_kernels.deltanet's kernel: T tokens in one launch give the T one-token
     launches' outputs and state bit for bit on the device too (the compiled loop's

@@ -1,0 +1,79 @@
+"""qsa_select (a decode graph's choice of QSA blocks in one launch) keeps the blocks of a
+stable descending sort of each row, in its order: the numpy reference (np.argsort of the
+negated row, kind="stable": of equal scores the lower block first) and the torch twin
+(select_sorted's one stable sort) alike, with ties, -0 beside +0, unseen blocks at -inf
+and rows longer than a pass's step and than a tile of places. A choice is exact: no
+tolerance."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from tests.tiers import examples
+
+from triton_kernels.qsa_select import qsa_select, qsa_select_torch
+
+
+def reference(scores: np.ndarray, keep: int) -> np.ndarray:
+    """The rows' `keep` best blocks, of equal scores the lower first (numpy's stable sort)."""
+    return np.argsort(-scores, axis=1, kind="stable")[:, :keep]
+
+
+# a few levels make ties common, as relu's zeros make them in the indexer's scores
+LEVELS = np.array([0.0, -0.0, 0.5, 1.0, 2.5, -1.0, float("-inf"), 3e38, -3e38, 1e-45], dtype=np.float32)
+
+
+def scores_of(rng: np.random.Generator, T: int, nb: int, levels: int) -> np.ndarray:
+    tied = LEVELS[rng.integers(0, levels, (T, nb))]
+    free = rng.standard_normal((T, nb)).astype(np.float32)
+    return np.where(rng.random((T, nb)) < 0.5, tied, free).astype(np.float32)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(T=st.integers(1, 4), nb=st.integers(1, 70), keep=st.integers(0, 70), levels=st.integers(1, len(LEVELS)),
+       held=st.sampled_from([0, 8192]), block=st.sampled_from([16, 1024]), tile=st.sampled_from([4, 64]),
+       seed=st.integers(0, 2**16))
+@example(T=1, nb=1, keep=1, levels=1, held=0, block=16, tile=4, seed=0)
+@example(T=2, nb=40, keep=40, levels=2, held=8192, block=16, tile=4, seed=1)  # every block, +0 and -0 tied
+def test_the_choice_is_a_stable_sorts_first_blocks(T, nb, keep, levels, held, block, tile, seed):
+    """Rows held in registers (held 8192) or read a step at a time (held 0; steps of 16
+    blocks: several a row), places counted in tiles of 4 or 64."""
+    keep = min(keep, nb)
+    s = scores_of(np.random.default_rng(seed), T, nb, levels)
+    want = reference(s, keep)
+    got = qsa_select(torch.from_numpy(s), keep, held=held, block=block, tile=tile)
+    assert got.dtype == torch.int64 and tuple(got.shape) == (T, keep)
+    assert np.array_equal(got.numpy(), want), (s, keep, got, want)
+    assert np.array_equal(qsa_select_torch(torch.from_numpy(s), keep).numpy(), want)
+
+
+@pytest.mark.parametrize("held", [8192, 0])
+def test_rows_of_a_graphs_length_choose_as_the_sort(held):
+    """2,000 blocks, keep 128 in tiles of 64, unseen blocks at -inf: a graph's shapes at 8K
+    tokens in blocks of 4, the row held or read in two steps of 1,024."""
+    rng = np.random.default_rng(7)
+    s = np.maximum(rng.standard_normal((2, 2000)), 0).astype(np.float32)  # relu's zeros: ties
+    s[1, 1500:] = float("-inf")
+    assert np.array_equal(qsa_select(torch.from_numpy(s), 128, held=held).numpy(), reference(s, 128))
+
+
+def test_wrong_arguments_are_named():
+    with pytest.raises(ValueError, match="float32"):
+        qsa_select(torch.zeros(2, 8, dtype=torch.float64), 2)
+    with pytest.raises(ValueError, match="keep must be"):
+        qsa_select(torch.zeros(2, 8), 9)
+
+
+@pytest.mark.slow
+def test_its_launches_compile_for_the_gpus_without_spills():
+    """A short row, Flash-Next's at 32K tokens (8,192 blocks held in registers, keep 512) and
+    a longer one read in steps compile for sm_90 and gfx942 with no spill."""
+    from triton_kernels.analysis.launches import compile_calls, record
+    from triton_kernels.ops import impl
+    with record() as calls:
+        for nb, keep in ((65, 16), (8192, 512), (20000, 512)):
+            impl("qsa_select", "triton")(torch.zeros(1, nb), keep)
+    results = compile_calls(calls)
+    assert len(results) == 6 and all(r.ok and r.spill_bytes == 0 for r in results), results
