@@ -49,14 +49,20 @@ class Sampler:
     def distribution(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a draw picks from: token ids and their probabilities after the filters and
         the temperature (greedy: the argmax, with probability 1)."""
-        # on the CPU: the sampler's generator is a CPU one (seeded runs agree across devices)
-        logits = logits.float().reshape(-1).cpu()
         p = self.p
-        if p.temperature == 0:
-            return torch.argmax(logits).reshape(1), torch.ones(1)
-        vals, idx = torch.sort(logits, descending=True)
-        if p.top_k:
-            vals, idx = vals[:p.top_k], idx[:p.top_k]
+        logits = logits.reshape(-1)
+        # the argmax and the top-k where the logits are (on a GPU only they cross to the
+        # host, not the vocabulary's 1 MB); the rest on the CPU, whose generator draws
+        # (seeded runs agree across devices)
+        if p.temperature == 0:  # of equal logits the first, on every device
+            return torch.argmax(logits).reshape(1).cpu(), torch.ones(1)
+        if 0 < p.top_k < logits.numel():
+            # a full sort's first top_k (of equal logits in either's order): 0.6 ms for
+            # Flash-Next's 248,320 logits on 2 cores, where the sort took 39
+            vals, idx = torch.topk(logits.float(), p.top_k)
+        else:
+            vals, idx = torch.sort(logits.float(), descending=True)
+        vals, idx = vals.cpu(), idx.cpu()
         probs = torch.softmax(vals, dim=-1)
         if p.top_p < 1.0:
             # keep the smallest prefix whose mass reaches top_p (at least one token)

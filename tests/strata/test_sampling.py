@@ -47,6 +47,32 @@ def test_same_seed_same_draws(logits, seed):
     assert [a(logits) for _ in range(10)] == [b(logits) for _ in range(10)]
 
 
+def sorted_distribution(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filters over a full sort of the vocabulary (what the top-k stands for)."""
+    vals, idx = torch.sort(logits.float(), descending=True)
+    vals, idx = vals[:p.top_k], idx[:p.top_k]
+    probs = torch.softmax(vals, dim=-1)
+    keep = int(torch.searchsorted(torch.cumsum(probs, 0), torch.tensor(p.top_p))) + 1
+    vals, idx, probs = vals[:keep], idx[:keep], probs[:keep]
+    keep = probs >= p.min_p * probs[0]
+    return idx[keep], torch.softmax(vals[keep] / p.temperature, dim=-1)
+
+
+@settings(max_examples=examples(50))
+@given(st.integers(2, 3000), st.integers(1, 60), st.floats(0.05, 1.0), st.floats(0.0, 0.5), st.floats(0.1, 2.0),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**31))
+def test_the_top_k_is_a_full_sorts_first_k(vocab, top_k, top_p, min_p, temp, dtype, seed):
+    """The sampler's top-k (torch.topk where the logits lie) gives the ids and probabilities
+    of a full sort's first top_k, bit for bit, where no two logits are equal (of equal
+    ones either may come first), so seeded draws are those of the sort."""
+    n = vocab if dtype == torch.float32 else min(vocab, 256)  # k / 64 exact in bf16 for k < 256
+    logits = (torch.randperm(n, generator=torch.Generator().manual_seed(seed)).float() / 64).to(dtype)
+    p = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    ids, probs = Sampler(p).distribution(logits)
+    want_ids, want_probs = sorted_distribution(logits, p)
+    assert torch.equal(ids, want_ids) and torch.equal(probs, want_probs)
+
+
 @pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_k": -1}, {"top_p": 0}, {"top_p": 1.5},
                                 {"min_p": 2}, {"max_tokens": -1}])
 def test_bad_parameters_are_refused(kw):
