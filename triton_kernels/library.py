@@ -38,7 +38,7 @@ from .ple import PLE_BLOCK_ROWS, ngram_ids, ple_gather
 from .ple_mix import ple_mix
 from .qmatmul import qmatmul
 from .qsa import ATTN_BLOCK_S, SCORES_BLOCK_N, qsa_attention, qsa_pool, qsa_scores
-from .qsa_select import SELECT_BLOCK, SELECT_TILE, qsa_select
+from .qsa_select import SELECT_HELD, SELECT_SPAN, SELECT_TILE, qsa_select
 from .rope import norm_rope, norm_rope2
 from .route_align import route_align
 from .router_gemv import router_gemv
@@ -135,8 +135,8 @@ def _qsa_scores(q: Tensor, blocks: Tensor, start: int, ratio: int, block_n: int)
     return qsa_scores(q, blocks, start, ratio, block_n=block_n)
 
 
-def _qsa_select(scores: Tensor, keep: int, block: int, tile: int) -> Tensor:
-    return qsa_select(scores, keep, block=block, tile=tile)
+def _qsa_select(scores: Tensor, keep: int, held: int, tile: int, span: int) -> Tensor:
+    return qsa_select(scores, keep, held=held, tile=tile, span=span)
 
 
 def _qsa_attention(q: Tensor, k: Tensor, v: Tensor, sel: Tensor, start: int, ratio: int,
@@ -385,8 +385,8 @@ _CALLS = {
                           bound),
     "qsa_scores": lambda q, blocks, start, ratio, *, block_n=SCORES_BLOCK_N:
         OPS["qsa_scores"](q, blocks, start, ratio, block_n),
-    "qsa_select": lambda scores, keep, *, block=SELECT_BLOCK, tile=SELECT_TILE:
-        OPS["qsa_select"](scores, keep, block, tile),
+    "qsa_select": lambda scores, keep, *, held=SELECT_HELD, tile=SELECT_TILE, span=SELECT_SPAN:
+        OPS["qsa_select"](scores, keep, held, tile, span),
     "qsa_attention": lambda q, k, v, sel, start, ratio, k_scale=None, v_scale=None, *, block_s=ATTN_BLOCK_S,
                             gate=None: OPS["qsa_attention"](q, k, v, sel, start, ratio, k_scale, v_scale, block_s, gate),
     "attention_rows": lambda q, wq, k, wk, v, eps, cos, sin, pos, k_cache, v_cache, idx=None, pool=None,

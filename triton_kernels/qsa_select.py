@@ -6,25 +6,29 @@ the lower block first; unseen blocks, at -inf, last).
     qsa_select_torch: triton_kernels.qsa.select_sorted's blocks (one stable sort)
 
 `select_sorted` sorts the whole row, which on a GPU is three launches for a row of up to
-4096 blocks (the indices filled, the values copied, the sort in place: aten's small sort)
-and a radix sort of several passes past that (16K tokens in blocks of 4). This kernel is
-one launch at any length, a program a query, and keeps the same blocks in the same order,
-bit for bit, on NVIDIA and AMD alike:
+4,096 blocks (the indices filled, the values copied, the sort in place: aten's small
+sort) and a segmented radix sort of several past that (16K tokens in blocks of 4). The
+kernel is one launch, a program a query, and keeps the same blocks in the same order, bit
+for bit, on NVIDIA and AMD alike:
 
-1. Scores become int32 keys that order as the floats do (a negative float's bits with
-   their lower 31 flipped; -0 taken as +0, as a sort's comparisons take it). NaN is not
-   a score (the indexer's sums of relu over finite rows) and is not ordered here.
+1. The row's scores are read once and held in registers as int32 keys that order as the
+   floats do (a negative float's bits with their lower 31 flipped; -0 taken as +0, as a
+   sort's comparisons take it). NaN is not a score (the indexer's sums of relu over
+   finite rows) and is not ordered here.
 2. The keep-th largest key K: the largest x with at least `keep` keys >= x, found by
-   halving the int32 range 32 times, a count over the row each time.
+   halving the int32 range 32 times, a block-wide count each time.
 3. The blocks above K, and of those equal to K the first keep - #(above K) in block order:
-   the sort's first `keep`. They are written in block order to a scratch row.
-4. Each chosen block's place: the chosen blocks with a greater key, or an equal key and a
-   lower block, counted over the scratch row (keep x keep comparisons); sel[place] = block.
+   the sort's first `keep`. Their keys and blocks are written in block order to a scratch
+   row.
+4. Each chosen block's place: the chosen with a greater key, or an equal key and a lower
+   block, counted over the scratch row (keep x keep comparisons, the row read from L1 a
+   span at a time); sel[place] = block.
 
-At Flash-Next's shape (2,048 of the indexer's tokens in blocks of 4: keep 512; 32K tokens
-of context: 8,192 blocks) a query's row is read once into registers (8 warps, 32 keys a
-lane), the 32 halvings are sums over them, and the places take 262K comparisons; a row
-past SELECT_HELD blocks is read again from L2 for each of its 34 passes.
+At Flash-Next's budget (2,048 of the indexer's tokens in blocks of 4: keep 512) and 32K
+tokens of context (8,192 blocks: 8 warps, 32 keys a lane) that is 34 block-wide sums and
+262K comparisons. A row of more than SELECT_HELD blocks does not fit a program's registers,
+and one program reading it from L2 once a halving would take longer than the radix sort's
+passes over many SMs: such rows keep select_sorted's sort.
 """
 from __future__ import annotations
 
@@ -35,9 +39,9 @@ import triton.language as tl
 from .backend import use_triton
 from .qsa import select_sorted
 
-SELECT_HELD = 8192   # rows up to this many blocks are read once and held in registers
-SELECT_BLOCK = 1024  # longer rows: scores a step of a pass over the row
-SELECT_TILE = 64     # chosen blocks a side of a tile of the places' comparisons
+SELECT_HELD = 8192  # the longest row a program holds (32K tokens in blocks of 4); longer: the sort
+SELECT_SPAN = 512   # the places: the chosen compared a span of SPAN at a time (the scratch
+SELECT_TILE = 16    # row, from L1) with TILE of them
 
 
 @triton.jit
@@ -48,66 +52,50 @@ def _keys(s):
 
 
 @triton.jit
-def _count(row, NB, x, held, BLOCK: tl.constexpr, HELD: tl.constexpr, ABOVE: tl.constexpr):
-    """How many of the row's keys are >= x (ABOVE: > x): from `held`, the whole row's keys
-    in registers, or read from the row a step of BLOCK at a time."""
-    if HELD:
-        c = tl.arange(0, BLOCK)
-        hit = held > x if ABOVE else held >= x
-        n = tl.sum((hit & (c < NB)).to(tl.int32), axis=0)
-    else:
-        n = 0
-        for c0 in range(0, NB, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            k = _keys(tl.load(row + c, mask=c < NB, other=0.0))
-            hit = k > x if ABOVE else k >= x
-            n += tl.sum((hit & (c < NB)).to(tl.int32), axis=0)
-    return n
+def _order(k, at):
+    """Scratch entries' keys k at places `at` (0 <= at < 2^31) as 64-bit numbers that order
+    them as the sort does: a greater key first, of equal keys the earlier place (the lower
+    block). The place's part is positive: the least key's numbers do not wrap."""
+    return (k.to(tl.int64) << 32) + (2147483647 - at)
 
 
 @triton.jit
 def _select_kernel(s_ptr, sel_ptr, tmp_ptr, NB, keep, stride_s, stride_o,
-                   BLOCK: tl.constexpr, TILE: tl.constexpr, HELD: tl.constexpr):
-    # one program: query t's row (see the module for the steps); HELD: the row's keys read
-    # once and kept in registers (BLOCK >= NB), else each pass reads it again from L2
+                   BLOCK: tl.constexpr, TILE: tl.constexpr, SPAN: tl.constexpr):
+    # one program: query t's row, BLOCK >= NB (see the module for the steps)
     t = tl.program_id(0)
-    row = s_ptr + t * stride_s
-    tmp = tmp_ptr + t * stride_o
-    held = _keys(tl.load(row + tl.arange(0, BLOCK), mask=HELD & (tl.arange(0, BLOCK) < NB), other=0.0))
+    tmp = tmp_ptr + t * 2 * keep  # the chosen: their keys, then their blocks
+    c = tl.arange(0, BLOCK)
+    live = c < NB
+    k = _keys(tl.load(s_ptr + t * stride_s + c, mask=live, other=0.0))
     # 2. the largest x with at least `keep` keys >= x (x in the int32 range: held as int64)
     lo = tl.full((), -2147483648, tl.int64)
     hi = tl.full((), 2147483647, tl.int64)
     for _ in range(32):
         mid = lo + (hi - lo + 1) // 2
-        up = _count(row, NB, mid, held, BLOCK, HELD, False) >= keep
+        up = tl.sum(((k >= mid) & live).to(tl.int32), axis=0) >= keep
         lo, hi = tl.where(up, mid, lo), tl.where(up, hi, mid - 1)
     kth = lo.to(tl.int32)
-    above = _count(row, NB, kth, held, BLOCK, HELD, True)
-    # 3. the chosen blocks, in block order, to the scratch row
-    ties, placed = 0, 0
-    for c0 in range(0, NB, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        live = c < NB
-        k = held if HELD else _keys(tl.load(row + c, mask=live, other=0.0))
-        tie = (k == kth) & live
-        tie_at = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-        chosen = ((k > kth) & live) | (tie & (tie_at < keep - above))
-        tl.store(tmp + placed + tl.cumsum(chosen.to(tl.int32), axis=0) - 1, c, mask=chosen)
-        ties += tl.sum(tie.to(tl.int32), axis=0)
-        placed += tl.sum(chosen.to(tl.int32), axis=0)
+    above = tl.sum(((k > kth) & live).to(tl.int32), axis=0)
+    # 3. the chosen, in block order, to the scratch row
+    tie = (k == kth) & live
+    chosen = ((k > kth) & live) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= keep - above))
+    at = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(tmp + at, k, mask=chosen)
+    tl.store(tmp + keep + at, c, mask=chosen)
     tl.debug_barrier()  # every lane's scratch entries written before any lane reads them
-    # 4. each chosen block's place in the sort's order
+    # 4. each chosen block's place in the sort's order: how many of the chosen come before it
     for i0 in range(0, keep, TILE):
         i = i0 + tl.arange(0, TILE)
-        bi = tl.load(tmp + i, mask=i < keep, other=0)
-        ki = _keys(tl.load(row + bi, mask=i < keep, other=0.0))
+        pi = _order(tl.load(tmp + i, mask=i < keep, other=0), i)
         place = tl.zeros((TILE,), tl.int32)
-        for j0 in range(0, keep, TILE):
-            j = j0 + tl.arange(0, TILE)
-            kj = _keys(tl.load(row + tl.load(tmp + j, mask=j < keep, other=0), mask=j < keep, other=0.0))
-            first = (kj[None, :] > ki[:, None]) | ((kj[None, :] == ki[:, None]) & (j[None, :] < i[:, None]))
-            place += tl.sum((first & (j < keep)[None, :]).to(tl.int32), axis=1)
-        tl.store(sel_ptr + t * stride_o + place, bi.to(tl.int64), mask=i < keep)
+        for j0 in range(0, keep, SPAN):
+            j = j0 + tl.arange(0, SPAN)
+            # past the row: the least key at the last places, which comes before none
+            pj = _order(tl.load(tmp + j, mask=j < keep, other=-2147483648), j)
+            place += tl.sum((pj[None, :] > pi[:, None]).to(tl.int32), axis=1)
+        tl.store(sel_ptr + t * stride_o + place, tl.load(tmp + keep + i, mask=i < keep, other=0).to(tl.int64),
+                 mask=i < keep)
 
 
 def _check(scores: torch.Tensor, keep: int) -> None:
@@ -124,21 +112,20 @@ def qsa_select_torch(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return select_sorted(scores, keep)[1]
 
 
-def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, block: int = SELECT_BLOCK,
-               tile: int = SELECT_TILE) -> torch.Tensor:
-    """qsa_select_torch's blocks in one launch (see the module). CPU tensors without the
-    interpreter run qsa_select_torch."""
+def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, tile: int = SELECT_TILE,
+               span: int = SELECT_SPAN) -> torch.Tensor:
+    """qsa_select_torch's blocks in one launch (see the module), for rows of up to `held`
+    blocks; longer rows, and CPU tensors without the interpreter, run qsa_select_torch."""
     _check(scores, keep)
-    if not use_triton(scores):
+    width = triton.next_power_of_2(scores.shape[1])
+    if not use_triton(scores) or width > held:
         return qsa_select_torch(scores, keep)
     T, nb = scores.shape
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     sel = torch.empty(T, keep, dtype=torch.int64, device=scores.device)
-    tmp = torch.empty(T, keep, dtype=torch.int32, device=scores.device)  # each row's chosen, in block order
+    tmp = torch.empty(T, 2, keep, dtype=torch.int32, device=scores.device)  # each row's chosen, in block order
     if T and keep:
-        width = triton.next_power_of_2(nb)
-        on_chip = width <= held
-        _select_kernel[(T,)](scores, sel, tmp, nb, keep, scores.stride(0), sel.stride(0),
-                             BLOCK=width if on_chip else min(block, width), TILE=min(tile, triton.next_power_of_2(keep)),
-                             HELD=on_chip, num_warps=8 if on_chip and width >= 4096 else 4)
+        chosen = triton.next_power_of_2(keep)
+        _select_kernel[(T,)](scores, sel, tmp, nb, keep, scores.stride(0), sel.stride(0), BLOCK=width,
+                             TILE=min(tile, chosen), SPAN=min(span, chosen), num_warps=8 if width >= 4096 else 4)
     return sel

@@ -1,9 +1,9 @@
 """`strata bench kernels`' QSA choice rows: a decode graph's choice of blocks at
 Qwen3.8-Flash-Next's budget (the indexer's 2,048 tokens in blocks of 4: keep 512) over a
-row of 8,192 blocks (32K tokens of context) for one query and for a verify's 4, and of
-32,768 (128K) for one, graph-timed two ways: qsa_select's one launch (the engine's) and
+row of 4,096 blocks (16K tokens of context) and of 8,192 (32K) for one query, and of 8,192
+for a verify's 4, graph-timed two ways: qsa_select's one launch (the engine's) and
 select_sorted's stable sort, which it replaced (on a GPU aten's small sort of three
-launches up to 4,096 blocks, a radix sort of several past it). Scores are relu'd normals
+launches up to 4,096 blocks, a segmented radix sort past it). Scores are relu'd normals
 (ties at 0) with the last quarter of each row unseen (-inf); they are a few hundred KB
 that the step has just written, so they are read from the L2 here as in the step. "= sort"
 says whether the launch kept the sort's blocks in its order on this device.
@@ -15,7 +15,7 @@ import torch
 
 from strata.bench import cold
 
-CASES = ((1, 8192, 512), (4, 8192, 512), (1, 32768, 512))  # (queries, blocks a row, keep)
+CASES = ((1, 4096, 512), (1, 8192, 512), (4, 8192, 512))  # (queries, blocks a row, keep)
 
 
 def rows(rng: np.random.Generator, device="cuda", cases=CASES) -> list[dict]:

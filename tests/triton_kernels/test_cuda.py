@@ -369,8 +369,8 @@ def test_topk_on_the_gpu_keeps_the_lower_of_tied_blocks_as_a_graphs_sort_does():
 @pytest.mark.parametrize("nb, keep", [(65, 16), (8192, 512), (20000, 512)])
 def test_the_select_launch_keeps_a_stable_sorts_blocks_on_the_gpu(nb, keep):
     """qsa_select (a decode graph's one launch) keeps select_sorted's blocks in its order on
-    the device: a row held in registers (65 and 8,192 blocks: Flash-Next's keep 512 at 32K
-    tokens) and one read in steps (20,000), relu's zeros tied and unseen blocks at -inf."""
+    the device: rows of 65 and 8,192 blocks (Flash-Next's keep 512 at 32K tokens), relu's
+    zeros tied and unseen blocks at -inf; and a longer row (20,000) keeps the sort."""
     from triton_kernels.qsa import select_sorted
     from triton_kernels.qsa_select import qsa_select
     g = torch.Generator().manual_seed(nb)

@@ -53,7 +53,7 @@ def cases():
         ("ple_gather", (table, torch.tensor([[0, 5, 9, 2], [1, 1, 3, 4]]), "Q8_0", None, 0.5, torch.float32, 16, 10)),
         ("ple_gather", (table, torch.tensor([[3], [7]]).expand(2, 4), "Q8_0", None, None, torch.float32, 16, 408)),
         ("qsa_scores", (qi, pooled, 20, 4, 16)),
-        ("qsa_select", (torch.tensor([[0.0, 2.0, 2.0, float("-inf"), 1.0], [0.0, 0.0, -1.0, 3.0, 0.0]]), 3, 16, 4)),
+        ("qsa_select", (torch.tensor([[0.0, 2.0, 2.0, float("-inf"), 1.0], [0.0, 0.0, -1.0, 3.0, 0.0]]), 3, 8192, 4, 4)),
         ("qsa_attention", (qh, kh, vh, sel, 21, 4, None, None, 16)),
         ("attention_rows", (torch.randn(2, 3, 2 * 16)[..., :16], torch.randn(16), torch.randn(2, 1, 16), torch.randn(16),
                             torch.randn(2, 1, 16), 1e-6, torch.randn(12, 8), torch.randn(12, 8), torch.tensor([5, 6]),

@@ -1,8 +1,8 @@
 """qsa_select (a decode graph's choice of QSA blocks in one launch) keeps the blocks of a
 stable descending sort of each row, in its order: the numpy reference (np.argsort of the
 negated row, kind="stable": of equal scores the lower block first) and the torch twin
-(select_sorted's one stable sort) alike, with ties, -0 beside +0, unseen blocks at -inf
-and rows longer than a pass's step and than a tile of places. A choice is exact: no
+(select_sorted's one stable sort) alike, with ties, -0 beside +0, unseen blocks at -inf,
+and more chosen than a tile and a span of the places' comparisons. A choice is exact: no
 tolerance."""
 from __future__ import annotations
 
@@ -33,26 +33,25 @@ def scores_of(rng: np.random.Generator, T: int, nb: int, levels: int) -> np.ndar
 
 @settings(max_examples=examples(40), deadline=None)
 @given(T=st.integers(1, 4), nb=st.integers(1, 70), keep=st.integers(0, 70), levels=st.integers(1, len(LEVELS)),
-       held=st.sampled_from([0, 8192]), block=st.sampled_from([16, 1024]), tile=st.sampled_from([4, 64]),
-       seed=st.integers(0, 2**16))
-@example(T=1, nb=1, keep=1, levels=1, held=0, block=16, tile=4, seed=0)
-@example(T=2, nb=40, keep=40, levels=2, held=8192, block=16, tile=4, seed=1)  # every block, +0 and -0 tied
-def test_the_choice_is_a_stable_sorts_first_blocks(T, nb, keep, levels, held, block, tile, seed):
-    """Rows held in registers (held 8192) or read a step at a time (held 0; steps of 16
-    blocks: several a row), places counted in tiles of 4 or 64."""
+       tile=st.sampled_from([4, 16]), span=st.sampled_from([8, 512]), seed=st.integers(0, 2**16))
+@example(T=1, nb=1, keep=1, levels=1, tile=4, span=8, seed=0)
+@example(T=2, nb=40, keep=40, levels=2, tile=4, span=8, seed=1)  # every block, +0 and -0 tied
+@example(T=1, nb=36, keep=31, levels=4, tile=4, span=512, seed=4)  # a span past the row
+def test_the_choice_is_a_stable_sorts_first_blocks(T, nb, keep, levels, tile, span, seed):
+    """Places counted in tiles of 4 or 16 chosen against spans of 8 or 512."""
     keep = min(keep, nb)
     s = scores_of(np.random.default_rng(seed), T, nb, levels)
     want = reference(s, keep)
-    got = qsa_select(torch.from_numpy(s), keep, held=held, block=block, tile=tile)
+    got = qsa_select(torch.from_numpy(s), keep, tile=tile, span=span)
     assert got.dtype == torch.int64 and tuple(got.shape) == (T, keep)
     assert np.array_equal(got.numpy(), want), (s, keep, got, want)
     assert np.array_equal(qsa_select_torch(torch.from_numpy(s), keep).numpy(), want)
 
 
-@pytest.mark.parametrize("held", [8192, 0])
+@pytest.mark.parametrize("held", [8192, 1024])
 def test_rows_of_a_graphs_length_choose_as_the_sort(held):
-    """2,000 blocks, keep 128 in tiles of 64, unseen blocks at -inf: a graph's shapes at 8K
-    tokens in blocks of 4, the row held or read in two steps of 1,024."""
+    """2,000 blocks, keep 128, unseen blocks at -inf: a graph's shapes at 8K tokens in blocks
+    of 4, the row held by the launch, or (longer than `held`) sorted."""
     rng = np.random.default_rng(7)
     s = np.maximum(rng.standard_normal((2, 2000)), 0).astype(np.float32)  # relu's zeros: ties
     s[1, 1500:] = float("-inf")
@@ -68,12 +67,12 @@ def test_wrong_arguments_are_named():
 
 @pytest.mark.slow
 def test_its_launches_compile_for_the_gpus_without_spills():
-    """A short row, Flash-Next's at 32K tokens (8,192 blocks held in registers, keep 512) and
-    a longer one read in steps compile for sm_90 and gfx942 with no spill."""
+    """A short row and Flash-Next's at 32K tokens (8,192 blocks held in registers, keep 512)
+    compile for sm_90 and gfx942 with no spill."""
     from triton_kernels.analysis.launches import compile_calls, record
     from triton_kernels.ops import impl
     with record() as calls:
-        for nb, keep in ((65, 16), (8192, 512), (20000, 512)):
+        for nb, keep in ((65, 16), (8192, 512)):
             impl("qsa_select", "triton")(torch.zeros(1, nb), keep)
     results = compile_calls(calls)
-    assert len(results) == 6 and all(r.ok and r.spill_bytes == 0 for r in results), results
+    assert len(results) == 4 and all(r.ok and r.spill_bytes == 0 for r in results), results
