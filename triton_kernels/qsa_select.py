@@ -114,8 +114,9 @@ def qsa_select_torch(scores: torch.Tensor, keep: int) -> torch.Tensor:
 
 def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, tile: int = SELECT_TILE,
                span: int = SELECT_SPAN) -> torch.Tensor:
-    """qsa_select_torch's blocks in one launch (see the module), for rows of up to `held`
-    blocks; longer rows, and CPU tensors without the interpreter, run qsa_select_torch."""
+    """qsa_select_torch's blocks in one launch (see the module), for rows whose width (the
+    next power of two) is at most `held` blocks; longer rows, and CPU tensors without the
+    interpreter, run qsa_select_torch."""
     _check(scores, keep)
     width = triton.next_power_of_2(scores.shape[1])
     if not use_triton(scores) or width > held:

@@ -51,9 +51,10 @@ class Sampler:
         the temperature (greedy: the argmax, with probability 1)."""
         p = self.p
         logits = logits.reshape(-1).float()
-        # the argmax and the top-k's cut where the logits are (on a GPU the few kept cross
-        # to the host, not the vocabulary); the rest on the CPU, whose generator draws. Of
-        # equal logits the lower id comes first on every device, so seeded runs agree.
+        # the argmax, the top-k's cut or the sort where the logits are (on a GPU, with a
+        # top-k, only the top-k and the logits tied at its cut cross to the host); the rest
+        # on the CPU, whose generator draws. Of equal logits the lower id comes first on
+        # every device, so a seed's draws rest on no device's order.
         if p.temperature == 0:  # (argmax: the first of equal ones)
             return torch.argmax(logits).reshape(1).cpu(), torch.ones(1)
         if 0 < p.top_k < logits.numel():
@@ -62,10 +63,10 @@ class Sampler:
             # sort took 39
             idx = torch.nonzero(logits >= torch.topk(logits, p.top_k).values[-1]).reshape(-1)
             vals, idx = logits[idx].cpu(), idx.cpu()
-        else:
-            vals, idx = logits.cpu(), torch.arange(logits.numel())
-        order = torch.sort(vals, descending=True, stable=True).indices[:p.top_k or None]
-        vals, idx = vals[order], idx[order]
+            order = torch.sort(vals, descending=True, stable=True).indices[:p.top_k]
+            vals, idx = vals[order], idx[order]
+        else:  # a stable sort's order is one order, whichever device sorts
+            vals, idx = (t.cpu() for t in torch.sort(logits, descending=True, stable=True))
         probs = torch.softmax(vals, dim=-1)
         if p.top_p < 1.0:
             # keep the smallest prefix whose mass reaches top_p (at least one token)

@@ -54,8 +54,9 @@ def sorted_distribution(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.
     if p.top_k:
         vals, idx = vals[:p.top_k], idx[:p.top_k]
     probs = torch.softmax(vals, dim=-1)
-    keep = int(torch.searchsorted(torch.cumsum(probs, 0), torch.tensor(p.top_p))) + 1
-    vals, idx, probs = vals[:keep], idx[:keep], probs[:keep]
+    if p.top_p < 1.0:
+        keep = int(torch.searchsorted(torch.cumsum(probs, 0), torch.tensor(p.top_p))) + 1
+        vals, idx, probs = vals[:keep], idx[:keep], probs[:keep]
     keep = probs >= p.min_p * probs[0]
     return idx[keep], torch.softmax(vals[keep] / p.temperature, dim=-1)
 
@@ -67,7 +68,8 @@ def test_the_filters_keep_a_stable_sorts_tokens(vocab, top_k, top_p, min_p, temp
     """The sampler's ids and probabilities are those of the filters over a stable sort of the
     vocabulary, bit for bit, ties among the logits (as bf16's are common) included: its
     top-k cut (torch.topk where the logits lie, then the ties at the cut) and its order
-    keep the lower of equal ids first, so seeded draws do not depend on the device."""
+    keep the lower of equal ids first, so a seed's draws rest on no device's order (here
+    on the CPU; the same code runs on a GPU's logits)."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randint(0, levels, (vocab,), generator=g).float() / 8).to(dtype)
     p = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
