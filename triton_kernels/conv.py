@@ -110,11 +110,7 @@ def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, T, stride_x, S: 
     y = tl.zeros((BLOCK_T, BLOCK), tl.float32)
     for j in tl.static_range(K):
         f = _column(win_ptr, x_ptr, c[None, :], tile, (t + j * DIL)[:, None], stride_x, S)
-        w = tl.load(w_ptr + c * K + j, mask=live, other=0.0)[None, :]
-        if j == 0:
-            y = f * w
-        else:
-            y = y + f * w
+        y = _tap(y, f, w_ptr, c[None, :], live[None, :], j, K)
     tl.store(y_ptr + t[:, None] * C + c[None, :], y, mask=tile)
     if tl.program_id(1) == 0:
         # the new window, column i from column T + i. In place (one token block then: the
@@ -122,8 +118,7 @@ def _conv_step_kernel(win_ptr, x_ptr, w_ptr, y_ptr, out_ptr, C, T, stride_x, S: 
         # reads column T + i of its channel before it writes column i (i in order, T >= 1);
         # later token blocks start at or past column S, so never read the window
         tl.debug_barrier()
-        for i in tl.static_range(S):
-            tl.store(out_ptr + c * S + i, _column(win_ptr, x_ptr, c, live, T + i, stride_x, S), mask=live)
+        move_rows(x_ptr, stride_x, win_ptr, out_ptr, c, live, T, S)
 
 
 @triton.jit

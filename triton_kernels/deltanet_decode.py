@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from .backend import use_triton
-from .conv import causal_conv_torch, conv_row, move_rows
+from .conv import conv_row, move_rows
 from .deltanet import BLOCK_V, deltanet_step_torch, delta_token
-from .deltanet_inputs import _check, _silu, beta_g, deltanet_gated_norm_torch, deltanet_inputs_torch, store_gated
+from .deltanet_inputs import _check, _silu, beta_g, deltanet_conv_inputs_torch, deltanet_gated_norm_torch, store_gated
 from .int8 import Q8X, attach, int8_buffers, zeroed_counts
 
 
@@ -163,10 +163,8 @@ def deltanet_decode(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: 
 
 def deltanet_decode_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads: int, dk: int, state: torch.Tensor,
                           z, norm, eps: float, quantize: bool = False, in_place: bool = False):
-    """The conv, deltanet_inputs_torch, deltanet_step_torch (token after token) and
+    """deltanet_conv_inputs_torch, deltanet_step_torch (token after token) and
     deltanet_gated_norm_torch one after another (`quantize` is the Triton launch's alone)."""
-    mixed, new = causal_conv_torch(window, qkv, taps)
-    if in_place:
-        new = window.copy_(new)
-    q, k, v, g, beta = deltanet_inputs_torch(mixed, b, a, dt_bias, a_coef, k_heads, dk)
+    q, k, v, g, beta, new = deltanet_conv_inputs_torch(window, qkv, taps, b, a, dt_bias, a_coef, k_heads, dk,
+                                                       in_place=in_place)
     return deltanet_gated_norm_torch(deltanet_step_torch(q, k, v, g, beta, state), z, norm, eps), new

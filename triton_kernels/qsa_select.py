@@ -120,7 +120,7 @@ def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, tile
     _check(scores, keep)
     width = triton.next_power_of_2(scores.shape[1])
     if not use_triton(scores) or width > held:
-        return qsa_select_torch(scores, keep)
+        return select_sorted(scores, keep)[1]
     T, nb = scores.shape
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     sel = torch.empty(T, keep, dtype=torch.int64, device=scores.device)

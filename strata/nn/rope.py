@@ -131,11 +131,8 @@ class Rope(torch.nn.Module):
     def tables(self, pos: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cos, sin, pos on `device`): the whole tables, grown to cover the positions (S,),
         for a kernel that reads their rows itself (triton_kernels.attention_rows); the
-        positions cross over once a step, as `_rows`' rows do (the tables grown then too:
-        they only grow, so positions met before are covered)."""
-        key = _key(pos, device)
-        if key is None or key not in self._held:
-            self._cover(pos)
+        positions cross over once a step, as `_rows`' rows do)."""
+        self._cover(pos)
         return self.cos, self.sin, self.on_device(pos, device)
 
     def on_device(self, ids: torch.Tensor, device) -> torch.Tensor:
