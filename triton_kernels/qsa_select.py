@@ -25,7 +25,7 @@ for bit, on NVIDIA and AMD alike:
    span at a time); sel[place] = block.
 
 At Flash-Next's budget (2,048 of the indexer's tokens in blocks of 4: keep 512) and 32K
-tokens of context (8,192 blocks: 8 warps, 32 keys a lane) that is 34 block-wide sums and
+tokens of context (8,192 blocks: 512 lanes, 16 keys a lane) that is 34 block-wide sums and
 262K comparisons. A row of more than SELECT_HELD blocks does not fit a program's registers,
 and one program reading it from L2 once a halving would take longer than the radix sort's
 passes over many SMs: such rows keep select_sorted's sort.
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import use_triton
+from .backend import backend_name, use_triton
 from .qsa import select_sorted
 
 SELECT_HELD = 8192  # the longest row a program holds (32K tokens in blocks of 4); longer: the sort
@@ -127,6 +127,19 @@ def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, tile
     tmp = torch.empty(T, 2, keep, dtype=torch.int32, device=scores.device)  # each row's chosen, in block order
     if T and keep:
         chosen = triton.next_power_of_2(keep)
+        tile, span = min(tile, chosen), min(span, chosen)
         _select_kernel[(T,)](scores, sel, tmp, nb, keep, scores.stride(0), sel.stride(0), BLOCK=width,
-                             TILE=min(tile, chosen), SPAN=min(span, chosen), num_warps=8 if width >= 4096 else 4)
+                             TILE=tile, SPAN=span, num_warps=_warps(width, tile, span))
     return sel
+
+
+def _warps(width: int, tile: int, span: int) -> int:
+    """Warps a program: 512 lanes for a row of 8,192 blocks (16 keys a lane: 16 warps of 32
+    lanes, 8 of 64 on AMD; at 8 warps sm_89's ptxas spilled 24 bytes, at 16 gfx942's spilled
+    60-80); 8 warps for 4,096 blocks, or for 4,096 and more places compared at once (tile x
+    span: at 4 warps 16 x 512 spilled 8 bytes on sm_90 and sm_89 at 257 to 2,048 blocks,
+    and 16 x 256 on Triton 3.6's sm_90); else 4 (tests/triton_kernels/test_qsa_select.py
+    compiles each)."""
+    if width >= 8192:
+        return 512 // (64 if backend_name() == "hip" else 32)
+    return 8 if width >= 4096 or tile * span >= 4096 else 4

@@ -135,13 +135,11 @@ def _compiles(calls: list[dict], kernels: tuple[str, ...]) -> None:
     t = time.perf_counter()
     results = compile_calls(distinct(calls), ("sm_90", "gfx942"))
     print(f"{len(distinct(calls))} calls, {len(results)} kernels compiled in {time.perf_counter() - t:.1f} s")
-    failed = [f"{r.kernel} on {r.target}: {r.error}" for r in results if not r.ok]
+    failed = [f"{r.kernel} on {r.target}: {r.problems}" for r in results if r.problems]
     assert not failed, "\n".join(failed)
     got = {(r.kernel, r.target) for r in results}
     for k in kernels:
         assert (k, "sm_90") in got and (k, "gfx942") in got, (k, sorted(got))
-    spills = [f"{r.kernel} on {r.target}: {r.spill_bytes} B" for r in results if r.spill_bytes]
-    assert not spills, spills
 
 
 @pytest.mark.slow

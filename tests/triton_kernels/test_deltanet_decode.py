@@ -204,7 +204,7 @@ def test_a_token_and_a_verifys_rows_compile_for_the_gpus_without_spills():
             run(impl("deltanet_decode", "triton"), layer(np.random.default_rng(T), 16, 3, 128, 128, 4, T=T),
                 quantize=True, in_place=True)
     results = compile_calls(calls)
-    assert len(results) == 4 and all(r.ok and r.spill_bytes == 0 for r in results), results
+    assert len(results) == 4 and not [r.problems for r in results if r.problems], results
     for target in ("sm_90", "gfx942"):
         one, rows = (r for r in results if r.target == target)
         assert "'T': 1" in one.constexprs and "'T'" not in rows.constexprs, (one.constexprs, rows.constexprs)

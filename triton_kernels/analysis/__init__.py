@@ -12,3 +12,8 @@ TARGET_SPECS = {  # name -> triton's GPUTarget(backend, arch, warp size)
     "sm_90": ("cuda", 90, 32),
     "gfx942": ("hip", "gfx942", 64),
 }
+# The shared memory (LDS on AMD) one program may ask for on each target, in bytes: CUDA's
+# "maximum shared memory per thread block" with the opt-in (compute capability 8.0: 163 KB,
+# 8.9: 99 KB, 9.0: 227 KB) and CDNA3's 64 KB LDS a workgroup. A kernel over it compiles,
+# then fails its first launch (Triton's OutOfResources), so the compile checks hold it.
+SHARED_LIMITS = {"sm_80": 163 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "gfx942": 64 * 1024}

@@ -28,6 +28,7 @@ import quant
 
 from .. import ops
 from ..hc_down import Down
+from . import SHARED_LIMITS
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -110,7 +111,19 @@ class Compiled:
     ok: bool
     regs: int = 0
     spill_bytes: int = 0
+    shared_bytes: int = 0
     error: str = ""
+
+    @property
+    def problems(self) -> str:
+        """Why this kernel would not run as compiled on its target ("" when it would):
+        the compile's error, spilled registers, or more shared memory than a program gets."""
+        if not self.ok:
+            return self.error
+        limit = SHARED_LIMITS[self.target]
+        return "; ".join([f"{self.spill_bytes} B spilled"] * bool(self.spill_bytes)
+                         + [f"{self.shared_bytes} B of shared memory, over the {limit} B a program gets"]
+                         * (self.shared_bytes > limit))
 
 
 def compile_calls(calls: list[dict], targets=("sm_90", "gfx942")) -> list[Compiled]:
@@ -182,11 +195,8 @@ def _replay(calls: list[dict], targets: list[str]) -> list[dict]:
         try:
             k = static._compile(kernel, tuple(sig.items()), tuple(cx.items()), t, num_warps,
                                 tuple(opts.items()), tuple(aligned))
-            if static.TARGETS[t].backend == "hip":
-                res = static._gcn_resources(k.asm["amdgcn"])
-            else:
-                res = static._nvidia_usage(k.asm["cubin"])
-            row.update(ok=True, regs=res["regs"], spill_bytes=res["spill"])
+            res = static.usage(k, t)
+            row.update(ok=True, regs=res["regs"], spill_bytes=res["spill"], shared_bytes=res["shared"])
         except Exception as e:  # noqa: BLE001: the error is the result
             row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
         results[key] = row

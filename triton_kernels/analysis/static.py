@@ -505,6 +505,15 @@ def _gcn_resources(text: str) -> dict:
             "shared": num(r"\.group_segment_fixed_size:\s+(\d+)")}
 
 
+def usage(k, target: str) -> dict:
+    """Registers, spilled bytes and shared memory (bytes, LDS on AMD) of compiled kernel `k`
+    on `target`. Shared memory is the code object's own (barriers, static arrays) plus what
+    Triton asks of the launch (its staging buffers and layout conversions: metadata.shared),
+    which is what the device checks against its limit (analysis.SHARED_LIMITS)."""
+    res = _gcn_resources(k.asm["amdgcn"]) if TARGETS[target].backend == "hip" else _nvidia_usage(k.asm["cubin"])
+    return {**res, "shared": res["shared"] + int(k.metadata.shared)}
+
+
 def _mix(ins: list[str]) -> dict:
     return dict(Counter(_opcode(i) for i in ins).most_common(12))
 
@@ -698,10 +707,9 @@ def _row(b: _Built, sass: str | None) -> Row:
     op, fmt, target, held, spec, k, amd = b.op, b.fmt, b.target, b.held, b.spec, b.kernel, b.amd
     if amd:
         ins, loop = _parse_gcn(k.asm["amdgcn"])
-        res = _gcn_resources(k.asm["amdgcn"])
     else:
-        res = _nvidia_usage(k.asm["cubin"])
         ins, loop = _parse_sass(sass)
+    res = usage(k, target)
     threads = spec.num_warps * TARGETS[target].warp_size
     per_thread = spec.weights_per_iter_per_program / threads
     body = (loop[1] - loop[0] + 1) if loop else 0

@@ -12,7 +12,7 @@ suite pins none, so a new release that costs more fails here, which is the point
 import pytest
 
 import quant
-from triton_kernels.analysis import static
+from triton_kernels.analysis import SHARED_LIMITS, static
 from triton_kernels.decode import UNITS
 from triton_kernels.layout.split import has_split
 
@@ -77,6 +77,7 @@ def test_every_kernel_compiles_without_spills(target, ops):
         op, fmt = row.op, row.format
         assert row.instructions > 0, (op, fmt, target)
         assert row.spill_bytes == 0, f"{op} {fmt} {target}: {row.spill_bytes} bytes spilled"
+        assert row.shared_bytes <= SHARED_LIMITS[target], (op, fmt, target, row.shared_bytes)
         if op in ("gemv", "gemm", "moe_gate_up", "moe_down", "moe_dot_gate_up", "moe_dot_down"):
             assert row.loop_instructions > 0, f"{op} {fmt} {target}: no main loop found"
         loads_are_read(row)
@@ -404,3 +405,19 @@ for op in ("dequant", "ple_gather"):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["dequant", "0", "ple_gather", "0"], done.stdout
+
+
+def test_a_compiled_kernel_names_what_would_stop_its_launch():
+    """Compiled.problems, which the compile checks of a model's launches assert empty: the
+    compile's error, spilled registers, more shared memory than the target gives a program
+    (Triton would raise OutOfResources at the first launch, not at the compile)."""
+    from dataclasses import replace
+
+    from triton_kernels.analysis.launches import Compiled
+    fits = Compiled(op="qsa_select", kernel="_select_kernel", target="sm_89", signature="{}", constexprs="{}",
+                    num_warps=8, ok=True, regs=95, shared_bytes=SHARED_LIMITS["sm_89"])
+    assert fits.problems == ""
+    over = replace(fits, spill_bytes=8, shared_bytes=SHARED_LIMITS["sm_89"] + 1)
+    assert over.problems == "8 B spilled; 101377 B of shared memory, over the 101376 B a program gets"
+    assert replace(fits, target="sm_90", shared_bytes=101377).problems == ""  # Hopper gives 227 KB
+    assert replace(fits, ok=False, error="CompilationError: x").problems == "CompilationError: x"
