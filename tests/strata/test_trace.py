@@ -188,6 +188,22 @@ def test_flash_next_shapes_prompt_and_graph_step_compile_for_the_gpus(monkeypatc
 
 
 @pytest.mark.slow
+def test_flash_next_shapes_graph_step_over_an_expert_cache_compiles_for_the_gpus():
+    """The same step with the experts in a cache of VRAM slots over host RAM (a 3 GiB
+    budget: gpu_check.sh's --gpu-mem 24 at 4 layers): the router's launch then looks the
+    experts up in the slot table and counts hits and misses (LOOKUP), and the MoE reads a
+    miss where it lies. Compiled for sm_89, sm_90 and gfx942: none fails, spills or asks
+    for more shared memory than a program gets. (On gfx942 the router's noinline routing
+    takes a 12-byte call frame there, arguments past the calling convention's VGPRs, which
+    is not a spill: static._gcn_resources.)"""
+    from strata.convert import flash_shape_memory as fsm
+    results = _graph_step_compiled(fsm.flash_shape_memory(4, 65536), {"router_gemv", "moe"}, gpu_mem_gib=3.0,
+                                   targets=("sm_89", "sm_90", "gfx942"), plan="experts: cache:")
+    lookup = [r for r in results if r.kernel.startswith("_router_gemv") and "'LOOKUP': True" in r.constexprs]
+    assert {r.target for r in lookup} == {"sm_89", "sm_90", "gfx942"}, [(r.kernel, r.target) for r in results]
+
+
+@pytest.mark.slow
 def test_flash_tinys_graph_step_compiles_for_the_gpus_without_spills(flash_tiny_gguf):
     """flash-tiny's graph step (its float weights: the float GEMVs, the MoE's per-weight
     kernels with the shared expert's gated down GEMV in the down launch, hc_down's float
@@ -196,16 +212,18 @@ def test_flash_tinys_graph_step_compiles_for_the_gpus_without_spills(flash_tiny_
     assert {"_hc_down_kernel", "_down_kernel"} <= {r.kernel for r in results}
 
 
-def _graph_step_compiled(g, ops: set, prompt: int = 1, targets=("sm_90", "gfx942")) -> list:
+def _graph_step_compiled(g, ops: set, prompt: int = 1, targets=("sm_90", "gfx942"), gpu_mem_gib: float = 140.0,
+                         plan: str = "") -> list:
     """A prompt of `prompt` tokens, then the graph step, of the model in `g` on fake CUDA
-    (bf16, Triton), their launches recorded (the step's at least `ops`) and compiled for
-    `targets`: every kernel compiled, none spilling, each within the target's shared memory
-    (Compiled.problems)."""
+    (bf16, Triton; a GPU of `gpu_mem_gib`, whose plan line says `plan`), their launches
+    recorded (the step's at least `ops`) and compiled for `targets`: every kernel compiled,
+    none spilling, each within the target's shared memory (Compiled.problems)."""
     from strata.load import Options, build, decide
     from triton_kernels.analysis.launches import compile_calls, record
     with fake_cuda():
-        model = build(decide(g, Options(device="cuda", kernels="triton", dtype=torch.bfloat16, gpu_mem_gib=140.0,
+        model = build(decide(g, Options(device="cuda", kernels="triton", dtype=torch.bfloat16, gpu_mem_gib=gpu_mem_gib,
                                         ram_gib=64, vram_reserve_mib=0)))
+        assert plan in model.plan_line(), model.plan_line()
         state = model.new_cache(prompt + 8)
         with record() as before:
             trace(lambda: model(torch.arange(prompt) % 1000 + 1, state))

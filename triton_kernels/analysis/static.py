@@ -499,9 +499,16 @@ def _gcn_resources(text: str) -> dict:
         m = re.search(pattern, text)
         return int(m.group(1)) if m else 0
     # spills are scratch memory (ScratchSize, bytes a lane); SGPRs parked in VGPR lanes
-    # (".sgpr_spill_count") touch no memory and are not counted
+    # (".sgpr_spill_count") touch no memory and are not counted. A kernel that calls a
+    # function (a noinline @triton.jit: s_swappc) may hold scratch for the call's frame
+    # alone, its arguments past the VGPRs that AMDGPU's calling convention passes them in:
+    # with no spilled VGPR (".vgpr_spill_count") and no instruction that LLVM marks a spill
+    # or its reload, that scratch is the frame, written once a call, and not counted
+    scratch = num(r"ScratchSize:\s+(\d+)")
+    frame_only = ("s_swappc_b64" in text and not num(r"\.vgpr_spill_count:\s+(\d+)")
+                  and not re.search(r"Folded (Spill|Reload)|-byte (Spill|Reload)", text))
     return {"regs": num(r"\.vgpr_count:\s+(\d+)") or num(r"NumVgprs:\s+(\d+)"),
-            "spill": num(r"ScratchSize:\s+(\d+)"),
+            "spill": 0 if frame_only else scratch,
             "shared": num(r"\.group_segment_fixed_size:\s+(\d+)")}
 
 

@@ -324,6 +324,21 @@ def test_the_readers_find_the_loop_and_drop_the_padding():
     assert loop is None and ins[2] == "s_endpgm"
 
 
+def test_amd_scratch_counts_as_a_spill_unless_it_is_a_calls_frame_alone():
+    """gfx942's scratch (ScratchSize) is spilled registers, except where a kernel calls a
+    function and nothing is marked spilled: then it is the call's frame (arguments past the
+    VGPRs the calling convention passes them in), as the router's noinline routing over an
+    expert cache takes (tests/strata/test_trace.py compiles it)."""
+    meta = "; NumVgprs: 86\n; ScratchSize: 12\n    .vgpr_spill_count: {n}\n    .group_segment_fixed_size: 1024\n"
+    frame = "\tscratch_store_dword off, v1, s32\n\ts_swappc_b64 s[30:31], s[0:1]\n" + meta.format(n=0)
+    assert static._gcn_resources(frame) == {"regs": 86, "spill": 0, "shared": 1024}
+    marked = "\tscratch_store_dword off, v3, off offset:12 ; 4-byte Folded Spill\n\ts_swappc_b64 s[30:31], s[0:1]\n"
+    assert static._gcn_resources(marked + meta.format(n=0))["spill"] == 12
+    assert static._gcn_resources(frame.replace(": 0", ": 3"))["spill"] == 12  # counted spills
+    no_call = "\tscratch_store_dword off, v1, off\n" + meta.format(n=0)  # a private array: memory all the same
+    assert static._gcn_resources(no_call)["spill"] == 12
+
+
 GCN_COLD = """
 _kernel:
 	global_load_ubyte v1, v[2:3], off
