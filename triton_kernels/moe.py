@@ -60,8 +60,8 @@ tokens of the real model: chunk long prefills). Slots whose expert id lies outsi
 [0, E) are dropped by the alignment and contribute nothing: expert parallelism marks the
 experts another rank holds with -1.
 
-Dot inputs follow qmatmul's GEMM: x's own dtype on CUDA (fp16/bf16 tensor cores, tf32 for
-float32 x; h is rounded to that dtype for the down dot, as the half-precision intermediate
+Dot inputs follow qmatmul's GEMM (qmatmul.dot_types): x's own dtype on CUDA (fp16/bf16 tensor
+cores, tf32 for float32 x on NVIDIA; h is rounded to that dtype for the down dot, as the half-precision intermediate
 of vLLM's fused_moe is), float32 under the interpreter. A block of BLOCK_M >= 16 rows is
 tl.dot's minimum; when decoding one token, each expert's block holds one live row, and
 the kernels stay bound by reading the weight bytes, as a GEMV would be.
@@ -89,7 +89,7 @@ from .int8 import Q8X, dot_units, gemv_launch, int8_buffers, quantize_x, row_sta
 from . import moe_units
 from .moe_align import aligns_in_one_launch, moe_align_block_size
 from .moe_units import block_slots, suffixed, token_of
-from .qmatmul import choose_path as choose_qmatmul_path, gemv_tiles, qmatmul_torch
+from .qmatmul import choose_path as choose_qmatmul_path, dot_types, gemv_tiles, qmatmul_torch
 
 X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -98,7 +98,6 @@ X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # gets (see _default_tiles).
 BLOCK_N_DEFAULT = 32
 BLOCK_K_DEFAULT = 32
-_CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 # At most this many tokens take the dp4a decode path (each slot reads its expert's rows
 # once; past a few tokens, slots share experts and the tl.dot path reads them once a block).
 MOE_DP4A_MAX_TOKENS = 4
@@ -650,12 +649,9 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
                       ((gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr)), T, H, I, E, k, tiles, pair)
             return _slot_sum(per_slot.view(T, k, H), slots, out_dtype)
         block_m, block_n, block_k = tiles
-        if x.is_cuda:
-            dot_dtype, precision = _CUDA_DOT_DTYPES[x.dtype], "tf32"
-        else:
-            dot_dtype, precision = tl.float32, "ieee"
-            if x.dtype == torch.bfloat16:
-                x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
+        dot_dtype, precision = dot_types(x)
+        if not x.is_cuda and x.dtype == torch.bfloat16:
+            x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
         if aligned is not None:
             sorted_ids, expert_ids, n_post, aligned_m = aligned
             if aligned_m != block_m:

@@ -20,7 +20,7 @@ Three Triton kernels:
   bound by reading the weight bytes, and tensor cores would idle at M this small.
 - GEMM ("gemm", prefill): [BLOCK_M, BLOCK_K] tiles of x times decoded [BLOCK_K, BLOCK_N]
   tiles of W.T through tl.dot, float32 accumulator. The dot inputs are x's own dtype on
-  CUDA (fp16 or bf16 tensor cores; float32 x goes through tf32) and float32 under the
+  CUDA (fp16 or bf16 tensor cores; float32 x goes through tf32 on NVIDIA: dot_types) and float32 under the
   interpreter, which holds bf16 as raw uint16 and so cannot multiply it. With fp16 x the
   decoded weights are rounded to fp16 too, which assumes |w| < 65504 (true of real models).
   In the formats with an int8 unit decode the GEMM decodes a unit of each of BLOCK_N rows a
@@ -52,7 +52,7 @@ import triton.language as tl
 import quant
 
 from . import configs, invariant
-from .backend import use_triton
+from .backend import backend_name, use_triton
 from .asm import asm_for
 from .decode import decoder, launch_args, table, unit, unit_table
 from .decode.split import block_ptr
@@ -102,9 +102,21 @@ def gemm_unit_tiles(u) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of the unit GEMM: a tile of 128 x 32 weights a step."""
     bm, bn = GEMM_UNIT_TILES
     return bm, bn * 32 // u.weights
-# tensor-core inputs on CUDA: half x keeps its type (the weights are rounded to it), float32
-# x runs as tf32, which keeps float32's range
-_CUDA_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+# tensor-core inputs on a GPU: half x keeps its type (the weights are rounded to it)
+_GPU_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def dot_types(x: torch.Tensor) -> tuple:
+    """(DOT_DTYPE, INPUT_PRECISION) of the tl.dot kernels (the GEMMs, the MoE's prefill) for
+    activations x. On a GPU x's own type; float32 x as TF32 on NVIDIA (Triton's CUDA
+    default, which keeps float32's range). Else "ieee": 16-bit operands multiply the same
+    either way (sm_90's and gfx942's code for a bf16 GEMM is instruction for instruction the
+    same under both), and Triton's AMD backend takes "tf32" on gfx942 alone: on gfx90a or
+    an RDNA3 card (gfx1100) the flag is a compile error. Under the interpreter float32."""
+    if not x.is_cuda:
+        return tl.float32, "ieee"
+    dot = _GPU_DOT_DTYPES[x.dtype]
+    return dot, "tf32" if dot == tl.float32 and backend_name() == "cuda" else "ieee"
 
 
 @triton.jit
@@ -337,11 +349,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                    num_warps=configs.float_gemv_warps(fmt.name, x2.device))
             else:
-                if x2.is_cuda:
-                    dot_dtype = _CUDA_DOT_DTYPES[x2.dtype]
-                    precision = "tf32"  # Triton's CUDA default; it only changes float32 dots
-                else:
-                    dot_dtype, precision = tl.float32, "ieee"
+                dot_dtype, precision = dot_types(x2)
                 u = unit(fmt)
                 if u is not None and not invariant.enabled():
                     bm, bn = gemm_unit_tiles(u) if explicit is None else explicit[:2]

@@ -215,11 +215,25 @@ def test_flash_tinys_graph_step_compiles_for_the_gpus_without_spills(flash_tiny_
 def _graph_step_compiled(g, ops: set, prompt: int = 1, targets=("sm_90", "gfx942"), gpu_mem_gib: float = 140.0,
                          plan: str = "") -> list:
     """A prompt of `prompt` tokens, then the graph step, of the model in `g` on fake CUDA
-    (bf16, Triton; a GPU of `gpu_mem_gib`, whose plan line says `plan`), their launches
-    recorded (the step's at least `ops`) and compiled for `targets`: every kernel compiled,
-    none spilling, each within the target's shared memory (Compiled.problems)."""
+    (_recorded), their launches (the step's at least `ops`) compiled for `targets`: every
+    kernel compiled, none spilling, each within the target's shared memory
+    (Compiled.problems)."""
+    from triton_kernels.analysis.launches import compile_calls
+    step, before = _recorded(g, prompt, gpu_mem_gib, plan)
+    assert ops <= {c["op"] for c in step}, {c["op"] for c in step}
+    # (a one-token prompt is the same step's warm-up: the same kernels)
+    results = compile_calls(step + before if prompt > 1 else step, targets)
+    bad = [f"{r.kernel} on {r.target}: {r.problems}" for r in results if r.problems]
+    assert results and not bad, bad
+    return results
+
+
+def _recorded(g, prompt: int = 1, gpu_mem_gib: float = 140.0, plan: str = "") -> tuple[list, list]:
+    """(the graph step's launches, the prompt's) of the model in `g` on fake CUDA (bf16,
+    Triton; a GPU of `gpu_mem_gib`, whose plan line says `plan`): a prompt of `prompt`
+    tokens, then one token's step, which replays the state's decode graph."""
     from strata.load import Options, build, decide
-    from triton_kernels.analysis.launches import compile_calls, record
+    from triton_kernels.analysis.launches import record
     with fake_cuda():
         model = build(decide(g, Options(device="cuda", kernels="triton", dtype=torch.bfloat16, gpu_mem_gib=gpu_mem_gib,
                                         ram_gib=64, vram_reserve_mib=0)))
@@ -229,9 +243,27 @@ def _graph_step_compiled(g, ops: set, prompt: int = 1, targets=("sm_90", "gfx942
             trace(lambda: model(torch.arange(prompt) % 1000 + 1, state))
         with record() as step:
             trace(lambda: model(torch.tensor([4]), state))
-    assert state.graphs and ops <= {c["op"] for c in step}, {c["op"] for c in step}
-    # (a one-token prompt is the same step's warm-up: the same kernels)
-    results = compile_calls(step + before if prompt > 1 else step, targets)
-    bad = [f"{r.kernel} on {r.target}: {r.problems}" for r in results if r.problems]
-    assert results and not bad, bad
-    return results
+    assert state.graphs, "the one-token step ran eagerly"
+    return step, before
+
+
+@pytest.mark.slow
+def test_flash_tinys_prompt_and_step_compile_for_an_rdna3_card(flash_tiny_gguf, monkeypatch):
+    """A 64-token prompt (the GEMMs, the MoE's tl.dot prefill) and the graph step of
+    flash-tiny compile for gfx1100 (Radeon PRO W7900, RX 7900: 32-lane waves, WMMA) as
+    their launches ask. Before qmatmul.dot_types, every tl.dot kernel failed there: its
+    16-bit dots asked for TF32, which Triton's AMD backend takes on gfx942 alone. Spills
+    are reported, not held: the tiles are CDNA's and NVIDIA's (NOTES.md)."""
+    from triton_kernels.analysis.launches import compile_calls
+    monkeypatch.setattr(deltanet_fla, "fla_installed", lambda: False)
+    deltanet_fla._path.cache_clear()
+    try:
+        step, before = _recorded(flash_tiny_gguf, prompt=64)
+    finally:
+        deltanet_fla._path.cache_clear()
+    results = compile_calls(step + before, ("gfx1100",))
+    failed = [f"{r.kernel}: {r.error}" for r in results if not r.ok]
+    assert not failed, failed
+    assert {"_gemm_kernel", "_gate_up_kernel", "_down_kernel"} <= {r.kernel for r in results}, results
+    print(f"\nflash-tiny on gfx1100: {len(results)} kernels compiled; spilling: "
+          f"{[(r.kernel, r.spill_bytes) for r in results if r.spill_bytes]}")

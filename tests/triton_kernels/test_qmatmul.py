@@ -262,3 +262,21 @@ def test_bad_path_and_tiles():
         qmatmul(x, qt, fmt, path="gemm", tiles=(16, 8, 16))
     with pytest.raises(ValueError, match=r"Q4_0: tiles must be powers of two, got \(3, 16, 16\)"):
         qmatmul(x, qt, fmt, path="gemv", tiles=(3, 16, 16))
+
+
+def test_the_dots_input_precision_is_one_every_gpu_takes(monkeypatch):
+    """dot_types: x's own type on a GPU; TF32 only for float32 x on NVIDIA (Triton's CUDA
+    default). 16-bit dots ask for "ieee", the same code on sm_90 and gfx942, because
+    Triton's AMD backend takes "tf32" on gfx942 alone (gfx90a, gfx1100 refuse to compile
+    it: tests/strata/test_trace.py compiles a model's launches for gfx1100)."""
+    import importlib
+
+    import triton.language as tl
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    qm = importlib.import_module("triton_kernels.qmatmul")  # the module (the package's qmatmul is its launcher)
+    assert qm.dot_types(torch.zeros(2, 2, dtype=torch.bfloat16)) == (tl.float32, "ieee")  # the interpreter's
+    with FakeTensorMode():
+        x32, x16 = torch.empty(2, 2, device="cuda"), torch.empty(2, 2, device="cuda", dtype=torch.bfloat16)
+        assert qm.dot_types(x32) == (tl.float32, "tf32") and qm.dot_types(x16) == (tl.bfloat16, "ieee")
+        monkeypatch.setattr(qm, "backend_name", lambda: "hip")
+        assert qm.dot_types(x32) == (tl.float32, "ieee") and qm.dot_types(x16) == (tl.bfloat16, "ieee")

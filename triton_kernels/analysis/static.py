@@ -240,14 +240,14 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
             bm, bn = qmatmul.gemm_unit_tiles(u)
             sig, cx = _sig("x_ptr:*bf16,q_ptr:*u16,tab_ptr:*i32,out_ptr:*bf16,M:i32,N:i32,K:i32,"
                            "stride_xm:i32,stride_xk:i32,stride_om:i32", **launch_args(fmt, u),
-                           BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32", ASM=asm)
+                           BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="ieee", ASM=asm)
             return Spec(qmatmul._gemm_units_kernel, sig, cx, qmatmul.GEMM_UNIT_WARPS, bn * u.weights,
                         K // u.weights, -(-N // bn))
         bm, bn, bk = qmatmul.GEMM_TILES
         sig, cx = _sig("x_ptr:*bf16,q_ptr:*u8,tab_ptr:*u8,out_ptr:*bf16,M:i32,N:i32,K:i32,"
                        "stride_xm:i32,stride_xk:i32,stride_om:i32",
                        DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_M=bm, BLOCK_N=bn,
-                       BLOCK_K=bk, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32")
+                       BLOCK_K=bk, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="ieee")
         return Spec(qmatmul._gemm_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
     if op in ("moe_gate_up", "moe_down"):
         if u is not None:
@@ -301,7 +301,7 @@ def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, asm: str = "ptx")
     moe = importlib.import_module("triton_kernels.moe")
     N, K = WHOLE_N, WHOLE_K
     bm = MOE_DOT_BLOCK_M
-    dot = dict(DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="tf32")  # constexprs in the kernels' order
+    dot = dict(DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="ieee")  # constexprs in the kernels' order
     if u is not None:
         bn = moe_units.unit_tiles(u)
         if which == "gate_up":
@@ -536,7 +536,7 @@ _NV_STORES = ("ST", "STG", "STS", "STL", "RED", "LDGSTS")  # no register written
 _GCN_LOAD = re.compile(r"^(?:global|buffer)_load_(?:lds_)?(\w+)")
 _GCN_WIDTH = {"ubyte": 1, "sbyte": 1, "ushort": 2, "sshort": 2, "short": 2, "dword": 4,
               "dwordx2": 8, "dwordx3": 12, "dwordx4": 16}
-_MMA = ("HGMMA", "HMMA", "IGMMA", "IMMA", "QGMMA", "MFMA", "SMFMAC")
+_MMA = ("HGMMA", "HMMA", "IGMMA", "IMMA", "QGMMA", "MFMA", "SMFMAC", "WMMA")
 
 
 def load_width(ins: str) -> int:
@@ -621,11 +621,11 @@ def loads(body: list[str]) -> Loads:
 
 def mma_kind(ins: list[str]) -> str:
     """The matrix instructions a kernel holds: HGMMA (Hopper's warpgroup MMA), HMMA (the
-    warp-level tensor-core MMA), IMMA / IGMMA (integer), MFMA (AMD CDNA), joined by "+";
-    "none" without any."""
+    warp-level tensor-core MMA), IMMA / IGMMA (integer), MFMA (AMD CDNA), WMMA (AMD RDNA3),
+    joined by "+"; "none" without any."""
     found = {_opcode(i).upper() for i in ins}
-    found = {"MFMA" if f.startswith("V_MFMA") else "SMFMAC" if f.startswith("V_SMFMAC") else f
-             for f in found}
+    found = {"MFMA" if f.startswith("V_MFMA") else "SMFMAC" if f.startswith("V_SMFMAC")
+             else "WMMA" if f.startswith("V_WMMA") else f for f in found}
     return "+".join(k for k in _MMA if k in found) or "none"
 
 
