@@ -97,8 +97,7 @@ def _run_static(args, formats) -> int:
         return 0
     for t in targets:
         sel = [r for r in rows if r["target"] == t]
-        gpus = [g.name for g in static.GPUS if (static.TARGETS[g.target].backend == "hip")
-                == (static.TARGETS[t].backend == "hip")]
+        gpus = [g.name for g in static.gpus_for(t)]
         for r in sel:
             for g in gpus:
                 r[f"bw_{g}"] = r["pred_bw"].get(g)

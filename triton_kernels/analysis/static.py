@@ -89,7 +89,17 @@ GPUS = (
     GPU("H200", "sm_90", 132, 4 * 32, 1.98e9, 4.8e12),
     GPU("RTX 4090", "sm_89", 128, 4 * 32, 2.52e9, 1.008e12),
     GPU("MI300X", "gfx942", 304, 4 * 16, 2.1e9, 5.3e12),
+    GPU("W7900", "gfx1100", 96, 2 * 32, 2.495e9, 0.864e12),  # RDNA3: two SIMD32 a CU (no dual issue counted)
 )
+
+
+def gpus_for(target: str) -> list[GPU]:
+    """The GPUs a target's code predicts for: every NVIDIA GPU for an NVIDIA target (one
+    SASS family stands for them), the target's own AMD GPUs (CDNA and RDNA differ in lanes
+    and wave width)."""
+    if TARGETS[target].backend == "hip":
+        return [g for g in GPUS if g.target == target]
+    return [g for g in GPUS if TARGETS[g.target].backend != "hip"]
 
 
 def budget(gpu: GPU, bpw: float) -> float:
@@ -535,7 +545,9 @@ _NV_STORES = ("ST", "STG", "STS", "STL", "RED", "LDGSTS")  # no register written
 # AMDGCN: the width ends the opcode (global_load_dwordx4, buffer_load_ushort, ..._d16_hi)
 _GCN_LOAD = re.compile(r"^(?:global|buffer)_load_(?:lds_)?(\w+)")
 _GCN_WIDTH = {"ubyte": 1, "sbyte": 1, "ushort": 2, "sshort": 2, "short": 2, "dword": 4,
-              "dwordx2": 8, "dwordx3": 12, "dwordx4": 16}
+              "dwordx2": 8, "dwordx3": 12, "dwordx4": 16,
+              # RDNA3's names (gfx11): by bits
+              "u8": 1, "i8": 1, "u16": 2, "i16": 2, "b32": 4, "b64": 8, "b96": 12, "b128": 16}
 _MMA = ("HGMMA", "HMMA", "IGMMA", "IMMA", "QGMMA", "MFMA", "SMFMAC", "WMMA")
 
 
@@ -737,6 +749,5 @@ def _row(b: _Built, sass: str | None) -> Row:
               mix=_mix(ins[loop[0]:loop[1] + 1] if loop else ins),
               mma=mma_kind(ins), layout=held.layout,
               **asdict(loads(ins[loop[0]:loop[1] + 1] if loop else ins)))
-    row.pred_bw = {g.name: round(pred_bw(g, bpw, ipw), 3) for g in GPUS
-                   if (TARGETS[g.target].backend == "hip") == amd}
+    row.pred_bw = {g.name: round(pred_bw(g, bpw, ipw), 3) for g in gpus_for(target)}
     return row

@@ -388,6 +388,10 @@ def test_the_readers_see_load_widths_and_loads_in_flight():
     assert gcn == static.Loads(bytes_per_load=round(23 / 4, 3), wide_load_share=round(16 / 23, 3),
                                loads_in_flight=3)
     assert static.loads(["IADD3 R4, R4, 0x1, RZ"]) == static.Loads(0.0, 0.0, 0)
+    # RDNA3 (gfx1100) names its loads by bits
+    rdna = ["global_load_b128 v[4:7], v[0:1], off", "buffer_load_b32 v8, v9, s[8:11], 0 offen",
+            "global_load_u16 v10, v[0:1], off", "global_load_b64 v[12:13], v[2:3], off"]
+    assert [static.load_width(i) for i in rdna] == [16, 4, 2, 8]
 
 
 def test_the_reader_names_the_matrix_instructions():
