@@ -60,11 +60,12 @@ tokens of the real model: chunk long prefills). Slots whose expert id lies outsi
 [0, E) are dropped by the alignment and contribute nothing: expert parallelism marks the
 experts another rank holds with -1.
 
-Dot inputs follow qmatmul's GEMM (qmatmul.dot_types): x's own dtype on CUDA (fp16/bf16 tensor
-cores, tf32 for float32 x on NVIDIA; h is rounded to that dtype for the down dot, as the half-precision intermediate
-of vLLM's fused_moe is), float32 under the interpreter. A block of BLOCK_M >= 16 rows is
-tl.dot's minimum; when decoding one token, each expert's block holds one live row, and
-the kernels stay bound by reading the weight bytes, as a GEMV would be.
+Dot inputs follow qmatmul's GEMM (qmatmul.dot_types): x's own dtype on CUDA (fp16/bf16
+tensor cores, tf32 for float32 x on NVIDIA; h is rounded to that dtype for the down dot,
+as the half-precision intermediate of vLLM's fused_moe is), float32 under the
+interpreter. A block of BLOCK_M >= 16 rows is tl.dot's minimum; when decoding one token,
+each expert's block holds one live row, and the kernels stay bound by reading the weight
+bytes, as a GEMV would be.
 
 `moe_torch` is the CPU path: for each expert hit, dequantize_torch its three matrices and
 run its slots through float32 torch matmuls; it writes the same (T, k, H) buffer and sums

@@ -20,9 +20,10 @@ Three Triton kernels:
   bound by reading the weight bytes, and tensor cores would idle at M this small.
 - GEMM ("gemm", prefill): [BLOCK_M, BLOCK_K] tiles of x times decoded [BLOCK_K, BLOCK_N]
   tiles of W.T through tl.dot, float32 accumulator. The dot inputs are x's own dtype on
-  CUDA (fp16 or bf16 tensor cores; float32 x goes through tf32 on NVIDIA: dot_types) and float32 under the
-  interpreter, which holds bf16 as raw uint16 and so cannot multiply it. With fp16 x the
-  decoded weights are rounded to fp16 too, which assumes |w| < 65504 (true of real models).
+  CUDA (fp16 or bf16 tensor cores; float32 x goes through tf32 on NVIDIA: dot_types) and
+  float32 under the interpreter, which holds bf16 as raw uint16 and so cannot multiply it.
+  With fp16 x the decoded weights are rounded to fp16 too, which assumes |w| < 65504 (true
+  of real models).
   In the formats with an int8 unit decode the GEMM decodes a unit of each of BLOCK_N rows a
   step (its int8 words and group scales, as the dp4a GEMV reads them, so it reads the
   device layout too) into a [BLOCK_N, unit] tile and multiplies it with one tl.dot:
