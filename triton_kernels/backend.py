@@ -185,6 +185,22 @@ def backend_name() -> str:
     return "hip" if torch.version.hip else "cuda"
 
 
+def warp_lanes(device: torch.device) -> int:
+    """Lanes of a warp (a wavefront on AMD) where `device`'s kernels run: 32 on NVIDIA; on
+    AMD the device's own (64 on CDNA: MI200, MI300; 32 on RDNA3, as Triton compiles for
+    it), 64 where no device answers (a fake one)."""
+    if backend_name() != "hip":
+        return 32
+    if device.type != "cuda" or faking():
+        return 64
+    return _lanes(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _lanes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).warp_size
+
+
 COMPILE_MODES = ("auto", "on", "off")
 
 

@@ -109,15 +109,21 @@ _GPU_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch
 
 def dot_types(x: torch.Tensor) -> tuple:
     """(DOT_DTYPE, INPUT_PRECISION) of the tl.dot kernels (the GEMMs, the MoE's prefill) for
-    activations x. On a GPU x's own type; float32 x as TF32 on NVIDIA (Triton's CUDA
-    default, which keeps float32's range). Else "ieee": 16-bit operands multiply the same
-    either way (sm_90's and gfx942's code for a bf16 GEMM is instruction for instruction the
-    same under both), and Triton's AMD backend takes "tf32" on gfx942 alone: on gfx90a or
-    an RDNA3 card (gfx1100) the flag is a compile error. Under the interpreter float32."""
+    activations x: on a GPU x's own type, under the interpreter float32."""
     if not x.is_cuda:
         return tl.float32, "ieee"
     dot = _GPU_DOT_DTYPES[x.dtype]
-    return dot, "tf32" if dot == tl.float32 and backend_name() == "cuda" else "ieee"
+    return dot, dot_precision(dot, backend_name())
+
+
+def dot_precision(dot, backend: str) -> str:
+    """tl.dot's input_precision for operands of type `dot` on `backend` ("cuda", "hip"):
+    TF32 for float32 on NVIDIA (Triton's CUDA default, which keeps float32's range). Else
+    "ieee": 16-bit operands multiply the same either way (sm_90's and gfx942's code for a
+    bf16 GEMM is instruction for instruction the same under both), and Triton's AMD backend
+    takes "tf32" on gfx942 alone (its source adds it there; gfx1100 refused to compile it),
+    so float32 operands on AMD multiply in IEEE float32, MI300's XF32 unused."""
+    return "tf32" if dot == tl.float32 and backend == "cuda" else "ieee"
 
 
 @triton.jit

@@ -36,10 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import backend_name, use_triton
+from .backend import backend_name, use_triton, warp_lanes
 from .qsa import select_sorted
 
 SELECT_HELD = 8192  # the longest row a program holds (32K tokens in blocks of 4); longer: the sort
+# on 32-lane AMD waves (RDNA3): gfx1100's compiler spilled 200-290 bytes a lane holding 8,192
+# blocks of a row not a multiple of 16, at 16 warps and at 32
+SELECT_HELD_RDNA = 4096
 SELECT_SPAN = 512   # the places: the chosen compared a span of SPAN at a time (the scratch
 SELECT_TILE = 16    # row, from L1) with TILE of them
 
@@ -67,19 +70,21 @@ def _select_kernel(s_ptr, sel_ptr, tmp_ptr, NB, keep, stride_s, stride_o,
     tmp = tmp_ptr + t * 2 * keep  # the chosen: their keys, then their blocks
     c = tl.arange(0, BLOCK)
     live = c < NB
-    k = _keys(tl.load(s_ptr + t * stride_s + c, mask=live, other=0.0))
+    # past the row: the int32 minimum, below every score's key (-inf's is -2^31 + 8,388,607),
+    # so that no count below sees it (the bisection's mid and the keep-th key lie above it)
+    k = tl.where(live, _keys(tl.load(s_ptr + t * stride_s + c, mask=live, other=0.0)), -2147483648)
     # 2. the largest x with at least `keep` keys >= x (x in the int32 range: held as int64)
     lo = tl.full((), -2147483648, tl.int64)
     hi = tl.full((), 2147483647, tl.int64)
     for _ in range(32):
         mid = lo + (hi - lo + 1) // 2
-        up = tl.sum(((k >= mid) & live).to(tl.int32), axis=0) >= keep
+        up = tl.sum((k >= mid).to(tl.int32), axis=0) >= keep
         lo, hi = tl.where(up, mid, lo), tl.where(up, hi, mid - 1)
     kth = lo.to(tl.int32)
-    above = tl.sum(((k > kth) & live).to(tl.int32), axis=0)
+    above = tl.sum((k > kth).to(tl.int32), axis=0)
     # 3. the chosen, in block order, to the scratch row
-    tie = (k == kth) & live
-    chosen = ((k > kth) & live) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= keep - above))
+    tie = k == kth
+    chosen = (k > kth) | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= keep - above))
     at = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
     tl.store(tmp + at, k, mask=chosen)
     tl.store(tmp + keep + at, c, mask=chosen)
@@ -119,6 +124,9 @@ def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, tile
     interpreter, run qsa_select_torch."""
     _check(scores, keep)
     width = triton.next_power_of_2(scores.shape[1])
+    lanes = warp_lanes(scores.device)
+    if backend_name() == "hip" and lanes == 32:
+        held = min(held, SELECT_HELD_RDNA)
     if not use_triton(scores) or width > held:
         return select_sorted(scores, keep)[1]
     T, nb = scores.shape
@@ -129,17 +137,17 @@ def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, tile
         chosen = triton.next_power_of_2(keep)
         tile, span = min(tile, chosen), min(span, chosen)
         _select_kernel[(T,)](scores, sel, tmp, nb, keep, scores.stride(0), sel.stride(0), BLOCK=width,
-                             TILE=tile, SPAN=span, num_warps=_warps(width, tile, span))
+                             TILE=tile, SPAN=span, num_warps=_warps(width, tile, span, lanes))
     return sel
 
 
-def _warps(width: int, tile: int, span: int) -> int:
-    """Warps a program: 512 lanes for a row of 8,192 blocks (16 keys a lane: 16 warps of 32
-    lanes, 8 of 64 on AMD; at 8 warps sm_89's ptxas spilled 24 bytes, at 16 gfx942's spilled
-    60-80); 8 warps for 4,096 blocks, or for 4,096 and more places compared at once (tile x
-    span: at 4 warps 16 x 512 spilled 8 bytes on sm_90 and sm_89 at 257 to 2,048 blocks,
-    and 16 x 256 on Triton 3.6's sm_90); else 4 (tests/triton_kernels/test_qsa_select.py
-    compiles each)."""
+def _warps(width: int, tile: int, span: int, lanes: int) -> int:
+    """Warps a program (of `lanes` lanes each): 512 lanes for a row of 8,192 blocks (16 keys
+    a lane: 16 warps of 32, 8 of 64 on CDNA; sm_89's ptxas spilled 24 bytes at 8 warps of
+    32, gfx942's 60-80 at 16 of 64); 8 warps for 4,096 blocks, or for 4,096 and more places
+    compared at once (tile x span: at 4 warps 16 x 512 spilled 8 bytes on sm_90 and sm_89
+    at 257 to 2,048 blocks, and 16 x 256 on Triton 3.6's sm_90); else 4
+    (tests/triton_kernels/test_qsa_select.py compiles each)."""
     if width >= 8192:
-        return 512 // (64 if backend_name() == "hip" else 32)
+        return 512 // lanes
     return 8 if width >= 4096 or tile * span >= 4096 else 4

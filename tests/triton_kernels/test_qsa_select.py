@@ -65,24 +65,29 @@ def test_wrong_arguments_are_named():
         qsa_select(torch.zeros(2, 8), 9)
 
 
-# (blocks, keep): each of _warps' choices. Flash-Next keeps up to 512 blocks; a row of 257
-# to 2,048 blocks keeping more than 256 spilled at 4 warps on sm_90 and sm_89, and one of
-# 8,192 at 8 warps on sm_89, before the warps followed the row and the places compared
-SHAPES = ((65, 16), (300, 256), (600, 512), (2049, 512), (4096, 512), (6000, 16), (8192, 512))
+# (blocks, keep): each of _warps' choices, and the rows that spilled before the warps
+# followed the row and the places compared and the padding's keys took the place of a live
+# mask: (257, 257) on sm_90 and sm_89 at 4 warps, (4097, 16) on sm_89 at 8, (1025, 256) on
+# sm_90 at 8, and (6001, 500) on gfx1100 at any warps (its rows past 4,096
+# blocks keep the sort: SELECT_HELD_RDNA)
+SHAPES = ((65, 16), (257, 257), (600, 512), (2048, 128), (1025, 256), (4096, 512), (4097, 16), (6001, 500),
+          (8192, 512))
 
 
 @pytest.mark.slow
 def test_its_launches_compile_for_the_gpus_without_spills():
     """Rows from a short prompt's to Flash-Next's at 32K tokens (8,192 blocks held in
     registers, keep 512), at each warp count the launcher picks, compile for sm_89 (the
-    RTX 4090), sm_90 and gfx942 with no spill and within the target's shared memory."""
+    RTX 4090), sm_90, gfx942 and gfx1100 (RDNA3) with no spill and within the target's
+    shared memory."""
     from triton_kernels.analysis.launches import compile_calls, record
     from triton_kernels.ops import impl
     with record() as calls:
         for nb, keep in SHAPES:
             impl("qsa_select", "triton")(torch.zeros(1, nb), keep)
-    results = compile_calls(calls, ("sm_89", "sm_90", "gfx942"))
-    assert {r.num_warps for r in results if r.target == "sm_90"} == {4, 8, 16}, results
-    assert {r.num_warps for r in results if r.target == "gfx942"} == {4, 8}, results
+    results = compile_calls(calls, ("sm_89", "sm_90", "gfx942", "gfx1100"))
+    warps = {t: {r.num_warps for r in results if r.target == t} for t in ("sm_90", "gfx942", "gfx1100")}
+    assert warps == {"sm_90": {4, 8, 16}, "gfx942": {4, 8}, "gfx1100": {4, 8}}, warps
+    assert max(int(r.constexprs.split("'BLOCK': ")[1].split(",")[0]) for r in results if r.target == "gfx1100") == 4096
     bad = [f"{r.target} {r.constexprs} {r.num_warps} warps: {r.problems}" for r in results if r.problems]
     assert not bad, bad

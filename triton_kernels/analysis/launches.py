@@ -119,11 +119,14 @@ class Compiled:
         """Why this kernel would not run as compiled on its target ("" when it would):
         the compile's error, spilled registers, or more shared memory than a program gets."""
         if not self.ok:
-            return self.error
+            return self.error or "not compiled"
+        found = []
+        if self.spill_bytes:
+            found.append(f"{self.spill_bytes} B spilled")
         limit = SHARED_LIMITS[self.target]
-        return "; ".join([f"{self.spill_bytes} B spilled"] * bool(self.spill_bytes)
-                         + [f"{self.shared_bytes} B of shared memory, over the {limit} B a program gets"]
-                         * (self.shared_bytes > limit))
+        if self.shared_bytes > limit:
+            found.append(f"{self.shared_bytes} B of shared memory, over the {limit} B a program gets")
+        return "; ".join(found)
 
 
 def compile_calls(calls: list[dict], targets=("sm_90", "gfx942")) -> list[Compiled]:
@@ -216,7 +219,10 @@ def _replay(calls: list[dict], targets: list[str]) -> list[dict]:
                 mod.asm_for = lambda device, family=family: family
             if hasattr(mod, "backend_name"):
                 mod.backend_name = lambda hip=hip: "hip" if hip else "cuda"
+            if hasattr(mod, "warp_lanes"):
+                mod.warp_lanes = lambda device, lanes=static.TARGETS[t].warp_size: lanes
         backend.backend_name = lambda hip=hip: "hip" if hip else "cuda"
+        backend.warp_lanes = lambda device, lanes=static.TARGETS[t].warp_size: lanes
         for c in calls:
             state["op"] = c["op"]
             fn = ops.OPS[c["op"]][0]

@@ -208,6 +208,11 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
     return Spec(qsa._qsa_attention_kernel, sig, cx, cfg.get("num_warps", 4), 2 * bs * 256, -(-slots // bs), 4)
 
 
+def _backend(asm: str) -> str:
+    """The configuration family ("cuda", "hip") of a target's instruction family."""
+    return "hip" if asm == "gcn" else "cuda"
+
+
 def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> Spec:
     if op in QSA_OPS:
         return _qsa_spec(op, fmt, config)
@@ -215,7 +220,7 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))
     u = unit(fmt)
-    cfg = configs.pick(op.replace("_dot", ""), fmt.name, backend="hip" if asm == "gcn" else "cuda") | (config or {})
+    cfg = configs.pick(op.replace("_dot", ""), fmt.name, backend=_backend(asm)) | (config or {})
     nw = cfg.get("num_warps", 4)
     N, K = WHOLE_N, WHOLE_K
     if op == "dequant":
@@ -250,14 +255,16 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
             bm, bn = qmatmul.gemm_unit_tiles(u)
             sig, cx = _sig("x_ptr:*bf16,q_ptr:*u16,tab_ptr:*i32,out_ptr:*bf16,M:i32,N:i32,K:i32,"
                            "stride_xm:i32,stride_xk:i32,stride_om:i32", **launch_args(fmt, u),
-                           BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="ieee", ASM=asm)
+                           BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16,
+                           INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, _backend(asm)), ASM=asm)
             return Spec(qmatmul._gemm_units_kernel, sig, cx, qmatmul.GEMM_UNIT_WARPS, bn * u.weights,
                         K // u.weights, -(-N // bn))
         bm, bn, bk = qmatmul.GEMM_TILES
         sig, cx = _sig("x_ptr:*bf16,q_ptr:*u8,tab_ptr:*u8,out_ptr:*bf16,M:i32,N:i32,K:i32,"
                        "stride_xm:i32,stride_xk:i32,stride_om:i32",
                        DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_M=bm, BLOCK_N=bn,
-                       BLOCK_K=bk, DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="ieee")
+                       BLOCK_K=bk, DOT_DTYPE=tl.bfloat16,
+                       INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, _backend(asm)))
         return Spec(qmatmul._gemm_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
     if op in ("moe_gate_up", "moe_down"):
         if u is not None:
@@ -308,10 +315,11 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> S
 def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, asm: str = "ptx") -> Spec:
     """The MoE prefill kernel ("gate_up" or "down") that moe() launches for `fmt`: on
     units where the format has them (triton_kernels.moe_units), else the per-weight one."""
-    moe = importlib.import_module("triton_kernels.moe")
+    moe, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in ("moe", "qmatmul"))
     N, K = WHOLE_N, WHOLE_K
     bm = MOE_DOT_BLOCK_M
-    dot = dict(DOT_DTYPE=tl.bfloat16, INPUT_PRECISION="ieee")  # constexprs in the kernels' order
+    # constexprs in the kernels' order: a bf16 model's, as qmatmul.dot_types picks them
+    dot = dict(DOT_DTYPE=tl.bfloat16, INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, _backend(asm)))
     if u is not None:
         bn = moe_units.unit_tiles(u)
         if which == "gate_up":
@@ -508,25 +516,33 @@ def _gcn_resources(text: str) -> dict:
     def num(pattern):
         m = re.search(pattern, text)
         return int(m.group(1)) if m else 0
-    # spills are scratch memory (ScratchSize, bytes a lane); SGPRs parked in VGPR lanes
-    # (".sgpr_spill_count") touch no memory and are not counted. A kernel that calls a
-    # function (a noinline @triton.jit: s_swappc) may hold scratch for the call's frame
-    # alone, its arguments past the VGPRs that AMDGPU's calling convention passes them in:
-    # with no spilled VGPR (".vgpr_spill_count") and no instruction that LLVM marks a spill
-    # or its reload, that scratch is the frame, written once a call, and not counted
-    scratch = num(r"ScratchSize:\s+(\d+)")
-    frame_only = ("s_swappc_b64" in text and not num(r"\.vgpr_spill_count:\s+(\d+)")
+    # spills are scratch memory (bytes a lane: the kernel descriptor's private segment, which
+    # holds its callees' too; a function's own "; ScratchSize" comes before the kernel's in
+    # the listing); SGPRs parked in VGPR lanes (".sgpr_spill_count") touch no memory and are
+    # not counted. A kernel that calls a function (a noinline @triton.jit: s_swappc) may
+    # hold a little scratch for the call's frame alone, its arguments past the VGPRs that
+    # AMDGPU's calling convention passes them in: with no spilled VGPR (".vgpr_spill_count")
+    # and no instruction that LLVM marks a spill or its reload, up to CALL_FRAME bytes are
+    # that frame, written once a call, and not counted
+    scratch = num(r"\.amdhsa_private_segment_fixed_size\s+(\d+)") or num(r"ScratchSize:\s+(\d+)")
+    frame_only = ("s_swappc_b64" in text and scratch <= CALL_FRAME and not num(r"\.vgpr_spill_count:\s+(\d+)")
                   and not re.search(r"Folded (Spill|Reload)|-byte (Spill|Reload)", text))
     return {"regs": num(r"\.vgpr_count:\s+(\d+)") or num(r"NumVgprs:\s+(\d+)"),
             "spill": 0 if frame_only else scratch,
             "shared": num(r"\.group_segment_fixed_size:\s+(\d+)")}
 
 
+# a call's frame of a few arguments (the router's routing over an expert cache: 12 bytes)
+CALL_FRAME = 32
+
+
 def usage(k, target: str) -> dict:
     """Registers, spilled bytes and shared memory (bytes, LDS on AMD) of compiled kernel `k`
-    on `target`. Shared memory is the code object's own (barriers, static arrays) plus what
-    Triton asks of the launch (its staging buffers and layout conversions: metadata.shared),
-    which is what the device checks against its limit (analysis.SHARED_LIMITS)."""
+    on `target`. Shared memory is what Triton asks of the launch (its staging buffers and
+    layout conversions: metadata.shared), which the device checks against its limit
+    (analysis.SHARED_LIMITS), plus what the code object declares itself: none in Triton's
+    kernels, but cuobjdump counts sm_90's 1 KB the driver reserves a block, which the limit
+    already leaves out (so sm_90's sums are 1 KB high: a margin, not a miss)."""
     res = _gcn_resources(k.asm["amdgcn"]) if TARGETS[target].backend == "hip" else _nvidia_usage(k.asm["cubin"])
     return {**res, "shared": res["shared"] + int(k.metadata.shared)}
 

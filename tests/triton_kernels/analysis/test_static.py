@@ -325,8 +325,8 @@ def test_the_readers_find_the_loop_and_drop_the_padding():
 
 
 def test_amd_scratch_counts_as_a_spill_unless_it_is_a_calls_frame_alone():
-    """gfx942's scratch (ScratchSize) is spilled registers, except where a kernel calls a
-    function and nothing is marked spilled: then it is the call's frame (arguments past the
+    """gfx942's scratch is spilled registers, except where a kernel calls a function,
+    nothing is marked spilled and it is no more than a frame of a few arguments (past the
     VGPRs the calling convention passes them in), as the router's noinline routing over an
     expert cache takes (tests/strata/test_trace.py compiles it)."""
     meta = "; NumVgprs: 86\n; ScratchSize: 12\n    .vgpr_spill_count: {n}\n    .group_segment_fixed_size: 1024\n"
@@ -337,6 +337,13 @@ def test_amd_scratch_counts_as_a_spill_unless_it_is_a_calls_frame_alone():
     assert static._gcn_resources(frame.replace(": 0", ": 3"))["spill"] == 12  # counted spills
     no_call = "\tscratch_store_dword off, v1, off\n" + meta.format(n=0)  # a private array: memory all the same
     assert static._gcn_resources(no_call)["spill"] == 12
+    # a callee's function info comes first in the listing: the kernel's descriptor holds the
+    # kernel's scratch, its callees' included
+    callee_first = ("; Function info:\n; ScratchSize: 0\n\ts_swappc_b64 s[30:31], s[0:1]\n"
+                    "\t\t.amdhsa_private_segment_fixed_size 320\n    .vgpr_spill_count: 77\n")
+    assert static._gcn_resources(callee_first)["spill"] == 320
+    big = frame.replace("ScratchSize: 12", f"ScratchSize: {static.CALL_FRAME + 4}")  # more than a frame of arguments
+    assert static._gcn_resources(big)["spill"] == static.CALL_FRAME + 4
 
 
 GCN_COLD = """
@@ -441,6 +448,8 @@ def test_a_compiled_kernel_names_what_would_stop_its_launch():
     assert over.problems == "8 B spilled; 101377 B of shared memory, over the 101376 B a program gets"
     assert replace(fits, target="sm_90", shared_bytes=101377).problems == ""  # Hopper gives 227 KB
     assert replace(fits, ok=False, error="CompilationError: x").problems == "CompilationError: x"
+    assert replace(fits, ok=False).problems == "not compiled"
+    assert SHARED_LIMITS.keys() == static.TARGETS.keys()  # every target has its limit
 
 
 @pytest.mark.slow
