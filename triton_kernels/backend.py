@@ -201,6 +201,12 @@ def _lanes(index: int) -> int:
     return torch.cuda.get_device_properties(index).warp_size
 
 
+def rdna(device: torch.device) -> bool:
+    """An AMD GPU of 32-lane waves (RDNA3: a Radeon PRO W7900, an RX 7900), where a tile
+    sized for CDNA's 64-lane waves puts twice the values in each lane's registers."""
+    return backend_name() == "hip" and warp_lanes(device) == 32
+
+
 COMPILE_MODES = ("auto", "on", "off")
 
 

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import backend_name, use_triton, warp_lanes
+from .backend import rdna, use_triton, warp_lanes
 from .qsa import select_sorted
 
 SELECT_HELD = 8192  # the longest row a program holds (32K tokens in blocks of 4); longer: the sort
@@ -125,7 +125,7 @@ def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, tile
     _check(scores, keep)
     width = triton.next_power_of_2(scores.shape[1])
     lanes = warp_lanes(scores.device)
-    if backend_name() == "hip" and lanes == 32:
+    if rdna(scores.device):
         held = min(held, SELECT_HELD_RDNA)
     if not use_triton(scores) or width > held:
         return select_sorted(scores, keep)[1]

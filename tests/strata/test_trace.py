@@ -251,9 +251,11 @@ def _recorded(g, prompt: int = 1, gpu_mem_gib: float = 140.0, plan: str = "") ->
 def test_flash_tinys_prompt_and_step_compile_for_an_rdna3_card(flash_tiny_gguf, monkeypatch):
     """A 64-token prompt (the GEMMs, the MoE's tl.dot prefill) and the graph step of
     flash-tiny compile for gfx1100 (Radeon PRO W7900, RX 7900: 32-lane waves, WMMA) as
-    their launches ask. Before qmatmul.dot_types, every tl.dot kernel failed there: its
-    16-bit dots asked for TF32, which Triton's AMD backend takes on gfx942 alone. Spills
-    are reported, not held: the tiles are CDNA's and NVIDIA's (NOTES.md)."""
+    their launches ask, with no spill and within its shared memory. Before
+    qmatmul.dot_types every tl.dot kernel failed there (its 16-bit dots asked for TF32,
+    which Triton's AMD backend takes on gfx942 alone), and the QSA scores spilled 68 bytes
+    at CDNA's 4 warps (qsa.scores_warps). The k-quants' and IQ3_XXS's prefill at Flash-Next's
+    widths still spill there (NOTES.md): not held."""
     from triton_kernels.analysis.launches import compile_calls
     monkeypatch.setattr(deltanet_fla, "fla_installed", lambda: False)
     deltanet_fla._path.cache_clear()
@@ -262,8 +264,7 @@ def test_flash_tinys_prompt_and_step_compile_for_an_rdna3_card(flash_tiny_gguf, 
     finally:
         deltanet_fla._path.cache_clear()
     results = compile_calls(step + before, ("gfx1100",))
-    failed = [f"{r.kernel}: {r.error}" for r in results if not r.ok]
-    assert not failed, failed
-    assert {"_gemm_kernel", "_gate_up_kernel", "_down_kernel"} <= {r.kernel for r in results}, results
-    print(f"\nflash-tiny on gfx1100: {len(results)} kernels compiled; spilling: "
-          f"{[(r.kernel, r.spill_bytes) for r in results if r.spill_bytes]}")
+    bad = [f"{r.kernel}: {r.problems}" for r in results if r.problems]
+    assert not bad, bad
+    assert {"_gemm_kernel", "_gate_up_kernel", "_down_kernel", "_qsa_scores_kernel"} <= {r.kernel for r in results}
+    print(f"\nflash-tiny on gfx1100: {len(results)} kernels compiled, max registers {max(r.regs for r in results)}")

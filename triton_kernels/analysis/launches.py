@@ -221,8 +221,11 @@ def _replay(calls: list[dict], targets: list[str]) -> list[dict]:
                 mod.backend_name = lambda hip=hip: "hip" if hip else "cuda"
             if hasattr(mod, "warp_lanes"):
                 mod.warp_lanes = lambda device, lanes=static.TARGETS[t].warp_size: lanes
+            if hasattr(mod, "rdna"):
+                mod.rdna = lambda device, r=hip and static.TARGETS[t].warp_size == 32: r
         backend.backend_name = lambda hip=hip: "hip" if hip else "cuda"
         backend.warp_lanes = lambda device, lanes=static.TARGETS[t].warp_size: lanes
+        backend.rdna = lambda device, r=hip and static.TARGETS[t].warp_size == 32: r
         for c in calls:
             state["op"] = c["op"]
             fn = ops.OPS[c["op"]][0]

@@ -166,7 +166,7 @@ def _sig(names_types: str, **constexprs) -> tuple[dict, dict]:
     return sig, constexprs
 
 
-def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
+def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm_90") -> Spec:
     """Flash-Next's shapes: indexer 4 heads x 128, budget 64 in blocks of 4; attention
     head_dim 256, 2 query heads a kv head; at 131072 tokens of context, a decode step."""
     qsa = importlib.import_module("triton_kernels.qsa")
@@ -183,7 +183,9 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None) -> Spec:
                        "sqrt_d:fp32,stride_qh:i32,stride_qt:i32,stride_bn:i32,stride_ot:i32",
                        N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn, START_PTR=start_ptr)
         # no loop: the block-key values of a program
-        return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", 4), bn * 128, 1, -(-nb // bn))
+        rdna = TARGETS[target].backend == "hip" and TARGETS[target].warp_size == 32
+        return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", qsa.scores_warps(rdna)), bn * 128, 1,
+                    -(-nb // bn))
     if op == "qsa_pool":  # a decode graph's block keys: a program a position, 4 rows of 128
         scaled = bool(cfg.get("scaled", False))
         sig, cx = _sig(f"idx_ptr:*{'i8' if scaled else kv},scale_ptr:*{kv},pos_ptr:*i64,w_ptr:*fp32,cos_ptr:*fp32,"
@@ -213,9 +215,9 @@ def _backend(asm: str) -> str:
     return "hip" if asm == "gcn" else "cuda"
 
 
-def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None) -> Spec:
+def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None, target: str = "sm_90") -> Spec:
     if op in QSA_OPS:
-        return _qsa_spec(op, fmt, config)
+        return _qsa_spec(op, fmt, config, target)
     # by module path: the package re-exports functions under the names moe and ple
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))
@@ -731,7 +733,7 @@ def _build(op: str, fmt: str | quant.Format, target: str, config: dict | None) -
     # a weight in the layout a GPU holds it in (STRATA_LAYOUT=gguf: GGUF order); the PLE
     # table and the QSA keys are read as stored
     held = fmt if op in QSA_OPS or op == "ple_gather" else layout.choose(fmt, "cuda", layout.TILE_BLOCKS)
-    spec = _spec(op, held, "gcn" if amd else "ptx", config)
+    spec = _spec(op, held, "gcn" if amd else "ptx", config, target)
     k = _compile(spec.kernel, tuple(spec.signature.items()), tuple(spec.constexprs.items()),
                  target, spec.num_warps, tuple(spec.options.items()), _aligned(spec))
     return _Built(op, fmt, target, held, spec, k, amd)
