@@ -129,17 +129,18 @@ def _agree(path, prompt: list[int], steps: int, **opts) -> list[float]:
 
 
 def _compiles(calls: list[dict], kernels: tuple[str, ...]) -> None:
-    """Every kernel the recorded calls launch compiles for sm_90 and gfx942, as the engine
-    would launch it there (the GPU's tiles and instruction family), without spilling."""
+    """Every kernel the recorded calls launch compiles for sm_89 (the RTX 4090), sm_90 and
+    gfx942, as the engine would launch it there (the GPU's tiles and instruction family),
+    without spilling and within the target's shared memory."""
     import time
     t = time.perf_counter()
-    results = compile_calls(distinct(calls), ("sm_90", "gfx942"))
+    results = compile_calls(distinct(calls), ("sm_89", "sm_90", "gfx942"))
     print(f"{len(distinct(calls))} calls, {len(results)} kernels compiled in {time.perf_counter() - t:.1f} s")
     failed = [f"{r.kernel} on {r.target}: {r.problems}" for r in results if r.problems]
     assert not failed, "\n".join(failed)
     got = {(r.kernel, r.target) for r in results}
     for k in kernels:
-        assert (k, "sm_90") in got and (k, "gfx942") in got, (k, sorted(got))
+        assert {(k, "sm_89"), (k, "sm_90"), (k, "gfx942")} <= got, (k, sorted(got))
 
 
 @pytest.mark.slow
