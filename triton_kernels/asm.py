@@ -17,15 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import backend
 from .backend import interpreter_on
 
 
 def asm_for(device: torch.device | str) -> str:
-    """The ASM constexpr for kernels launched on `device`: "" under the interpreter."""
-    device = torch.device(device)
-    if device.type != "cuda" or interpreter_on():
+    """The ASM constexpr for kernels launched on `device`: "" under the interpreter (and
+    the target's while triton_kernels.analysis.launches compiles for one)."""
+    if backend._target is None and (torch.device(device).type != "cuda" or interpreter_on()):
         return ""
-    return "gcn" if torch.version.hip else "ptx"
+    return "gcn" if backend.backend_name() == "hip" else "ptx"
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,7 +38,7 @@ def cvt_pairs(device: torch.device | str) -> bool:
     """Whether an NVIDIA device converts two float32 to a bf16 or float16 pair in one
     instruction (cvt.rn.bf16x2.f32 / f16x2: sm_80 and later, PTX ISA); a fake or absent
     CUDA device (a trace, a static compile) counts as a Hopper."""
-    if torch.version.hip:
+    if backend.backend_name() == "hip":
         return False
     device = torch.device(device)
     if device.type != "cuda":  # the interpreter's tensors, a replay's for a compile

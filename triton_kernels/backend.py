@@ -180,25 +180,41 @@ def device_name(device: torch.device) -> str | None:
     return _fake.name if _fake is not None else torch.cuda.get_device_name(device)
 
 
+# set by triton_kernels.analysis.launches while it compiles a model's launches for a target
+# with no GPU: (its configuration family, its warp's lanes), which backend_name and
+# warp_lanes then give
+_target = None
+
+
 def backend_name() -> str:
     """"hip" on a ROCm build of torch, else "cuda": the configuration family."""
+    if _target is not None:
+        return _target[0]
     return "hip" if torch.version.hip else "cuda"
+
+
+def device_properties(device: torch.device):
+    """torch's properties of the GPU `device` (cached); None off a GPU or under a fake one."""
+    if device.type != "cuda" or faking():
+        return None
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
 def warp_lanes(device: torch.device) -> int:
     """Lanes of a warp (a wavefront on AMD) where `device`'s kernels run: 32 on NVIDIA; on
     AMD the device's own (64 on CDNA: MI200, MI300; 32 on RDNA3, as Triton compiles for
     it), 64 where no device answers (a fake one)."""
+    if _target is not None:
+        return _target[1]
     if backend_name() != "hip":
         return 32
-    if device.type != "cuda" or faking():
-        return 64
-    return _lanes(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _lanes(index: int) -> int:
-    return torch.cuda.get_device_properties(index).warp_size
+    props = device_properties(device)
+    return 64 if props is None else props.warp_size
 
 
 def rdna(device: torch.device) -> bool:

@@ -40,7 +40,6 @@ computes the same product, x̂ @ W.T, as one float32 torch matmul with the dequa
 """
 from __future__ import annotations
 
-import functools
 import threading
 from collections import OrderedDict
 from typing import NamedTuple
@@ -53,7 +52,7 @@ import quant
 
 from . import configs
 from .asm import asm_for, dp4a
-from .backend import backend_name, device_name, faking, use_triton
+from .backend import backend_name, device_name, device_properties, faking, use_triton
 from .decode import launch_args, unit, unit_table
 from .decode.common import halves
 from .decode.split import block_ptr
@@ -408,16 +407,10 @@ def split_for(tiles_n: int, steps: int, sms: int | None) -> int:
     return min(steps, -(-sms // tiles_n), MAX_SPLIT)
 
 
-@functools.lru_cache(maxsize=None)
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def multiprocessors(device: torch.device) -> int | None:
     """The GPU's multiprocessors (SMs, CUs); None off a GPU or under a fake device."""
-    if device.type != "cuda" or faking():
-        return None
-    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+    props = device_properties(device)
+    return None if props is None else props.multi_processor_count
 
 
 _COUNTS: dict = {}

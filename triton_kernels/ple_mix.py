@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import invariant
-from .backend import backend_name, use_triton
+from .backend import use_triton, warp_lanes
 from .conv import causal_conv_torch, conv_taps
 from .hyperconn import hc_norm_torch
 
@@ -101,18 +101,18 @@ def ple_mix(x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norm_key: torch.T
     args = [t.contiguous() for t in (x, k, v, norm_key, norm_query, norm_conv, taps, window)]
     bh = triton.next_power_of_2(H)
     _ple_mix_kernel[(streams,)](*args, out, new, x.shape[0], H, eps, float(H ** 0.5), SPAN=window.shape[1], K=Kt,
-                                DIL=dilation, BH=bh, num_warps=mix_warps(bh))
+                                DIL=dilation, BH=bh, num_warps=mix_warps(bh, warp_lanes(x.device)))
     return out, new
 
 
-def mix_warps(bh: int) -> int:
-    """A whole stream a program, four channels a lane up to a program's 1024 lanes: a
+def mix_warps(bh: int, lanes: int) -> int:
+    """A whole stream a program, four channels a lane up to a program's 1024 lanes (of
+    `lanes` a warp: backend.warp_lanes): a
     decode step's launch is a few programs (a stream each), so its time is one program's
     chain of loads and sums, and a lane's channels are registers held across them.
     Flash-Next's 2560 channels (a tile of 4096): 32 warps, 56-64 registers a thread on
     sm_90; at 8 warps 206-255, and ptxas 12.8 (Triton 3.6) spilled. Past a tile of 4096
     a lane's channels outgrow its 64 registers and spill."""
-    lanes = 64 if backend_name() == "hip" else 32
     return max(4, min(bh // 4, 1024) // lanes)
 
 

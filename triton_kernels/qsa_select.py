@@ -124,10 +124,10 @@ def qsa_select(scores: torch.Tensor, keep: int, *, held: int = SELECT_HELD, tile
     interpreter, run qsa_select_torch."""
     _check(scores, keep)
     width = triton.next_power_of_2(scores.shape[1])
+    if not use_triton(scores):
+        return select_sorted(scores, keep)[1]
     lanes = warp_lanes(scores.device)
-    if rdna(scores.device):
-        held = min(held, SELECT_HELD_RDNA)
-    if not use_triton(scores) or width > held:
+    if width > (min(held, SELECT_HELD_RDNA) if rdna(scores.device) else held):
         return select_sorted(scores, keep)[1]
     T, nb = scores.shape
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()

@@ -367,16 +367,24 @@ def test_topk_on_the_gpu_keeps_the_lower_of_tied_blocks_as_a_graphs_sort_does():
 
 
 @pytest.mark.parametrize("nb, keep", [(65, 16), (8192, 512), (20000, 512)])
-def test_the_select_launch_keeps_a_stable_sorts_blocks_on_the_gpu(nb, keep):
+def test_the_select_launch_keeps_a_stable_sorts_blocks_on_the_gpu(nb, keep, monkeypatch):
     """qsa_select (a decode graph's one launch) keeps select_sorted's blocks in its order on
     the device: rows of 65 and 8,192 blocks (Flash-Next's keep 512 at 32K tokens), relu's
-    zeros tied and unseen blocks at -inf; and a longer row (20,000) keeps the sort."""
+    zeros tied and unseen blocks at -inf; and a longer row (20,000) keeps the sort, with no
+    launch."""
+    import triton
+
+    from tests.triton_kernels.test_qsa_select import launches
+    from triton_kernels.backend import rdna
     from triton_kernels.qsa import select_sorted
-    from triton_kernels.qsa_select import qsa_select
+    from triton_kernels.qsa_select import SELECT_HELD, SELECT_HELD_RDNA, qsa_select
     g = torch.Generator().manual_seed(nb)
     scores = torch.randn(4, nb, generator=g).relu()
     scores[1:, nb // 2:] = float("-inf")
+    grids = launches(monkeypatch)
     got = qsa_select(scores.cuda(), keep).cpu()
+    held = SELECT_HELD_RDNA if rdna(torch.device("cuda")) else SELECT_HELD
+    assert len(grids) == (triton.next_power_of_2(nb) <= held), grids
     assert torch.equal(got, select_sorted(scores.cuda(), keep)[1].cpu())
     assert torch.equal(got, torch.from_numpy(np.argsort(-scores.numpy(), axis=1, kind="stable")[:, :keep]))
 

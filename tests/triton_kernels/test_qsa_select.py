@@ -48,14 +48,29 @@ def test_the_choice_is_a_stable_sorts_first_blocks(T, nb, keep, levels, tile, sp
     assert np.array_equal(qsa_select_torch(torch.from_numpy(s), keep).numpy(), want)
 
 
+def launches(monkeypatch) -> list:
+    """The grids of qsa_select's kernel launches made from here on (each still launched)."""
+    import triton_kernels.qsa_select as module
+    grids, kernel = [], module._select_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(module, "_select_kernel", Counted())
+    return grids
+
+
 @pytest.mark.parametrize("held", [8192, 1024])
-def test_rows_of_a_graphs_length_choose_as_the_sort(held):
+def test_rows_of_a_graphs_length_choose_as_the_sort(held, monkeypatch):
     """2,000 blocks, keep 128, unseen blocks at -inf: a graph's shapes at 8K tokens in blocks
-    of 4, the row held by the launch, or (longer than `held`) sorted."""
+    of 4, the row held by the launch, or (longer than `held`) sorted, with no launch."""
     rng = np.random.default_rng(7)
     s = np.maximum(rng.standard_normal((2, 2000)), 0).astype(np.float32)  # relu's zeros: ties
     s[1, 1500:] = float("-inf")
+    grids = launches(monkeypatch)
     assert np.array_equal(qsa_select(torch.from_numpy(s), 128, held=held).numpy(), reference(s, 128))
+    assert grids == ([(2,)] if held >= 2048 else []), grids
 
 
 def test_wrong_arguments_are_named():

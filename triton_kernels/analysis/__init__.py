@@ -22,3 +22,16 @@ TARGET_SPECS = {  # name -> triton's GPUTarget(backend, arch, warp size)
 # checks hold it.
 SHARED_LIMITS = {"sm_80": 163 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024, "gfx942": 64 * 1024,
                  "gfx1100": 64 * 1024}
+
+
+def problems(target: str, spill_bytes: int, shared_bytes: int, error: str = "", ok: bool = True) -> str:
+    """Why a kernel would not run as compiled for `target` ("" when it would): the
+    compile's error, spilled registers, or more shared memory than a program gets."""
+    if not ok:
+        return error or "not compiled"
+    found = []
+    if spill_bytes:
+        found.append(f"{spill_bytes} B spilled")
+    if shared_bytes > SHARED_LIMITS[target]:
+        found.append(f"{shared_bytes} B of shared memory, over the {SHARED_LIMITS[target]} B a program gets")
+    return "; ".join(found)

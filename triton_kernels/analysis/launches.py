@@ -28,7 +28,7 @@ import quant
 
 from .. import ops
 from ..hc_down import Down
-from . import SHARED_LIMITS
+from . import problems
 
 _DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8,
@@ -116,17 +116,8 @@ class Compiled:
 
     @property
     def problems(self) -> str:
-        """Why this kernel would not run as compiled on its target ("" when it would):
-        the compile's error, spilled registers, or more shared memory than a program gets."""
-        if not self.ok:
-            return self.error or "not compiled"
-        found = []
-        if self.spill_bytes:
-            found.append(f"{self.spill_bytes} B spilled")
-        limit = SHARED_LIMITS[self.target]
-        if self.shared_bytes > limit:
-            found.append(f"{self.shared_bytes} B of shared memory, over the {limit} B a program gets")
-        return "; ".join(found)
+        """Why this kernel would not run as compiled on its target ("" when it would)."""
+        return problems(self.target, self.spill_bytes, self.shared_bytes, self.error, self.ok)
 
 
 def compile_calls(calls: list[dict], targets=("sm_90", "gfx942")) -> list[Compiled]:
@@ -211,21 +202,9 @@ def _replay(calls: list[dict], targets: list[str]) -> list[dict]:
     torch.Tensor.is_cuda = property(lambda self: True)  # launchers take their GPU branches
     for t in targets:
         state["target"] = t
-        hip = static.TARGETS[t].backend == "hip"
-        family = "gcn" if hip else "ptx"
-        # every launcher module's own names for them (from .asm import asm_for, ...)
-        for mod in [m for name, m in list(sys.modules.items()) if name.startswith("triton_kernels.")]:
-            if hasattr(mod, "asm_for"):
-                mod.asm_for = lambda device, family=family: family
-            if hasattr(mod, "backend_name"):
-                mod.backend_name = lambda hip=hip: "hip" if hip else "cuda"
-            if hasattr(mod, "warp_lanes"):
-                mod.warp_lanes = lambda device, lanes=static.TARGETS[t].warp_size: lanes
-            if hasattr(mod, "rdna"):
-                mod.rdna = lambda device, r=hip and static.TARGETS[t].warp_size == 32: r
-        backend.backend_name = lambda hip=hip: "hip" if hip else "cuda"
-        backend.warp_lanes = lambda device, lanes=static.TARGETS[t].warp_size: lanes
-        backend.rdna = lambda device, r=hip and static.TARGETS[t].warp_size == 32: r
+        # the launchers' choices of family, lanes and instruction set (backend_name,
+        # warp_lanes, asm.asm_for) follow the target
+        backend._target = (static.TARGETS[t].backend, static.TARGETS[t].warp_size)
         for c in calls:
             state["op"] = c["op"]
             fn = ops.OPS[c["op"]][0]
