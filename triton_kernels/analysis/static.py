@@ -210,19 +210,16 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm
     return Spec(qsa._qsa_attention_kernel, sig, cx, cfg.get("num_warps", 4), 2 * bs * 256, -(-slots // bs), 4)
 
 
-def _backend(asm: str) -> str:
-    """The configuration family ("cuda", "hip") of a target's instruction family."""
-    return "hip" if asm == "gcn" else "cuda"
-
-
-def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None, target: str = "sm_90") -> Spec:
+def _spec(op: str, fmt: quant.Format, target: str = "sm_90", config: dict | None = None) -> Spec:
     if op in QSA_OPS:
         return _qsa_spec(op, fmt, config, target)
+    backend = TARGETS[target].backend  # the configuration family, and its instruction set:
+    asm = "gcn" if backend == "hip" else "ptx"
     # by module path: the package re-exports functions under the names moe and ple
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))
     u = unit(fmt)
-    cfg = configs.pick(op.replace("_dot", ""), fmt.name, backend=_backend(asm)) | (config or {})
+    cfg = configs.pick(op.replace("_dot", ""), fmt.name, backend=backend) | (config or {})
     nw = cfg.get("num_warps", 4)
     N, K = WHOLE_N, WHOLE_K
     if op == "dequant":
@@ -258,7 +255,7 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None, targ
             sig, cx = _sig("x_ptr:*bf16,q_ptr:*u16,tab_ptr:*i32,out_ptr:*bf16,M:i32,N:i32,K:i32,"
                            "stride_xm:i32,stride_xk:i32,stride_om:i32", **launch_args(fmt, u),
                            BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16,
-                           INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, _backend(asm)), ASM=asm)
+                           INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, backend), ASM=asm)
             return Spec(qmatmul._gemm_units_kernel, sig, cx, qmatmul.GEMM_UNIT_WARPS, bn * u.weights,
                         K // u.weights, -(-N // bn))
         bm, bn, bk = qmatmul.GEMM_TILES
@@ -266,7 +263,7 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None, targ
                        "stride_xm:i32,stride_xk:i32,stride_om:i32",
                        DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_M=bm, BLOCK_N=bn,
                        BLOCK_K=bk, DOT_DTYPE=tl.bfloat16,
-                       INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, _backend(asm)))
+                       INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, backend))
         return Spec(qmatmul._gemm_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
     if op in ("moe_gate_up", "moe_down"):
         if u is not None:
@@ -289,9 +286,9 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None, targ
                            **launch_args(fmt, u), BLOCK_N=bn, BLOCK_K=bk, MASK=False, ASM=asm,
                            **moe._NO_DOWN_PAIR)  # the routed experts alone
             return Spec(moe._down_dp4a_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
-        return _moe_dot_spec(op.replace("moe_", ""), fmt, None, cfg)
+        return _moe_dot_spec(op.replace("moe_", ""), fmt, None, cfg, target)
     if op in ("moe_dot_gate_up", "moe_dot_down"):
-        return _moe_dot_spec(op.replace("moe_dot_", ""), fmt, u, cfg, asm)
+        return _moe_dot_spec(op.replace("moe_dot_", ""), fmt, u, cfg, target)
     if op == "ple_gather":
         dim, rows = 160, ple.PLE_BLOCK_ROWS  # the real table's rows: 160 values
         if dim % fmt.block_elems:
@@ -314,14 +311,16 @@ def _spec(op: str, fmt: quant.Format, asm: str, config: dict | None = None, targ
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
 
 
-def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, asm: str = "ptx") -> Spec:
+def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, target: str) -> Spec:
     """The MoE prefill kernel ("gate_up" or "down") that moe() launches for `fmt`: on
     units where the format has them (triton_kernels.moe_units), else the per-weight one."""
     moe, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in ("moe", "qmatmul"))
     N, K = WHOLE_N, WHOLE_K
     bm = MOE_DOT_BLOCK_M
     # constexprs in the kernels' order: a bf16 model's, as qmatmul.dot_types picks them
-    dot = dict(DOT_DTYPE=tl.bfloat16, INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, _backend(asm)))
+    backend = TARGETS[target].backend
+    asm = "gcn" if backend == "hip" else "ptx"
+    dot = dict(DOT_DTYPE=tl.bfloat16, INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, backend))
     if u is not None:
         bn = moe_units.unit_tiles(u)
         if which == "gate_up":
@@ -733,7 +732,7 @@ def _build(op: str, fmt: str | quant.Format, target: str, config: dict | None) -
     # a weight in the layout a GPU holds it in (STRATA_LAYOUT=gguf: GGUF order); the PLE
     # table and the QSA keys are read as stored
     held = fmt if op in QSA_OPS or op == "ple_gather" else layout.choose(fmt, "cuda", layout.TILE_BLOCKS)
-    spec = _spec(op, held, "gcn" if amd else "ptx", config, target)
+    spec = _spec(op, held, target, config)
     k = _compile(spec.kernel, tuple(spec.signature.items()), tuple(spec.constexprs.items()),
                  target, spec.num_warps, tuple(spec.options.items()), _aligned(spec))
     return _Built(op, fmt, target, held, spec, k, amd)

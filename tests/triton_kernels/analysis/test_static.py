@@ -422,7 +422,7 @@ def test_dequant_without_the_paired_cvt_compiles():
 import quant
 from triton_kernels.analysis import static
 for op in ("dequant", "ple_gather"):
-    spec = static._spec(op, quant.get("Q4_K"), "ptx")
+    spec = static._spec(op, quant.get("Q4_K"), "sm_90")
     cx = {**spec.constexprs, "CVT": False}
     k = static._compile(spec.kernel, tuple(spec.signature.items()), tuple(cx.items()), "sm_90",
                         spec.num_warps, tuple(spec.options.items()))
