@@ -52,7 +52,7 @@ import quant
 
 from . import configs
 from .asm import asm_for, dp4a
-from .backend import backend_name, device_name, device_properties, faking, use_triton
+from .backend import device_name, device_properties, faking, use_triton
 from .decode import launch_args, unit, unit_table
 from .decode.common import halves
 from .decode.split import block_ptr
@@ -474,7 +474,7 @@ def gemv_launch(fmt: quant.Format, device, N: int, K: int, tiles: tuple[int, int
     """(BLOCK_N, BLOCK_U, split, num_warps) of gemv_dp4a's launch for an (N, K) weight on
     `device` (see gemv_dp4a): the one decision, which a launch that shares the GEMV's
     programs (triton_kernels.router_gemv) takes too."""
-    cfg = configs.pick("gemv", fmt.name, device_name(device), backend_name(), n=N)
+    cfg = configs.pick("gemv", fmt.name, device_name(device), configs.family(device), n=N)
     block_n, block_u = tiles if tiles is not None else (cfg["block_n"], cfg["block_u"])
     if split is None:
         split = cfg.get("split_k", 1)

@@ -110,9 +110,9 @@ def _route(logits: Tensor, top_k: int, norm_topk_prob: bool) -> tuple[Tensor, Te
 
 def _moe(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, fmt_gate: str, fmt_up: str,
          fmt_down: str, weights: Tensor, ids: Tensor, tiles: Optional[list[int]], path: Optional[str],
-         tile_slots: Optional[int]) -> Tensor:
+         tile_slots: Optional[int], dtype: Optional[torch.dtype]) -> Tensor:
     return moe(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
-                   tiles=_tiles(tiles), path=path, tile_slots=tile_slots)
+                   tiles=_tiles(tiles), path=path, tile_slots=tile_slots, dtype=dtype)
 
 
 def _ngram_ids(tokens: Tensor, history: Optional[Tensor], multipliers: Tensor, head_vocab_sizes: Tensor,
@@ -370,9 +370,9 @@ _CALLS = {
     "dequantize": lambda q, fmt, dtype=torch.float32, block=1024:
         OPS["dequantize"](q, _fmt(fmt), dtype, block),
     "route": lambda logits, top_k, norm_topk_prob=True: OPS["route"](logits, top_k, norm_topk_prob),
-    "moe": lambda x, wg, wu, wd, fg, fu, fd, weights, ids, *, tiles=None, path=None, tile_slots=None:
+    "moe": lambda x, wg, wu, wd, fg, fu, fd, weights, ids, *, tiles=None, path=None, tile_slots=None, dtype=None:
         OPS["moe"](x, wg, wu, wd, _fmt(fg), _fmt(fu), _fmt(fd), weights, ids,
-                   list(tiles) if tiles else None, path, tile_slots),
+                   list(tiles) if tiles else None, path, tile_slots, dtype),
     "ngram_ids": lambda tokens, history, multipliers, head_vocab_sizes, head_offsets, eos_id,
                         heads_per_ngram=8, *, block=64, in_place=False: _ngram_ids_out(
         OPS["ngram_ids"](tokens, history, _ints(multipliers, tokens.device), _ints(head_vocab_sizes, tokens.device),

@@ -60,12 +60,16 @@ tokens of the real model: chunk long prefills). Slots whose expert id lies outsi
 [0, E) are dropped by the alignment and contribute nothing: expert parallelism marks the
 experts another rank holds with -1.
 
-Dot inputs follow qmatmul's GEMM (qmatmul.dot_types): x's own dtype on CUDA (fp16/bf16
-tensor cores, tf32 for float32 x on NVIDIA; h is rounded to that dtype for the down dot,
-as the half-precision intermediate of vLLM's fused_moe is), float32 under the
-interpreter. A block of BLOCK_M >= 16 rows is tl.dot's minimum; when decoding one token,
-each expert's block holds one live row, and the kernels stay bound by reading the weight
-bytes, as a GEMV would be.
+Dot inputs follow qmatmul's GEMM (qmatmul.dot_types): on a GPU the model's dtype (moe's
+`dtype`, else x's own: fp16/bf16 tensor cores, tf32 for float32 on NVIDIA; x and h are
+rounded to it, as the torch tier rounds them and as the half-precision intermediate of
+vLLM's fused_moe is), float32 under the interpreter. An expert store hands x over in
+float32 (the dp4a path quantizes it from there) and names its dtype: a bf16 model's
+prefill then multiplies bf16 on the tensor cores, not tf32 at half their rate on NVIDIA,
+nor in float32 FMAs on RDNA3, whose WMMA takes no float32 (there IQ3_XXS's gate/up spilled
+524 bytes a lane at Flash-Next's widths). A block of BLOCK_M >= 16 rows is tl.dot's
+minimum; when decoding one token, each expert's block holds one live row, and the kernels
+stay bound by reading the weight bytes, as a GEMV would be.
 
 `moe_torch` is the CPU path: for each expert hit, dequantize_torch its three matrices and
 run its slots through float32 torch matmuls; it writes the same (T, k, H) buffer and sums
@@ -81,7 +85,7 @@ import quant
 
 from . import configs, invariant
 from .asm import asm_for
-from .backend import backend_name, device_name, is_fake, use_triton
+from .backend import device_name, is_fake, use_triton
 from .decode import decoder, launch_args, table, unit, unit_table
 from .dequant import check_blocks, dequantize_torch
 from .gated_gemv import ROUNDING, gated_qmatmul_torch, gated_rows, rounded
@@ -413,7 +417,7 @@ def _moe_dp4a(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids,
     def tiles_for(op, fmt):  # triton_kernels.configs: per op, format and device
         if tiles is not None:
             return tiles
-        cfg = configs.pick(op, fmt.name, device_name(dev), backend_name())
+        cfg = configs.pick(op, fmt.name, device_name(dev), configs.family(dev))
         return cfg["block_n"], cfg["block_k"]
     block_n, block_k = tiles_for("moe_gate_up", fmt_gate)
     ug, uu, ud = unit(fmt_gate), unit(fmt_up), unit(fmt_down)
@@ -585,7 +589,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         fmt_gate, fmt_up, fmt_down, weights: torch.Tensor, ids: torch.Tensor, *,
         tiles: tuple[int, int, int] | None = None, path: str | None = None,
         tile_slots: int | None = None, slots: bool = False, aligned: tuple | None = None,
-        pair: tuple | None = None) -> torch.Tensor:
+        pair: tuple | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Σ_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, H); result (T, H) in x's dtype.
     slots: with the kernels, the weighted slots' rows unsummed instead, (T, k, H) float32
     (a dropped slot's row 0), for a later launch to sum (shared_expert.gated_add).
@@ -601,7 +605,9 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
     tiles: for "dot" (BLOCK_M, BLOCK_N, BLOCK_K), powers of two >= 16; for "dp4a"
     (BLOCK_N, BLOCK_K), BLOCK_K a power of two >= 64. tile_slots: choose the "dot" tiles as
     for a call of that many slots (an expert store's subsets then run the resident call's
-    blocks). CPU tensors without the interpreter run moe_torch.
+    blocks). dtype: the "dot" path's operand type on a GPU, a model's compute dtype (x and
+    the SwiGLU product rounded to it, as the torch tier rounds them); None: x's own. CPU
+    tensors without the interpreter run moe_torch.
     """
     fmt_gate, fmt_up, fmt_down = quant.get(fmt_gate), quant.get(fmt_up), quant.get(fmt_down)
     T, H, I, E, k = _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
@@ -650,7 +656,7 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
                       ((gate_se, gate_sr), (up_se, up_sr), (down_se, down_sr)), T, H, I, E, k, tiles, pair)
             return _slot_sum(per_slot.view(T, k, H), slots, out_dtype)
         block_m, block_n, block_k = tiles
-        dot_dtype, precision = dot_types(x)
+        dot_dtype, precision = dot_types(x, dtype)
         if not x.is_cuda and x.dtype == torch.bfloat16:
             x = x.float()  # the interpreter holds bf16 as raw uint16; widening is exact
         if aligned is not None:
@@ -660,7 +666,13 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         else:
             sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m, zero_rows=per_slot)
         rw = weights.reshape(-1).to(torch.float32).contiguous()
-        h = torch.empty((n_slots, I), dtype=torch.float32, device=dev)
+        # on a GPU x and the SwiGLU product in the dots' type (`dtype`): x rounded once here,
+        # not in each of the I / BLOCK_N programs that read its rows (half the bytes, and
+        # registers: float32 rows cost Q2_K's gate/up a spill on sm_90), h stored rounded as
+        # the down kernel would round it (the same bits, half the bytes)
+        if x.is_cuda and dtype is not None:
+            x = x.to(dtype)
+        h = torch.empty((n_slots, I), dtype=x.dtype if x.is_cuda else torch.float32, device=dev)
         if has_units and not invariant.enabled():  # batch-invariant mode: the per-weight tiles
             moe_units.launch(x, w_gate, w_up, w_down, (fmt_gate, fmt_up, fmt_down),
                              (unit(fmt_gate), unit(fmt_up), unit(fmt_down)), h, rw, per_slot,

@@ -10,8 +10,8 @@ prefill of the real shape every expert is read (512 tokens x top-10 of 512 exper
 slots an expert) and each weight is decoded once a block of slots, so the decode, not the
 tensor cores, sets the time: `strata bench kernels --static --ops moe_dot_gate_up,moe_dot_down`.
 
-Same grid, same aligned blocks (moe_align_block_size), same float32 h and slot rows as
-the per-weight kernels: only the order of the float32 sums differs (a unit a step), within
+Same grid, same aligned blocks (moe_align_block_size), same h (in the dots' type) and
+float32 slot rows as the per-weight kernels: only the order of the float32 sums differs (a unit a step), within
 the dot path's bound (tests/triton_kernels/test_moe.py). Gate and up step through H by
 the larger of their two units; a step of equal units loads x's tile once for both.
 """
@@ -32,6 +32,12 @@ from .qmatmul import unit_tile
 # moe_dot_gate_up,moe_dot_down)
 TILE_WEIGHTS = 128 * 32
 UNIT_WARPS = 4
+# two stages of loads in flight (AMD's default; NVIDIA's is three): with bf16 x and h rows and
+# a launch's widths specialized (multiples of 16), three spilled 16 bytes in Q5_K's gate/up on
+# sm_90 at 168 registers; two spill in no format there, take 20-40% less shared memory, and
+# count the same main-loop instructions a weight within a tenth (--static, 2026-12-07). The
+# loop is short (H / a unit's weights steps), and each step's decode, not its loads, sets it.
+UNIT_STAGES = 2
 
 
 def unit_tiles(u) -> int:
@@ -166,9 +172,9 @@ def launch(x, w_gate, w_up, w_down, fmts, units, h, rw, per_slot, aligned, strid
         gate_se, gate_sr, up_se, up_sr, h.stride(0),
         **suffixed(launch_args(fg, ug), "_G"), **suffixed(launch_args(fu, uu), "_U"),
         STEP=step(block_k, (ug.weights, uu.weights), H), BLOCK_M=block_m, BLOCK_N=bn_gu,
-        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, ASM=asm, num_warps=UNIT_WARPS)
+        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, ASM=asm, num_warps=UNIT_WARPS, num_stages=UNIT_STAGES)
     _down_units_kernel[(blocks, triton.cdiv(H, bn_d))](
         h, w_down.view(torch.uint16), unit_table(fd, dev), rw, per_slot,
         sorted_ids, expert_ids, n_post, n_slots, H, I, h.stride(0), down_se, down_sr, per_slot.stride(0),
         **launch_args(fd, ud), STEP=step(block_k, (ud.weights,), I), BLOCK_M=block_m, BLOCK_N=bn_d,
-        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, ASM=asm, num_warps=UNIT_WARPS)
+        DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision, ASM=asm, num_warps=UNIT_WARPS, num_stages=UNIT_STAGES)

@@ -95,8 +95,11 @@ GEMM_TILES = (64, 64, 32)
 # 64-weight units of Q4_K and Q5_K, 64 x 32 for the 128-weight ones of Q2_K, Q3_K, Q6_K),
 # K a unit a step, 4 warps: 12-37 instructions a weight on sm_90 where the per-weight
 # decode costs 31-82, 200-250 registers, no spills (strata bench kernels --static).
+# Its warps: configs' "unit_num_warps" (4; 8 for Q2_K, Q3_K, Q5_K and Q6_K on RDNA3's
+# 32-lane waves, where 4 spilled 12-396 bytes a lane on gfx1100 and 8 spill none at 6-27%
+# more instructions a weight; the other formats' 4 spill none there, and 8 would cost them
+# 1.2-2.7x the instructions).
 GEMM_UNIT_TILES = (64, 128)
-GEMM_UNIT_WARPS = 4
 
 
 def gemm_unit_tiles(u) -> tuple[int, int]:
@@ -107,12 +110,13 @@ def gemm_unit_tiles(u) -> tuple[int, int]:
 _GPU_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def dot_types(x: torch.Tensor) -> tuple:
+def dot_types(x: torch.Tensor, dtype: torch.dtype | None = None) -> tuple:
     """(DOT_DTYPE, INPUT_PRECISION) of the tl.dot kernels (the GEMMs, the MoE's prefill) for
-    activations x: on a GPU x's own type, under the interpreter float32."""
+    activations x: on a GPU `dtype` (a model's compute dtype, the kernels rounding x to it),
+    else x's own type; under the interpreter float32."""
     if not x.is_cuda:
         return tl.float32, "ieee"
-    dot = _GPU_DOT_DTYPES[x.dtype]
+    dot = _GPU_DOT_DTYPES[dtype or x.dtype]
     return dot, dot_precision(dot, backend_name())
 
 
@@ -364,7 +368,7 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, fmt: str | int | quant.Format, *,
                         x2, q.reshape(-1).view(torch.uint16), unit_table(fmt, q.device), out, M, N, K,
                         x2.stride(0), x2.stride(1), out.stride(0), **launch_args(fmt, u),
                         BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-                        ASM=asm_for(q.device), num_warps=GEMM_UNIT_WARPS)
+                        ASM=asm_for(q.device), num_warps=configs.num_warps("gemm", fmt.name, q.device, "unit_num_warps"))
                     return out.to(out_dtype).reshape(*x.shape[:-1], N)
                 grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
                 _gemm_kernel[grid](*args, DECODE=decoder(fmt), QK=fmt.block_elems,

@@ -335,9 +335,9 @@ class ExpertStore(torch.nn.Module):
         path = choose_path(*self.fmts, x.shape[0] if tokens is None else tokens)
         if slots and not torch.compiler.is_compiling():  # the registered op sums
             return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
-                                         tile_slots=n, slots=True, aligned=aligned, pair=pair)
+                                         tile_slots=n, slots=True, aligned=aligned, pair=pair, dtype=self.dtype)
         return impl("moe", "triton")(x, wg, wu, wd, *self.fmts, weights, ids, path=path,
-                                     tile_slots=n).float()
+                                     tile_slots=n, dtype=self.dtype).float()
 
     def _fetch(self, experts: list[int]) -> tuple[torch.Tensor, ...]:
         t = time.perf_counter()

@@ -6,6 +6,8 @@ in a CUDA graph; a launch costs a few microseconds from Python and about one in 
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -177,16 +179,26 @@ def test_flash_next_shapes_prompt_and_graph_step_compile_for_the_gpus(strata_chu
     """pp512 and the step a GPU then replays at Flash-Next's real widths (flash-shape:4:
     DeltaNet layers, the PLE block, a QSA attention layer, the MoE over 512 experts: the
     prompt's GEMMs, the decode's int8 kernels), traced on fake CUDA with their launches
-    recorded, then every kernel compiled for sm_89 (the RTX 4090), sm_90 and gfx942 as
-    those launches ask: none fails, none spills, none asks for more shared memory than a
-    program gets. (hc_mix's whole tile spilled 8 bytes a thread at 4 warps here, which
-    flash-tiny's widths never showed; qsa_select's row of a 513-token context, 257 blocks
-    all kept, at 4 warps spilled 8 bytes on sm_89 and sm_90, which a one-token state's
-    never showed.) DeltaNet's prompt runs Strata's chunks, as where fla-core is absent."""
+    recorded, then every kernel compiled for sm_89 (the RTX 4090), sm_90, gfx942 and
+    gfx1100 (RDNA3) as those launches ask: none fails, none spills, none asks for more
+    shared memory than a program gets. (hc_mix's whole tile spilled 8 bytes a thread at 4
+    warps here, which flash-tiny's widths never showed; qsa_select's row of a 513-token
+    context, 257 blocks all kept, at 4 warps spilled 8 bytes on sm_89 and sm_90, which a
+    one-token state's never showed; the MoE prefill, handed float32 x by the expert store,
+    multiplied float32 rows, TF32 on NVIDIA and float32 FMAs on RDNA3, whose WMMA takes
+    none, where IQ3_XXS's gate/up spilled 524 bytes: its dots now take the model's bf16.)
+    DeltaNet's prompt runs Strata's chunks, as where fla-core is absent."""
     from strata.convert import flash_shape_memory as fsm
     results = _graph_step_compiled(fsm.flash_shape_memory(4, 65536), {"ple_mix", "qsa_attention", "moe", "hc_mix"},
-                                   prompt=512, targets=("sm_89", "sm_90", "gfx942"))
+                                   prompt=512, targets=("sm_89", "sm_90", "gfx942", "gfx1100"))
     assert {"_gemm_units_kernel", "_gate_up_units_kernel", "_select_kernel"} <= {r.kernel for r in results}
+    # the MoE prefill's rows (x into gate/up, h into down) and its dots in the model's bf16
+    dots = [r for r in results if r.kernel in ("_gate_up_units_kernel", "_down_units_kernel")]
+    for r in dots:
+        sig = json.loads(r.signature)
+        assert sig["h_ptr"] == "*bf16" and sig.get("x_ptr", "*bf16") == "*bf16", (r.kernel, sig)
+        assert "'DOT_DTYPE': triton.language.bfloat16" in r.constexprs, (r.kernel, r.constexprs)
+    assert {r.kernel for r in dots} == {"_gate_up_units_kernel", "_down_units_kernel"}
     print(f"\nflash-shape:4 pp512 and graph step: {len(results)} kernels compiled, max registers "
           f"{max(r.regs for r in results if r.target == 'sm_90')} and shared memory "
           f"{max(r.shared_bytes for r in results if r.target == 'sm_90')} B on sm_90")
@@ -259,8 +271,8 @@ def test_flash_tinys_prompt_and_step_compile_for_an_rdna3_card(flash_tiny_gguf, 
     their launches ask, with no spill and within its shared memory. Before
     qmatmul.dot_types every tl.dot kernel failed there (its 16-bit dots asked for TF32,
     which Triton's AMD backend takes on gfx942 alone), and the QSA scores spilled 68 bytes
-    at CDNA's 4 warps (qsa.scores_warps). The k-quants' and IQ3_XXS's prefill at Flash-Next's
-    widths still spill there (NOTES.md): not held."""
+    at CDNA's 4 warps (qsa.scores_warps). Flash-Next's widths are held there by the test
+    above; the k-quants' MoE prefill still spills on RDNA3 (test_static.RDNA_MOE_DOT_SPILLS)."""
     results = _graph_step_compiled(flash_tiny_gguf, {"moe", "qsa_scores"}, prompt=64, targets=("gfx1100",))
     assert {"_gemm_kernel", "_gate_up_kernel", "_down_kernel", "_qsa_scores_kernel"} <= {r.kernel for r in results}
     print(f"\nflash-tiny on gfx1100: {len(results)} kernels compiled, max registers {max(r.regs for r in results)}")

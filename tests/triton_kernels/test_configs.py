@@ -48,3 +48,21 @@ def test_the_gemv_launch_takes_the_tiles_of_its_height(tables, monkeypatch):
     assert int8.gemv_launch(fmt, cpu, 4096, 14336)[:2] == (2, 64)
     assert int8.gemv_launch(fmt, cpu, 65536, 2560)[:2] == (16, 8)
     assert int8.gemv_launch(fmt, cpu, 65536, 2560, tiles=(4, 16))[:2] == (4, 16)  # explicit tiles win
+
+
+def test_rdnas_entries_lie_over_amds(monkeypatch):
+    """The "rdna" family (AMD's 32-lane waves) takes "hip"'s entries and its own over them:
+    the unit GEMM's 8 warps for the formats whose 4-warp tile spills on gfx1100. A device's
+    family follows its backend and lanes (backend.rdna)."""
+    import torch
+
+    from triton_kernels import backend
+    cuda, hip, rdna = (configs.pick(op, fmt, backend=b) for op, fmt, b in
+                       (("gemm", "Q6_K", "cuda"), ("gemm", "Q6_K", "hip"), ("gemm", "Q6_K", "rdna")))
+    assert (cuda["unit_num_warps"], hip["unit_num_warps"], rdna["unit_num_warps"]) == (4, 4, 8)
+    assert configs.pick("gemm", "Q4_K", backend="rdna")["unit_num_warps"] == 4
+    assert configs.pick("gemv", "Q4_0", backend="rdna")["block_n"] == configs.pick("gemv", "Q4_0", backend="hip")["block_n"]
+    gpu = torch.device("cuda", 0)
+    for target, lanes, family in (("cuda", 32, "cuda"), ("hip", 64, "hip"), ("hip", 32, "rdna")):
+        monkeypatch.setattr(backend, "_target", (target, lanes))  # as the compile replay sets it
+        assert configs.family(gpu) == family, (target, lanes)

@@ -46,7 +46,7 @@ def cases():
         ("dequantize", (q, "Q8_0", torch.bfloat16, 1024)),
         ("gated_qmatmul", (x, torch.randn(2, 64), torch.from_numpy(quant.get("F16").quantize(np.ones((8, 64), np.float32)).reshape(8, -1)), "F16", True, torch.bfloat16)),
         ("route", (torch.randn(3, 16), 4, True)),
-        ("moe", (x, wg, wu, wd, "Q4_0", "Q4_0", "Q8_0", weights, ids, None, None, None)),
+        ("moe", (x, wg, wu, wd, "Q4_0", "Q4_0", "Q8_0", weights, ids, None, None, None, torch.bfloat16)),
         ("ngram_ids", (torch.tensor([5, 6, 7]), None, torch.tensor([7, 11, 13]), sizes, offsets, 2, 2, 64, False)),
         ("ngram_ids", (torch.tensor([5]), torch.tensor([2, 9]), torch.tensor([7, 11, 13]), sizes, offsets, 2, 2, 64,
                        True)),

@@ -265,8 +265,9 @@ def test_bad_path_and_tiles():
 
 
 def test_the_dots_input_precision_is_one_every_gpu_takes(monkeypatch):
-    """dot_types: x's own type on a GPU; TF32 only for float32 x on NVIDIA (Triton's CUDA
-    default). 16-bit dots ask for "ieee", the same code on sm_90 and gfx942, because
+    """dot_types: x's own type on a GPU, or the model's dtype where the caller names one (an
+    expert store's float32 x, multiplied in bf16); TF32 only for float32 on NVIDIA (Triton's
+    CUDA default). 16-bit dots ask for "ieee", the same code on sm_90 and gfx942, because
     Triton's AMD backend takes "tf32" on gfx942 alone (gfx90a, gfx1100 refuse to compile
     it: tests/strata/test_trace.py compiles a model's launches for gfx1100)."""
     import importlib
@@ -279,5 +280,7 @@ def test_the_dots_input_precision_is_one_every_gpu_takes(monkeypatch):
         x32, x16 = torch.empty(2, 2, device="cuda"), torch.empty(2, 2, device="cuda", dtype=torch.bfloat16)
         monkeypatch.setattr(qm, "backend_name", lambda: "cuda")  # (whatever build of torch runs the test)
         assert qm.dot_types(x32) == (tl.float32, "tf32") and qm.dot_types(x16) == (tl.bfloat16, "ieee")
+        assert qm.dot_types(x32, torch.bfloat16) == (tl.bfloat16, "ieee")
         monkeypatch.setattr(qm, "backend_name", lambda: "hip")
         assert qm.dot_types(x32) == (tl.float32, "ieee") and qm.dot_types(x16) == (tl.bfloat16, "ieee")
+        assert qm.dot_types(x32, torch.bfloat16) == (tl.bfloat16, "ieee")

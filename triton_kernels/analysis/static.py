@@ -154,6 +154,9 @@ class Spec:
     iters: int
     programs: int
     options: dict = field(default_factory=dict)
+    # integer arguments that a launch at the real shapes passes as multiples of 16, which
+    # Triton then specializes (_aligned)
+    ints16: tuple = ()
 
 
 def _sig(names_types: str, **constexprs) -> tuple[dict, dict]:
@@ -164,6 +167,11 @@ def _sig(names_types: str, **constexprs) -> tuple[dict, dict]:
     for k in constexprs:
         sig[k] = "constexpr"
     return sig, constexprs
+
+
+def _rdna(target: str) -> bool:
+    """A target of 32-lane AMD waves (backend.rdna's answer on its device)."""
+    return TARGETS[target].backend == "hip" and TARGETS[target].warp_size == 32
 
 
 def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm_90") -> Spec:
@@ -183,8 +191,7 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm
                        "sqrt_d:fp32,stride_qh:i32,stride_qt:i32,stride_bn:i32,stride_ot:i32",
                        N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn, START_PTR=start_ptr)
         # no loop: the block-key values of a program
-        rdna = TARGETS[target].backend == "hip" and TARGETS[target].warp_size == 32
-        return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", qsa.scores_warps(rdna)), bn * 128, 1,
+        return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", qsa.scores_warps(_rdna(target))), bn * 128, 1,
                     -(-nb // bn))
     if op == "qsa_pool":  # a decode graph's block keys: a program a position, 4 rows of 128
         scaled = bool(cfg.get("scaled", False))
@@ -213,13 +220,14 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm
 def _spec(op: str, fmt: quant.Format, target: str = "sm_90", config: dict | None = None) -> Spec:
     if op in QSA_OPS:
         return _qsa_spec(op, fmt, config, target)
-    backend = TARGETS[target].backend  # the configuration family, and its instruction set:
+    backend = TARGETS[target].backend  # its instruction set, and its configuration family:
     asm = "gcn" if backend == "hip" else "ptx"
+    family = "rdna" if _rdna(target) else backend  # (configs.family on such a device)
     # by module path: the package re-exports functions under the names moe and ple
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))
     u = unit(fmt)
-    cfg = configs.pick(op.replace("_dot", ""), fmt.name, backend=backend) | (config or {})
+    cfg = configs.pick(op.replace("_dot", ""), fmt.name, backend=family) | (config or {})
     nw = cfg.get("num_warps", 4)
     N, K = WHOLE_N, WHOLE_K
     if op == "dequant":
@@ -256,7 +264,7 @@ def _spec(op: str, fmt: quant.Format, target: str = "sm_90", config: dict | None
                            "stride_xm:i32,stride_xk:i32,stride_om:i32", **launch_args(fmt, u),
                            BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16,
                            INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, backend), ASM=asm)
-            return Spec(qmatmul._gemm_units_kernel, sig, cx, qmatmul.GEMM_UNIT_WARPS, bn * u.weights,
+            return Spec(qmatmul._gemm_units_kernel, sig, cx, cfg.get("unit_num_warps", 4), bn * u.weights,
                         K // u.weights, -(-N // bn))
         bm, bn, bk = qmatmul.GEMM_TILES
         sig, cx = _sig("x_ptr:*bf16,q_ptr:*u8,tab_ptr:*u8,out_ptr:*bf16,M:i32,N:i32,K:i32,"
@@ -311,13 +319,21 @@ def _spec(op: str, fmt: quant.Format, target: str = "sm_90", config: dict | None
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
 
 
+# the MoE prefill's widths and row strides, multiples of 16 at a real MoE's shapes (Flash-Next's
+# hidden 2560 and experts' 640, as WHOLE_N and WHOLE_K): a launch specializes them, which lets
+# the compiler prove a row's runs aligned (the SwiGLU product's bf16 rows then load through
+# cp.async on sm_90, as float32 rows did without it)
+MOE_DOT_INTS16 = ("H", "I", "stride_xt", "stride_h", "stride_o")
+
+
 def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, target: str) -> Spec:
     """The MoE prefill kernel ("gate_up" or "down") that moe() launches for `fmt`: on
     units where the format has them (triton_kernels.moe_units), else the per-weight one."""
     moe, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in ("moe", "qmatmul"))
     N, K = WHOLE_N, WHOLE_K
     bm = MOE_DOT_BLOCK_M
-    # constexprs in the kernels' order: a bf16 model's, as qmatmul.dot_types picks them
+    # constexprs in the kernels' order: a bf16 model's, as qmatmul.dot_types picks them (x and
+    # the SwiGLU product h in bf16: moe's dtype)
     backend = TARGETS[target].backend
     asm = "gcn" if backend == "hip" else "ptx"
     dot = dict(DOT_DTYPE=tl.bfloat16, INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, backend))
@@ -325,38 +341,38 @@ def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, target: str) -> S
         bn = moe_units.unit_tiles(u)
         if which == "gate_up":
             sig, cx = _sig("x_ptr:*bf16,wg_ptr:*u16,wu_ptr:*u16,tab_g_ptr:*i32,tab_u_ptr:*i32,"
-                           "h_ptr:*fp32,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
+                           "h_ptr:*bf16,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
                            "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh:i32,"
                            "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
                            **moe_units.suffixed(launch_args(fmt, u), "_G"),
                            **moe_units.suffixed(launch_args(fmt, u), "_U"),
                            STEP=u.weights, BLOCK_M=bm, BLOCK_N=bn, **dot, ASM=asm)
             return Spec(moe_units._gate_up_units_kernel, sig, cx, moe_units.UNIT_WARPS, 2 * bn * u.weights,
-                        K // u.weights, -(-N // bn))
-        sig, cx = _sig("h_ptr:*fp32,wd_ptr:*u16,tab_ptr:*i32,rw_ptr:*fp32,out_ptr:*fp32,"
+                        K // u.weights, -(-N // bn), {"num_stages": moe_units.UNIT_STAGES}, ints16=MOE_DOT_INTS16)
+        sig, cx = _sig("h_ptr:*bf16,wd_ptr:*u16,tab_ptr:*i32,rw_ptr:*fp32,out_ptr:*fp32,"
                        "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
                        "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32",
                        **launch_args(fmt, u), STEP=u.weights, BLOCK_M=bm, BLOCK_N=bn, **dot, ASM=asm)
         return Spec(moe_units._down_units_kernel, sig, cx, moe_units.UNIT_WARPS, bn * u.weights,
-                    K // u.weights, -(-N // bn))
+                    K // u.weights, -(-N // bn), {"num_stages": moe_units.UNIT_STAGES}, ints16=MOE_DOT_INTS16)
     bn, bk = moe.BLOCK_N_DEFAULT, moe.BLOCK_K_DEFAULT
     nw = cfg.get("dot_num_warps", 4)
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **dot)
     if which == "gate_up":
         sig, cx = _sig("x_ptr:*bf16,wg_ptr:*u8,wu_ptr:*u8,tab_g_ptr:*u8,tab_u_ptr:*u8,"
-                       "h_ptr:*fp32,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
+                       "h_ptr:*bf16,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
                        "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh:i32,"
                        "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
                        DECODE_G=decoder(fmt), QK_G=fmt.block_elems, DECODE_U=decoder(fmt),
                        QK_U=fmt.block_elems, **common)
-        return Spec(moe._gate_up_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk), -(-N // bn))
-    sig, cx = _sig("h_ptr:*fp32,wd_ptr:*u8,tab_ptr:*u8,rw_ptr:*fp32,out_ptr:*fp32,"
+        return Spec(moe._gate_up_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk), -(-N // bn), ints16=MOE_DOT_INTS16)
+    sig, cx = _sig("h_ptr:*bf16,wd_ptr:*u8,tab_ptr:*u8,rw_ptr:*fp32,out_ptr:*fp32,"
                    "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
                    "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32,g2_ptr:*fp32,u2_ptr:*fp32,"
                    "q2_ptr:*u8,tab2_ptr:*u8,out2_ptr:*fp32,N2:i32,K2:i32,blocks:i32",
                    DECODE=decoder(fmt), QK=fmt.block_elems, **common,
                    **moe._NO_FLOAT_PAIR)  # the routed experts alone
-    return Spec(moe._down_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
+    return Spec(moe._down_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn), ints16=MOE_DOT_INTS16)
 
 
 # --- compiling and reading machine code ----------------------------------------------------
@@ -708,10 +724,10 @@ def serve(request: dict) -> dict:
 def _aligned(spec: Spec) -> tuple:
     """What a launch of the spec's kernel specializes as multiples of 16: every pointer (a
     torch allocation, or the launchers' aligned views of one) and the shape's N and K
-    where the signature takes them (WHOLE_N, WHOLE_K)."""
+    where the signature takes them (WHOLE_N, WHOLE_K), and the spec's ints16."""
     return tuple(k for k, t in spec.signature.items()
-                 if t.startswith("*") or (k in ("N", "K") and t.startswith("i") and
-                                          {"N": WHOLE_N, "K": WHOLE_K}[k] % 16 == 0))
+                 if t.startswith("*") or k in spec.ints16 or (k in ("N", "K") and t.startswith("i") and
+                                                              {"N": WHOLE_N, "K": WHOLE_K}[k] % 16 == 0))
 
 
 @dataclass

@@ -4,7 +4,8 @@
 
 `default.json` beside this file holds, per op, a configuration for every format and any
 per-format overrides, and under "hip" the same for AMD GPUs (64-lane wavefronts: twice
-the lanes a program, so twice the rows for the same work a lane); `<device>.json` (the device name as torch reports it, spaces and
+the lanes a program, so twice the rows for the same work a lane), under "rdna" what AMD's
+32-lane waves (RDNA3: family(device)) take over "hip"'s; `<device>.json` (the device name as torch reports it, spaces and
 slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kernels
 --tune` on that device, overrides it. Later entries win: op defaults, then the op's
 format entry, then the device file's op defaults and format entry. A format entry's "by_n"
@@ -65,11 +66,22 @@ def _load(path: str) -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
+def family(device) -> str:
+    """The configuration family of `device` (a torch.device): "cuda", "hip", or "rdna" for
+    AMD's 32-lane waves (backend.rdna), whose entries lie over "hip"'s."""
+    from ..backend import backend_name, rdna
+    return "rdna" if rdna(device) else backend_name()
+
+
 def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda", n: int | None = None) -> dict:
+    """`op`'s configuration for `fmt` on a GPU named `device` of configuration family
+    `backend` (family()), a GEMV's for `n` rows (see the module)."""
     default = _load(str(HERE / "default.json"))
     tables = [default]
-    if backend == "hip":
+    if backend in ("hip", "rdna"):
         tables.append(default.get("hip", {}))
+    if backend == "rdna":
+        tables.append(default.get("rdna", {}))
     if device:
         tables.append(_load(str(device_file(device))))
     if _interpreter:
@@ -93,16 +105,16 @@ def by_n(buckets: dict, n: int) -> dict:
 
 def num_warps(op: str, fmt: str, device, key: str = "num_warps") -> int:
     """The warps a launch on `device` (a torch.device) takes: `key` of pick(), else 4."""
-    from ..backend import backend_name, device_name
-    return pick(op, fmt, device_name(device), backend_name()).get(key, 4)
+    from ..backend import device_name
+    return pick(op, fmt, device_name(device), family(device)).get(key, 4)
 
 
 def float_gemv_warps(fmt: str, device) -> int:
     """The float GEMV's warps (the per-weight decode: qmatmul's "gemv" path and the launches
     that run its programs): the "gemv" entry's `float_num_warps` where a format's float
     GEMV needs other warps than its dp4a GEMV, else its num_warps."""
-    from ..backend import backend_name, device_name
-    return float_warps(pick("gemv", fmt, device_name(device), backend_name()))
+    from ..backend import device_name
+    return float_warps(pick("gemv", fmt, device_name(device), family(device)))
 
 
 def float_warps(gemv_config: dict) -> int:
