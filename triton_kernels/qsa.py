@@ -59,8 +59,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import invariant
-from .backend import rdna, use_triton
+from . import configs, invariant
+from .backend import use_triton
 from .int8 import Q8X, attach, int8_buffers, store_groups
 from .rope import norm_rope_torch, norm_rope_values, partner_of
 from .shared_expert import gate as gate_product
@@ -74,11 +74,6 @@ SCORES_BLOCK_N = 64
 ATTN_BLOCK_S = 16
 
 
-def scores_warps(rdna: bool) -> int:
-    """The scores' program's warps: 4, and 8 on 32-lane AMD waves (backend.rdna), whose
-    compiler holds the dot's operands in registers as CDNA's does, over half the lanes:
-    gfx1100 spilled 68 bytes a lane at 4 warps, none at 8 (141 registers)."""
-    return 8 if rdna else 4
 # float32 elements the torch twin of the scores holds in one temporary (a slice of queries;
 # 4 MiB: measured no slower than larger slices, and the relu and the sum read it from cache)
 TORCH_TILE_ELEMS = 1 << 20
@@ -183,11 +178,14 @@ def qsa_scores(q: torch.Tensor, blocks: torch.Tensor, start: int | torch.Tensor,
     out = torch.empty(T, nb, dtype=torch.float32, device=q.device)
     if T and nb:
         grid = (T, triton.cdiv(nb, block_n))
+        # warps: configs' "qsa_scores", 4, and 8 on 32-lane AMD waves ("rdna"), whose compiler
+        # holds the dot's operands in registers as CDNA's does, over half the lanes: gfx1100
+        # spilled 68 bytes a lane at 4 warps, none at 8 (141 registers)
         _qsa_scores_kernel[grid](q, blocks, out, T, nb, start, ratio, math.sqrt(d), q.stride(0), q.stride(1),
                                  blocks.stride(0), out.stride(0), N_IDX=n_idx,
                                  NI_P2=max(4, triton.next_power_of_2(n_idx)), D=d,
                                  D_P2=max(16, triton.next_power_of_2(d)), BLOCK_N=block_n,
-                                 START_PTR=on_device, num_warps=scores_warps(rdna(q.device)))
+                                 START_PTR=on_device, num_warps=configs.num_warps("qsa_scores", "", q.device))
     return out
 
 

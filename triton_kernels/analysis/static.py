@@ -191,8 +191,9 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm
                        "sqrt_d:fp32,stride_qh:i32,stride_qt:i32,stride_bn:i32,stride_ot:i32",
                        N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn, START_PTR=start_ptr)
         # no loop: the block-key values of a program
-        return Spec(qsa._qsa_scores_kernel, sig, cx, cfg.get("num_warps", qsa.scores_warps(_rdna(target))), bn * 128, 1,
-                    -(-nb // bn))
+        family = "rdna" if _rdna(target) else TARGETS[target].backend
+        warps = cfg.get("num_warps", configs.pick("qsa_scores", "", backend=family)["num_warps"])
+        return Spec(qsa._qsa_scores_kernel, sig, cx, warps, bn * 128, 1, -(-nb // bn))
     if op == "qsa_pool":  # a decode graph's block keys: a program a position, 4 rows of 128
         scaled = bool(cfg.get("scaled", False))
         sig, cx = _sig(f"idx_ptr:*{'i8' if scaled else kv},scale_ptr:*{kv},pos_ptr:*i64,w_ptr:*fp32,cos_ptr:*fp32,"

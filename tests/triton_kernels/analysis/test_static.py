@@ -205,7 +205,7 @@ def dequant_and_gather_within_the_h200_budget(fmt, by, befores):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["sm_90", "gfx942"])
+@pytest.mark.parametrize("target", ["sm_90", "gfx942", "gfx1100"])
 def test_qsa_kernels_compile_without_spills(target):
     """The QSA kernels (triton_kernels.qsa: scores, attention, a graph's block keys) at
     Flash-Next's shapes, keys in float32, bfloat16 and int8 codes, the first position given
