@@ -181,13 +181,13 @@ def device_name(device: torch.device) -> str | None:
 
 
 # set by triton_kernels.analysis.launches while it compiles a model's launches for a target
-# with no GPU: (its configuration family, its warp's lanes), which backend_name and
-# warp_lanes then give
+# with no GPU: (its backend, "cuda" or "hip", and its warp's lanes), which backend_name and
+# warp_lanes then give (and so configs.family)
 _target = None
 
 
 def backend_name() -> str:
-    """"hip" on a ROCm build of torch, else "cuda": the configuration family."""
+    """"hip" on a ROCm build of torch, else "cuda" (configs.family refines it by lanes)."""
     if _target is not None:
         return _target[0]
     return "hip" if torch.version.hip else "cuda"

@@ -62,12 +62,13 @@ experts another rank holds with -1.
 
 Dot inputs follow qmatmul's GEMM (qmatmul.dot_types): on a GPU the model's dtype (moe's
 `dtype`, else x's own: fp16/bf16 tensor cores, tf32 for float32 on NVIDIA; x and h are
-rounded to it, as the torch tier rounds them and as the half-precision intermediate of
-vLLM's fused_moe is), float32 under the interpreter. An expert store hands x over in
-float32 (the dp4a path quantizes it from there) and names its dtype: a bf16 model's
-prefill then multiplies bf16 on the tensor cores, not tf32 at half their rate on NVIDIA,
-nor in float32 FMAs on RDNA3, whose WMMA takes no float32 (there IQ3_XXS's gate/up spilled
-524 bytes a lane at Flash-Next's widths). A block of BLOCK_M >= 16 rows is tl.dot's
+rounded to it, as the dense expert tier's loop rounds a prompt's and as the
+half-precision intermediate of vLLM's fused_moe is), float32 under the interpreter. An
+expert store hands x over in float32 (the dp4a path quantizes it from there) and names its
+dtype: a bf16 model's dot path (a prompt's; a decode's too for experts without int8 units,
+and in batch-invariant mode) then multiplies bf16 on the tensor cores, not tf32 at half
+their rate on NVIDIA, nor in float32 FMAs on RDNA3, whose WMMA takes no float32 (there
+IQ3_XXS's gate/up spilled 524 bytes a lane at Flash-Next's widths). A block of BLOCK_M >= 16 rows is tl.dot's
 minimum; when decoding one token, each expert's block holds one live row, and the kernels
 stay bound by reading the weight bytes, as a GEMV would be.
 
@@ -606,8 +607,8 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
     (BLOCK_N, BLOCK_K), BLOCK_K a power of two >= 64. tile_slots: choose the "dot" tiles as
     for a call of that many slots (an expert store's subsets then run the resident call's
     blocks). dtype: the "dot" path's operand type on a GPU, a model's compute dtype (x and
-    the SwiGLU product rounded to it, as the torch tier rounds them); None: x's own. CPU
-    tensors without the interpreter run moe_torch.
+    the SwiGLU product rounded to it, as the dense expert tier's loop rounds a prompt's);
+    None: x's own. CPU tensors without the interpreter run moe_torch.
     """
     fmt_gate, fmt_up, fmt_down = quant.get(fmt_gate), quant.get(fmt_up), quant.get(fmt_down)
     T, H, I, E, k = _check(x, w_gate, w_up, w_down, fmt_gate, fmt_up, fmt_down, weights, ids)
@@ -666,13 +667,16 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         else:
             sorted_ids, expert_ids, n_post = moe_align_block_size(ids, E, block_m, zero_rows=per_slot)
         rw = weights.reshape(-1).to(torch.float32).contiguous()
-        # on a GPU x and the SwiGLU product in the dots' type (`dtype`): x rounded once here,
+        # on a GPU the SwiGLU product is stored in the dots' type (`dtype`, else x's): the bits
+        # the down kernel's cast gave, half the bytes. A prompt's x is rounded to it once here,
         # not in each of the I / BLOCK_N programs that read its rows (half the bytes, and
-        # registers: float32 rows cost Q2_K's gate/up a spill on sm_90), h stored rounded as
-        # the down kernel would round it (the same bits, half the bytes)
-        if x.is_cuda and dtype is not None:
-            x = x.to(dtype)
-        h = torch.empty((n_slots, I), dtype=x.dtype if x.is_cuda else torch.float32, device=dev)
+        # registers: float32 rows cost Q2_K's gate/up a spill on sm_90); a decode's few rows
+        # (float experts, FP8 and batch-invariant mode take this path then) are rounded in
+        # the kernels, the same bits, a launch fewer
+        low = (dtype or x.dtype) if x.is_cuda else torch.float32
+        if x.is_cuda and T > MOE_DP4A_MAX_TOKENS:
+            x = x.to(low)
+        h = torch.empty((n_slots, I), dtype=low, device=dev)
         if has_units and not invariant.enabled():  # batch-invariant mode: the per-weight tiles
             moe_units.launch(x, w_gate, w_up, w_down, (fmt_gate, fmt_up, fmt_down),
                              (unit(fmt_gate), unit(fmt_up), unit(fmt_down)), h, rw, per_slot,

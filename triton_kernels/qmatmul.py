@@ -93,12 +93,11 @@ def gemv_tiles(N: int, device, fmt: quant.Format) -> tuple[int, int, int]:
 GEMM_TILES = (64, 64, 32)
 # The GEMM of the formats with an int8 unit decode: 64 x 128 outputs (64 x 64 for the
 # 64-weight units of Q4_K and Q5_K, 64 x 32 for the 128-weight ones of Q2_K, Q3_K, Q6_K),
-# K a unit a step, 4 warps: 12-37 instructions a weight on sm_90 where the per-weight
-# decode costs 31-82, 200-250 registers, no spills (strata bench kernels --static).
+# K a unit a step, 4 warps: 10.5-24.4 instructions a weight on sm_90 where the per-weight
+# decode costs 31-82, 119-212 registers, no spills (strata bench kernels --static).
 # Its warps: configs' "unit_num_warps" (4; 8 for Q2_K, Q3_K, Q5_K and Q6_K on RDNA3's
-# 32-lane waves, where 4 spilled 12-396 bytes a lane on gfx1100 and 8 spill none at 6-27%
-# more instructions a weight; the other formats' 4 spill none there, and 8 would cost them
-# 1.2-2.7x the instructions).
+# 32-lane waves, where 4 spilled 36-488 bytes a lane on gfx1100 and 8 spill none at 21-41%
+# more instructions a weight; elsewhere 8 would cost 1.4-2x: triton_kernels/NOTES.md).
 GEMM_UNIT_TILES = (64, 128)
 
 

@@ -275,4 +275,10 @@ def test_flash_tinys_prompt_and_step_compile_for_an_rdna3_card(flash_tiny_gguf, 
     above; the k-quants' MoE prefill still spills on RDNA3 (test_static.RDNA_MOE_DOT_SPILLS)."""
     results = _graph_step_compiled(flash_tiny_gguf, {"moe", "qsa_scores"}, prompt=64, targets=("gfx1100",))
     assert {"_gemm_kernel", "_gate_up_kernel", "_down_kernel", "_qsa_scores_kernel"} <= {r.kernel for r in results}
+    # its float experts take the dot path in decode too: a prompt's rows rounded to bf16
+    # before the launch, a decode's in the kernel; the SwiGLU product and the dots bf16
+    dots = [r for r in results if r.kernel in ("_gate_up_kernel", "_down_kernel")]
+    assert {json.loads(r.signature).get("x_ptr") for r in dots} == {"*bf16", "*fp32", None}, dots
+    assert all(json.loads(r.signature)["h_ptr"] == "*bf16" and "'DOT_DTYPE': triton.language.bfloat16"
+               in r.constexprs for r in dots), dots
     print(f"\nflash-tiny on gfx1100: {len(results)} kernels compiled, max registers {max(r.regs for r in results)}")

@@ -57,11 +57,11 @@ def test_rdnas_entries_lie_over_amds(monkeypatch):
     import torch
 
     from triton_kernels import backend
-    cuda, hip, rdna = (configs.pick(op, fmt, backend=b) for op, fmt, b in
+    cuda, hip, rdna = (configs.pick(op, fmt, family=f) for op, fmt, f in
                        (("gemm", "Q6_K", "cuda"), ("gemm", "Q6_K", "hip"), ("gemm", "Q6_K", "rdna")))
     assert (cuda["unit_num_warps"], hip["unit_num_warps"], rdna["unit_num_warps"]) == (4, 4, 8)
-    assert configs.pick("gemm", "Q4_K", backend="rdna")["unit_num_warps"] == 4
-    assert configs.pick("gemv", "Q4_0", backend="rdna")["block_n"] == configs.pick("gemv", "Q4_0", backend="hip")["block_n"]
+    assert configs.pick("gemm", "Q4_K", family="rdna")["unit_num_warps"] == 4
+    assert configs.pick("gemv", "Q4_0", family="rdna")["block_n"] == configs.pick("gemv", "Q4_0", family="hip")["block_n"]
     gpu = torch.device("cuda", 0)
     for target, lanes, family in (("cuda", 32, "cuda"), ("hip", 64, "hip"), ("hip", 32, "rdna")):
         monkeypatch.setattr(backend, "_target", (target, lanes))  # as the compile replay sets it

@@ -114,6 +114,24 @@ def test_moe_dp4a_on_the_gpu(fmts):
     prop()
 
 
+@pytest.mark.parametrize("fmt", [quant.get(n) for n in ("IQ3_XXS", "Q4_K", "BF16")], ids=lambda f: f.name)
+def test_the_moe_dot_path_in_a_models_dtype_gives_the_bits_of_its_rows_rounded(fmt):
+    """moe(dtype=torch.bfloat16) of float32 x (an expert store's call) gives the bits of
+    moe() of x rounded to bf16: a prompt's rows rounded before the launches, a decode's in
+    the kernels, the SwiGLU product stored in bf16 either way (the bits the down kernel's
+    own rounding gave); on units (IQ3_XXS, Q4_K) and per weight (BF16)."""
+    from tests.triton_kernels.test_moe import make, routing_weights
+    fmts = (fmt,) * 3
+    for T in (1, 40):
+        x, wg, wu, wd, r = make(fmts, 8, 256, 256, T, T, torch.float32)
+        ids = torch.from_numpy(np.stack([r.permutation(8)[:2] for _ in range(T)])).int().cuda()
+        w = routing_weights(r, T, 2).cuda()
+        args = [torch.from_numpy(a).cuda() for a in (wg, wu, wd)]
+        got = moe(x.cuda(), *args, *fmts, w, ids, path="dot", slots=True, dtype=torch.bfloat16)
+        want = moe(x.bfloat16().cuda(), *args, *fmts, w, ids, path="dot", slots=True)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (fmt.name, T)
+
+
 @pytest.mark.parametrize("fmt", [quant.get(n) for n in ("Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "IQ3_XXS", "Q6_K", "FP8_E4M3")],
                          ids=lambda f: f.name)
 def test_batch_invariant_rows_on_the_gpu(fmt):

@@ -284,3 +284,24 @@ def test_the_dots_input_precision_is_one_every_gpu_takes(monkeypatch):
         monkeypatch.setattr(qm, "backend_name", lambda: "hip")
         assert qm.dot_types(x32) == (tl.float32, "ieee") and qm.dot_types(x16) == (tl.bfloat16, "ieee")
         assert qm.dot_types(x32, torch.bfloat16) == (tl.bfloat16, "ieee")
+
+
+@pytest.mark.slow
+def test_the_unit_gemms_warps_follow_the_configuration_family():
+    """The unit GEMM's launch takes configs' "unit_num_warps" for its device's family:
+    recorded (bf16 rows), then compiled as launched for sm_90, gfx942 and gfx1100 (RDNA3),
+    Q6_K takes 8 warps on gfx1100 alone (at 4 it spilled 340-488 bytes a lane there) and
+    Q4_K 4 on each; none spills on sm_90 or gfx942 (RDNA3's prompt kernels: test_static)."""
+    from triton_kernels.analysis.launches import compile_calls, record
+    from triton_kernels.ops import impl
+    rng = np.random.default_rng(0)
+    with record() as calls:
+        for name in ("Q6_K", "Q4_K"):
+            fmt = quant.get(name)
+            q = torch.from_numpy(fmt.quantize(rng.standard_normal((32, 256)).astype(np.float32)))
+            impl("qmatmul", "triton")(torch.randn(16, 256).bfloat16(), q, fmt, path="gemm")  # a bf16 model's
+    results = [r for r in compile_calls(calls, ("sm_90", "gfx942", "gfx1100")) if r.kernel == "_gemm_units_kernel"]
+    warps = {(r.target, "Q6_K" if "q6_k" in r.constexprs else "Q4_K"): r.num_warps for r in results}
+    assert warps == {("sm_90", "Q6_K"): 4, ("gfx942", "Q6_K"): 4, ("gfx1100", "Q6_K"): 8,
+                     ("sm_90", "Q4_K"): 4, ("gfx942", "Q4_K"): 4, ("gfx1100", "Q4_K"): 4}, warps
+    assert not [r.problems for r in results if r.problems and r.target != "gfx1100"]

@@ -160,18 +160,25 @@ class Spec:
 
 
 def _sig(names_types: str, **constexprs) -> tuple[dict, dict]:
-    sig = {}
+    """(signature, constexprs) of "name:type,..." in the kernel's order, then `constexprs`.
+    "name=1" is an integer a launch passes as 1, which Triton takes as a constant (a
+    contiguous row's stride)."""
+    sig, fixed = {}, {}
     for item in names_types.split(","):
         name, _, ty = item.strip().partition(":")
-        sig[name] = ty
+        if "=" in name:
+            name, value = name.split("=")
+            sig[name], fixed[name] = "constexpr", int(value)
+        else:
+            sig[name] = ty
     for k in constexprs:
         sig[k] = "constexpr"
-    return sig, constexprs
+    return sig, fixed | constexprs
 
 
-def _rdna(target: str) -> bool:
-    """A target of 32-lane AMD waves (backend.rdna's answer on its device)."""
-    return TARGETS[target].backend == "hip" and TARGETS[target].warp_size == 32
+def _family(target: str) -> str:
+    """The target's configuration family (configs.family's answer on its device)."""
+    return configs.family_of(TARGETS[target].backend, TARGETS[target].warp_size)
 
 
 def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm_90") -> Spec:
@@ -191,8 +198,7 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm
                        "sqrt_d:fp32,stride_qh:i32,stride_qt:i32,stride_bn:i32,stride_ot:i32",
                        N_IDX=4, NI_P2=4, D=128, D_P2=128, BLOCK_N=bn, START_PTR=start_ptr)
         # no loop: the block-key values of a program
-        family = "rdna" if _rdna(target) else TARGETS[target].backend
-        warps = cfg.get("num_warps", configs.pick("qsa_scores", "", backend=family)["num_warps"])
+        warps = cfg.get("num_warps", configs.pick("qsa_scores", "", family=_family(target))["num_warps"])
         return Spec(qsa._qsa_scores_kernel, sig, cx, warps, bn * 128, 1, -(-nb // bn))
     if op == "qsa_pool":  # a decode graph's block keys: a program a position, 4 rows of 128
         scaled = bool(cfg.get("scaled", False))
@@ -221,14 +227,13 @@ def _qsa_spec(op: str, fmt: quant.Format, config: dict | None, target: str = "sm
 def _spec(op: str, fmt: quant.Format, target: str = "sm_90", config: dict | None = None) -> Spec:
     if op in QSA_OPS:
         return _qsa_spec(op, fmt, config, target)
-    backend = TARGETS[target].backend  # its instruction set, and its configuration family:
+    backend = TARGETS[target].backend  # its instruction set:
     asm = "gcn" if backend == "hip" else "ptx"
-    family = "rdna" if _rdna(target) else backend  # (configs.family on such a device)
     # by module path: the package re-exports functions under the names moe and ple
     dequant, int8, moe, ple, qmatmul = (importlib.import_module(f"triton_kernels.{m}") for m in
                                         ("dequant", "int8", "moe", "ple", "qmatmul"))
     u = unit(fmt)
-    cfg = configs.pick(op.replace("_dot", ""), fmt.name, backend=family) | (config or {})
+    cfg = configs.pick(op.replace("_dot", ""), fmt.name, family=_family(target)) | (config or {})
     nw = cfg.get("num_warps", 4)
     N, K = WHOLE_N, WHOLE_K
     if op == "dequant":
@@ -262,18 +267,18 @@ def _spec(op: str, fmt: quant.Format, target: str = "sm_90", config: dict | None
         if u is not None:
             bm, bn = qmatmul.gemm_unit_tiles(u)
             sig, cx = _sig("x_ptr:*bf16,q_ptr:*u16,tab_ptr:*i32,out_ptr:*bf16,M:i32,N:i32,K:i32,"
-                           "stride_xm:i32,stride_xk:i32,stride_om:i32", **launch_args(fmt, u),
+                           "stride_xm:i32,stride_xk=1,stride_om:i32", **launch_args(fmt, u),
                            BLOCK_M=bm, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16,
                            INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, backend), ASM=asm)
             return Spec(qmatmul._gemm_units_kernel, sig, cx, cfg.get("unit_num_warps", 4), bn * u.weights,
-                        K // u.weights, -(-N // bn))
+                        K // u.weights, -(-N // bn), ints16=GEMM_INTS16)
         bm, bn, bk = qmatmul.GEMM_TILES
         sig, cx = _sig("x_ptr:*bf16,q_ptr:*u8,tab_ptr:*u8,out_ptr:*bf16,M:i32,N:i32,K:i32,"
-                       "stride_xm:i32,stride_xk:i32,stride_om:i32",
+                       "stride_xm:i32,stride_xk=1,stride_om:i32",
                        DECODE=decoder(fmt), QK=fmt.block_elems, BLOCK_M=bm, BLOCK_N=bn,
                        BLOCK_K=bk, DOT_DTYPE=tl.bfloat16,
                        INPUT_PRECISION=qmatmul.dot_precision(tl.bfloat16, backend))
-        return Spec(qmatmul._gemm_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn))
+        return Spec(qmatmul._gemm_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn), ints16=GEMM_INTS16)
     if op in ("moe_gate_up", "moe_down"):
         if u is not None:
             bn, bk = cfg["block_n"], cfg["block_k"]
@@ -320,10 +325,14 @@ def _spec(op: str, fmt: quant.Format, target: str = "sm_90", config: dict | None
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
 
 
+# a prompt's GEMM: its rows (pp512's 512) and row strides, multiples of 16 as a launch at a
+# real shape passes them (and x's column stride 1: "stride_xk=1"), which Triton specializes
+GEMM_INTS16 = ("M", "stride_xm", "stride_om")
 # the MoE prefill's widths and row strides, multiples of 16 at a real MoE's shapes (Flash-Next's
-# hidden 2560 and experts' 640, as WHOLE_N and WHOLE_K): a launch specializes them, which lets
+# hidden 2560 and experts' 640; WHOLE_N and WHOLE_K too): a launch specializes them, which lets
 # the compiler prove a row's runs aligned (the SwiGLU product's bf16 rows then load through
-# cp.async on sm_90, as float32 rows did without it)
+# cp.async on sm_90, as float32 rows did without it). A launch may specialize more (the
+# slots' count, an expert's stride where they are multiples of 16).
 MOE_DOT_INTS16 = ("H", "I", "stride_xt", "stride_h", "stride_o")
 
 
@@ -343,7 +352,7 @@ def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, target: str) -> S
         if which == "gate_up":
             sig, cx = _sig("x_ptr:*bf16,wg_ptr:*u16,wu_ptr:*u16,tab_g_ptr:*i32,tab_u_ptr:*i32,"
                            "h_ptr:*bf16,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
-                           "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh:i32,"
+                           "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh=1,"
                            "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
                            **moe_units.suffixed(launch_args(fmt, u), "_G"),
                            **moe_units.suffixed(launch_args(fmt, u), "_U"),
@@ -362,7 +371,7 @@ def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, target: str) -> S
     if which == "gate_up":
         sig, cx = _sig("x_ptr:*bf16,wg_ptr:*u8,wu_ptr:*u8,tab_g_ptr:*u8,tab_u_ptr:*u8,"
                        "h_ptr:*bf16,sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,"
-                       "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh:i32,"
+                       "n_slots:i32,top_k:i32,I:i32,H:i32,stride_xt:i32,stride_xh=1,"
                        "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
                        DECODE_G=decoder(fmt), QK_G=fmt.block_elems, DECODE_U=decoder(fmt),
                        QK_U=fmt.block_elems, **common)

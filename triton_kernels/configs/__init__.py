@@ -1,20 +1,22 @@
 """Launch configurations as data: the one place that picks tiles and warps.
 
-    pick(op, fmt, device=None, backend="cuda", n=None) -> dict   e.g. {"block_n": 8, "block_u": 16, "num_warps": 4}
+    pick(op, fmt, device=None, family="cuda", n=None) -> dict   e.g. {"block_n": 8, "block_u": 16, "num_warps": 4}
 
 `default.json` beside this file holds, per op, a configuration for every format and any
 per-format overrides, and under "hip" the same for AMD GPUs (64-lane wavefronts: twice
 the lanes a program, so twice the rows for the same work a lane), under "rdna" what AMD's
-32-lane waves (RDNA3: family(device)) take over "hip"'s; `<device>.json` (the device name as torch reports it, spaces and
+32-lane waves (RDNA3: family(device)) take over "hip"'s (CDNA's tiles where it names none); `<device>.json` (the device name as torch reports it, spaces and
 slashes as underscores, e.g. `NVIDIA_H200.json`), written by `strata bench kernels
 --tune` on that device, overrides it. Later entries win: op defaults, then the op's
-format entry, then the device file's op defaults and format entry. A format entry's "by_n"
+format entry, then "hip"'s and "rdna"'s for their families, then the device file's op
+defaults and format entry. A format entry's "by_n"
 holds tiles per weight height N (a GEMV's rows), written by --tune: the entry of the
 smallest bound at or above n ("1024": up to 1024 rows), the largest bound's beyond them,
 over the format's own tiles; a pick with no n (the static check) takes the format's own
 tiles, which --tune sets from 4096 x 14336, the shape `bench kernels` times. The MoE ops' tiles and
 num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels', and
-"gemv"'s `float_num_warps` the float GEMV's (float_gemv_warps). The
+"gemv"'s `float_num_warps` the float GEMV's (float_gemv_warps); "gemm"'s `num_warps` is
+the per-weight GEMM's, `unit_num_warps` the unit GEMM's; "qsa_scores" names no format. The
 dp4a GEMV's `split_k` is an integer or "auto" (triton_kernels.int8.split_for).
 
 Under "interpreter", larger tiles for a whole model run by the Triton interpreter
@@ -68,19 +70,24 @@ def _load(path: str) -> dict:
 
 def family(device) -> str:
     """The configuration family of `device` (a torch.device): "cuda", "hip", or "rdna" for
-    AMD's 32-lane waves (backend.rdna), whose entries lie over "hip"'s."""
-    from ..backend import backend_name, rdna
-    return "rdna" if rdna(device) else backend_name()
+    AMD's 32-lane waves, whose entries lie over "hip"'s."""
+    from ..backend import backend_name, warp_lanes
+    return family_of(backend_name(), warp_lanes(device))
 
 
-def pick(op: str, fmt: str, device: str | None = None, backend: str = "cuda", n: int | None = None) -> dict:
-    """`op`'s configuration for `fmt` on a GPU named `device` of configuration family
-    `backend` (family()), a GEMV's for `n` rows (see the module)."""
+def family_of(backend: str, lanes: int) -> str:
+    """family() of a GPU of `backend` ("cuda", "hip") and `lanes` a warp (a static target's)."""
+    return "rdna" if backend == "hip" and lanes == 32 else backend
+
+
+def pick(op: str, fmt: str, device: str | None = None, family: str = "cuda", n: int | None = None) -> dict:
+    """`op`'s configuration for `fmt` on a GPU named `device` of configuration `family`
+    (family()), a GEMV's for `n` rows (see the module)."""
     default = _load(str(HERE / "default.json"))
     tables = [default]
-    if backend in ("hip", "rdna"):
+    if family in ("hip", "rdna"):
         tables.append(default.get("hip", {}))
-    if backend == "rdna":
+    if family == "rdna":
         tables.append(default.get("rdna", {}))
     if device:
         tables.append(_load(str(device_file(device))))
