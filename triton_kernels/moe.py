@@ -68,9 +68,9 @@ expert store hands x over in float32 (the dp4a path quantizes it from there) and
 dtype: a bf16 model's dot path (a prompt's; a decode's too for experts without int8 units,
 and in batch-invariant mode) then multiplies bf16 on the tensor cores, not tf32 at half
 their rate on NVIDIA, nor in float32 FMAs on RDNA3, whose WMMA takes no float32 (there
-IQ3_XXS's gate/up spilled 524 bytes a lane at Flash-Next's widths). A block of BLOCK_M >= 16 rows is tl.dot's
-minimum; when decoding one token, each expert's block holds one live row, and the kernels
-stay bound by reading the weight bytes, as a GEMV would be.
+IQ3_XXS's gate/up spilled 524 bytes a lane at Flash-Next's widths). A block of BLOCK_M >=
+16 rows is tl.dot's minimum; when decoding one token, each expert's block holds one live
+row, and the kernels stay bound by reading the weight bytes, as a GEMV would be.
 
 `moe_torch` is the CPU path: for each expert hit, dequantize_torch its three matrices and
 run its slots through float32 torch matmuls; it writes the same (T, k, H) buffer and sums
@@ -669,10 +669,9 @@ def moe(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch
         rw = weights.reshape(-1).to(torch.float32).contiguous()
         # on a GPU the SwiGLU product is stored in the dots' type (`dtype`, else x's): the bits
         # the down kernel's cast gave, half the bytes. A prompt's x is rounded to it once here,
-        # not in each of the I / BLOCK_N programs that read its rows (half the bytes, and
-        # registers: float32 rows cost Q2_K's gate/up a spill on sm_90); a decode's few rows
-        # (float experts, FP8 and batch-invariant mode take this path then) are rounded in
-        # the kernels, the same bits, a launch fewer
+        # not in each of the I / BLOCK_N programs that read its rows (half the bytes and
+        # fewer registers there); a decode's few rows (float experts, FP8 and batch-invariant
+        # mode take this path then) are rounded in the kernels, the same bits, a launch fewer
         low = (dtype or x.dtype) if x.is_cuda else torch.float32
         if x.is_cuda and T > MOE_DP4A_MAX_TOKENS:
             x = x.to(low)

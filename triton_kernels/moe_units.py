@@ -11,8 +11,8 @@ slots an expert) and each weight is decoded once a block of slots, so the decode
 tensor cores, sets the time: `strata bench kernels --static --ops moe_dot_gate_up,moe_dot_down`.
 
 Same grid, same aligned blocks (moe_align_block_size), same h (in the dots' type) and
-float32 slot rows as the per-weight kernels: only the order of the float32 sums differs (a unit a step), within
-the dot path's bound (tests/triton_kernels/test_moe.py). Gate and up step through H by
+float32 slot rows as the per-weight kernels: only the order of the float32 sums differs (a
+unit a step), within the dot path's bound (tests/triton_kernels/test_moe.py). Gate and up step through H by
 the larger of their two units; a step of equal units loads x's tile once for both.
 """
 from __future__ import annotations
