@@ -42,7 +42,7 @@ Two Triton kernels then walk the blocks (grid: blocks x output tiles):
    buffer, one row per slot.
 
 In the formats with an int8 unit decode the same two launches decode a unit of each row a
-step instead of each weight on its own (triton_kernels/moe_units.py: 12-26 main-loop
+step instead of each weight on its own (triton_kernels/moe_units.py: 11.4-24.0 main-loop
 instructions a weight on sm_90 where these spend 27-86), in blocks of at most 32 slots;
 batch-invariant mode keeps the per-weight kernels.
 

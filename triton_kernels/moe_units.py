@@ -25,17 +25,17 @@ from .decode import launch_args, unit_table
 from .qmatmul import unit_tile
 
 # [BLOCK_N rows, unit] a step, 4096 weights (128 rows of 32, 64 of 64, 32 of 128), in blocks
-# of at most 32 slots (16 for the 128-weight units of Q2_K, Q3_K and Q6_K): 12-26 main-loop
+# of at most 32 slots (16 for the 128-weight units of Q2_K, Q3_K and Q6_K): 11.4-24.0 main-loop
 # instructions a weight on sm_90, no spills. Larger blocks spill at this width (the
 # gate/up's two accumulators), and fewer rows cost 1.5-3x as much: a unit a lane, so a
 # narrower tile leaves lanes decoding the same rows (strata bench kernels --static --ops
 # moe_dot_gate_up,moe_dot_down)
 TILE_WEIGHTS = 128 * 32
 UNIT_WARPS = 4
-# two stages of loads in flight (AMD's default; NVIDIA's is three): with bf16 x and h rows and
-# a launch's widths specialized (multiples of 16), three spilled 16 bytes in Q5_K's gate/up on
-# sm_90 at 168 registers; two spill in no format there, take 20-40% less shared memory, and
-# count the same main-loop instructions a weight within a tenth (--static, 2026-12-07). The
+# two stages of loads in flight (AMD's default; NVIDIA's is three): compiled as launched (bf16
+# x and h rows, x's stride 1, the widths multiples of 16), three spilled 8 bytes in Q6_K's
+# gate/up on sm_90 at 128 registers; two spill in no format there, take 20-40% less shared
+# memory, and count the same main-loop instructions a weight within a tenth (--static). The
 # loop is short (H / a unit's weights steps), and each step's decode, not its loads, sets it.
 UNIT_STAGES = 2
 

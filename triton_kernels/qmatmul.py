@@ -97,7 +97,7 @@ GEMM_TILES = (64, 64, 32)
 # decode costs 31-82, 119-212 registers, no spills (strata bench kernels --static).
 # Its warps: configs' "unit_num_warps" (4; 8 for Q2_K, Q3_K, Q5_K and Q6_K on RDNA3's
 # 32-lane waves, where 4 spilled 36-488 bytes a lane on gfx1100 and 8 spill none at 21-41%
-# more instructions a weight; elsewhere 8 would cost 1.4-2x: triton_kernels/NOTES.md).
+# more instructions a weight; elsewhere 8 would cost 1.4-3.1x: triton_kernels/NOTES.md).
 GEMM_UNIT_TILES = (64, 128)
 
 

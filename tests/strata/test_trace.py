@@ -272,7 +272,7 @@ def test_flash_tinys_prompt_and_step_compile_for_an_rdna3_card(flash_tiny_gguf, 
     qmatmul.dot_types every tl.dot kernel failed there (its 16-bit dots asked for TF32,
     which Triton's AMD backend takes on gfx942 alone), and the QSA scores spilled 68 bytes
     at CDNA's 4 warps (configs' "rdna" family takes 8). Flash-Next's widths are held there by the test
-    above; the k-quants' MoE prefill still spills on RDNA3 (test_static.RDNA_MOE_DOT_SPILLS)."""
+    above; RDNA3's prompt kernels' spills are left in other formats (test_static.RDNA_PROMPT_OPS)."""
     results = _graph_step_compiled(flash_tiny_gguf, {"moe", "qsa_scores"}, prompt=64, targets=("gfx1100",))
     assert {"_gemm_kernel", "_gate_up_kernel", "_down_kernel", "_qsa_scores_kernel"} <= {r.kernel for r in results}
     # its float experts take the dot path in decode too: a prompt's rows rounded to bf16

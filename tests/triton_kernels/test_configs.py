@@ -53,7 +53,7 @@ def test_the_gemv_launch_takes_the_tiles_of_its_height(tables, monkeypatch):
 def test_rdnas_entries_lie_over_amds(monkeypatch):
     """The "rdna" family (AMD's 32-lane waves) takes "hip"'s entries and its own over them:
     the unit GEMM's 8 warps for the formats whose 4-warp tile spills on gfx1100. A device's
-    family follows its backend and lanes (backend.rdna)."""
+    family follows its backend and lanes (configs.family_of)."""
     import torch
 
     from triton_kernels import backend

@@ -333,7 +333,8 @@ GEMM_INTS16 = ("M", "stride_xm", "stride_om")
 # the compiler prove a row's runs aligned (the SwiGLU product's bf16 rows then load through
 # cp.async on sm_90, as float32 rows did without it). A launch may specialize more (the
 # slots' count, an expert's stride where they are multiples of 16).
-MOE_DOT_INTS16 = ("H", "I", "stride_xt", "stride_h", "stride_o")
+MOE_GATE_UP_INTS16 = ("H", "I", "stride_xt", "stride_h")
+MOE_DOWN_INTS16 = ("H", "I", "stride_h", "stride_o")
 
 
 def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, target: str) -> Spec:
@@ -358,13 +359,13 @@ def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, target: str) -> S
                            **moe_units.suffixed(launch_args(fmt, u), "_U"),
                            STEP=u.weights, BLOCK_M=bm, BLOCK_N=bn, **dot, ASM=asm)
             return Spec(moe_units._gate_up_units_kernel, sig, cx, moe_units.UNIT_WARPS, 2 * bn * u.weights,
-                        K // u.weights, -(-N // bn), {"num_stages": moe_units.UNIT_STAGES}, ints16=MOE_DOT_INTS16)
+                        K // u.weights, -(-N // bn), {"num_stages": moe_units.UNIT_STAGES}, ints16=MOE_GATE_UP_INTS16)
         sig, cx = _sig("h_ptr:*bf16,wd_ptr:*u16,tab_ptr:*i32,rw_ptr:*fp32,out_ptr:*fp32,"
                        "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
                        "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32",
                        **launch_args(fmt, u), STEP=u.weights, BLOCK_M=bm, BLOCK_N=bn, **dot, ASM=asm)
         return Spec(moe_units._down_units_kernel, sig, cx, moe_units.UNIT_WARPS, bn * u.weights,
-                    K // u.weights, -(-N // bn), {"num_stages": moe_units.UNIT_STAGES}, ints16=MOE_DOT_INTS16)
+                    K // u.weights, -(-N // bn), {"num_stages": moe_units.UNIT_STAGES}, ints16=MOE_DOWN_INTS16)
     bn, bk = moe.BLOCK_N_DEFAULT, moe.BLOCK_K_DEFAULT
     nw = cfg.get("dot_num_warps", 4)
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **dot)
@@ -375,14 +376,14 @@ def _moe_dot_spec(which: str, fmt: quant.Format, u, cfg: dict, target: str) -> S
                        "gate_se:i32,gate_sr:i32,up_se:i32,up_sr:i32,stride_h:i32",
                        DECODE_G=decoder(fmt), QK_G=fmt.block_elems, DECODE_U=decoder(fmt),
                        QK_U=fmt.block_elems, **common)
-        return Spec(moe._gate_up_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk), -(-N // bn), ints16=MOE_DOT_INTS16)
+        return Spec(moe._gate_up_kernel, sig, cx, nw, 2 * bn * bk, -(-K // bk), -(-N // bn), ints16=MOE_GATE_UP_INTS16)
     sig, cx = _sig("h_ptr:*bf16,wd_ptr:*u8,tab_ptr:*u8,rw_ptr:*fp32,out_ptr:*fp32,"
                    "sorted_ptr:*i32,expert_ids_ptr:*i32,n_post_ptr:*i32,n_slots:i32,H:i32,"
                    "I:i32,stride_h:i32,down_se:i32,down_sr:i32,stride_o:i32,g2_ptr:*fp32,u2_ptr:*fp32,"
                    "q2_ptr:*u8,tab2_ptr:*u8,out2_ptr:*fp32,N2:i32,K2:i32,blocks:i32",
                    DECODE=decoder(fmt), QK=fmt.block_elems, **common,
                    **moe._NO_FLOAT_PAIR)  # the routed experts alone
-    return Spec(moe._down_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn), ints16=MOE_DOT_INTS16)
+    return Spec(moe._down_kernel, sig, cx, nw, bn * bk, -(-K // bk), -(-N // bn), ints16=MOE_DOWN_INTS16)
 
 
 # --- compiling and reading machine code ----------------------------------------------------
@@ -735,6 +736,8 @@ def _aligned(spec: Spec) -> tuple:
     """What a launch of the spec's kernel specializes as multiples of 16: every pointer (a
     torch allocation, or the launchers' aligned views of one) and the shape's N and K
     where the signature takes them (WHOLE_N, WHOLE_K), and the spec's ints16."""
+    unknown = set(spec.ints16) - set(spec.signature)
+    assert not unknown, f"{spec.kernel.__name__} takes no {sorted(unknown)}"
     return tuple(k for k, t in spec.signature.items()
                  if t.startswith("*") or k in spec.ints16 or (k in ("N", "K") and t.startswith("i") and
                                                               {"N": WHOLE_N, "K": WHOLE_K}[k] % 16 == 0))

@@ -14,7 +14,8 @@ holds tiles per weight height N (a GEMV's rows), written by --tune: the entry of
 smallest bound at or above n ("1024": up to 1024 rows), the largest bound's beyond them,
 over the format's own tiles; a pick with no n (the static check) takes the format's own
 tiles, which --tune sets from 4096 x 14336, the shape `bench kernels` times. The MoE ops' tiles and
-num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot (prefill) kernels', and
+num_warps are the dp4a kernels'; `dot_num_warps` is the tl.dot kernels' (a prompt's; a
+decode's for experts without int8 units, FP8 and batch-invariant mode), and
 "gemv"'s `float_num_warps` the float GEMV's (float_gemv_warps); "gemm"'s `num_warps` is
 the per-weight GEMM's, `unit_num_warps` the unit GEMM's; "qsa_scores" names no format. The
 dp4a GEMV's `split_k` is an integer or "auto" (triton_kernels.int8.split_for).
