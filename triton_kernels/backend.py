@@ -219,8 +219,10 @@ def warp_lanes(device: torch.device) -> int:
 
 def rdna(device: torch.device) -> bool:
     """An AMD GPU of 32-lane waves (RDNA3: a Radeon PRO W7900, an RX 7900), where a tile
-    sized for CDNA's 64-lane waves puts twice the values in each lane's registers."""
-    return backend_name() == "hip" and warp_lanes(device) == 32
+    sized for CDNA's 64-lane waves puts twice the values in each lane's registers: the
+    configuration family "rdna" (configs.family_of, the one rule)."""
+    from .configs import family_of
+    return family_of(backend_name(), warp_lanes(device)) == "rdna"
 
 
 COMPILE_MODES = ("auto", "on", "off")

@@ -114,6 +114,9 @@ def test_moe_dp4a_on_the_gpu(fmts):
     prop()
 
 
+@pytest.mark.cuda(ci="CI compiles the launches a bf16 model makes, their rows and dots in bf16 (tests/strata/"
+                     "test_trace.py), and checks the dot path's sums under the interpreter (test_moe.py), "
+                     "where the rounding is float32's")
 @pytest.mark.parametrize("fmt", [quant.get(n) for n in ("IQ3_XXS", "Q4_K", "BF16")], ids=lambda f: f.name)
 def test_the_moe_dot_path_in_a_models_dtype_gives_the_bits_of_its_rows_rounded(fmt):
     """moe(dtype=torch.bfloat16) of float32 x (an expert store's call) gives the bits of
